@@ -1,0 +1,23 @@
+"""``python -m asyncrl_jax <command> [flags]`` (also installed as ``asyncrl-jax``).
+
+Commands:
+  train   the main job (``python -m asyncrl_jax.train`` is the same)
+  info    print the validated config, devices and model size
+"""
+
+import sys
+
+COMMANDS = {"train": "asyncrl_jax.train", "info": "asyncrl_jax.info"}
+
+
+def main() -> None:
+  if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+    print(__doc__.strip(), file=sys.stderr)
+    sys.exit(2)
+  command = sys.argv.pop(1)
+  module = __import__(COMMANDS[command], fromlist=["main"])
+  module.main()
+
+
+if __name__ == "__main__":
+  main()

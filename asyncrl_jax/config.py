@@ -1,0 +1,212 @@
+"""The one experiment-config schema, and its validation.
+
+Every ``configs/<experiment>.py`` starts from ``base_config()`` and changes only what differs, so the
+experiments cannot drift apart. ``validate(config)`` runs at start-up of every entry point; a value that
+is not allowed raises ``ConfigError`` with the field's dotted name and what is allowed, and the entry
+point exits non-zero with that message.
+
+Sections:
+  model       architecture (or ``hf_path``: take it from a Hugging Face checkpoint directory)
+  data        task, prompt / completion lengths, dataset location
+  rollout     decode-server slots and sampling settings
+  learner     batch, optimizer, token budget for dynamic micro-batching
+  rl          objective (``loss``), clipping, staleness bound ``max_staleness`` (eta), advantages
+  mesh        device split between rollout and learner, and each role's mesh shape
+  checkpoint  Orbax checkpointing cadence
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import ml_collections
+from ml_collections import config_dict
+
+from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+
+LOSSES = ("ppo", "decoupled_ppo", "dis")
+ADVANTAGES = ("group", "value")
+DTYPES = ("float32", "bfloat16", "float16")
+TASKS = ("arithmetic", "jsonl", "tfds")
+LOGPROB_SOURCES = ("sampling", "model")
+
+
+class ConfigError(ValueError):
+  """A configuration value is not allowed. The message names the field."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field with its default. Experiments override; they never add fields."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.steps = 100  # learner updates (policy versions) to train for
+
+  c.model = ml_collections.ConfigDict(dict(
+      hf_path="",  # when set, architecture and weights come from this HF directory
+      vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
+      num_kv_heads=2, head_dim=0, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
+      tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",
+  ))
+  c.data = ml_collections.ConfigDict(dict(
+      task="arithmetic",  # built-in task; "jsonl" / "tfds" read prepared math data
+      path="",  # file or TFDS data_dir for non-built-in tasks
+      tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
+      max_prompt_len=48, max_completion_len=160, shuffle_buffer=1024,
+      min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
+  ))
+  c.rollout = ml_collections.ConfigDict(dict(
+      num_servers=1, num_slots=32, temperature=1.0, top_p=1.0, top_k=0,
+      logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
+      host="127.0.0.1", port=0,
+  ))
+  c.learner = ml_collections.ConfigDict(dict(
+      batch_size=32,  # trajectories per policy update (B in the staleness bound)
+      token_budget=4096,  # tokens per micro-batch (dynamic micro-batching)
+      learning_rate=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999,
+  ))
+  c.rl = ml_collections.ConfigDict(dict(
+      loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
+      behav_weight_cap=config_dict.placeholder(float),  # decoupled PPO: drop tokens with w > cap
+      advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
+  ))
+  c.mesh = ml_collections.ConfigDict(dict(
+      rollout_fraction=0.75,  # share of devices for decode servers (3:1 as in AReaL)
+      learner=ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
+      rollout=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
+  ))
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=20, max_to_keep=3, async_save=True,
+  ))
+  return c
+
+
+def _check(cond: bool, field: str, value: Any, allowed: str) -> None:
+  if not cond:
+    raise ConfigError(f"{field}={value!r} is not allowed: {allowed}")
+
+
+def _one_of(config, field: str, choices: Iterable[str]) -> None:
+  value = _get(config, field)
+  choices = tuple(choices)
+  _check(value in choices, field, value, f"must be one of {choices}")
+
+
+def _get(config, field: str):
+  node = config
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+def _number(config, field: str, ok: Callable[[float], bool], allowed: str, integer: bool = False):
+  value = _get(config, field)
+  is_num = isinstance(value, int) if integer else isinstance(value, (int, float))
+  _check(is_num and not isinstance(value, bool) and math.isfinite(value) and ok(value), field, value,
+         allowed)
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checks every field; returns the config or raises ConfigError naming the offending field."""
+  expected = base_config()
+  _check_same_fields(config, expected, "")
+  _number(config, "seed", lambda v: v >= 0, "an integer >= 0", integer=True)
+  _number(config, "steps", lambda v: v >= 0, "an integer >= 0", integer=True)
+
+  if not config.model.hf_path:
+    try:
+      model_config(config)
+    except ModelConfigError as e:
+      raise ConfigError(str(e)) from None
+  _one_of(config, "model.dtype", DTYPES)
+  _one_of(config, "model.param_dtype", DTYPES)
+
+  _one_of(config, "data.task", TASKS)
+  if config.data.task != "arithmetic":
+    _check(bool(config.data.path), "data.path", config.data.path,
+           f"required (a file or directory) when data.task={config.data.task!r}")
+  for f in ("data.max_prompt_len", "data.max_completion_len", "data.shuffle_buffer"):
+    _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
+  _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,
+          f"an integer >= data.min_terms ({config.data.min_terms})", integer=True)
+  if not config.model.hf_path:
+    total = config.data.max_prompt_len + config.data.max_completion_len
+    _check(total <= config.model.max_seq_len, "data.max_completion_len", config.data.max_completion_len,
+           f"data.max_prompt_len + data.max_completion_len = {total} must be <= model.max_seq_len "
+           f"({config.model.max_seq_len})")
+
+  for f in ("rollout.num_servers", "rollout.num_slots"):
+    _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "rollout.temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
+  _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
+  _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
+  _one_of(config, "rollout.logprob_source", LOGPROB_SOURCES)
+  _number(config, "rollout.port", lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)",
+          integer=True)
+
+  _number(config, "learner.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "learner.token_budget", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "learner.learning_rate", lambda v: v > 0, "a number > 0")
+  _number(config, "learner.warmup_steps", lambda v: v >= 0, "an integer >= 0", integer=True)
+  _number(config, "learner.weight_decay", lambda v: v >= 0, "a number >= 0")
+  _number(config, "learner.grad_clip", lambda v: v > 0, "a number > 0")
+  _number(config, "learner.b1", lambda v: 0 <= v < 1, "a number in [0, 1)")
+  _number(config, "learner.b2", lambda v: 0 <= v < 1, "a number in [0, 1)")
+  if not config.model.hf_path:
+    longest = config.data.max_prompt_len + config.data.max_completion_len
+    _check(config.learner.token_budget >= longest, "learner.token_budget", config.learner.token_budget,
+           f"must be >= the longest sequence (data.max_prompt_len + data.max_completion_len = {longest})")
+
+  _one_of(config, "rl.loss", LOSSES)
+  _number(config, "rl.max_staleness", lambda v: v >= 0, "an integer >= 0 (eta; 0 = synchronous)",
+          integer=True)
+  _number(config, "rl.eps_clip", lambda v: 0 < v < 1, "a number in (0, 1)")
+  _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
+          "1 - eps_low > 0")
+  _number(config, "rl.eps_high", lambda v: v > 0, "a number > 0")
+  if config.rl.behav_weight_cap is not None:
+    _number(config, "rl.behav_weight_cap", lambda v: v > 1, "None or a number > 1")
+  _one_of(config, "rl.advantage", ADVANTAGES)
+  _number(config, "rl.group_size", lambda v: v >= 1, "an integer >= 1", integer=True)
+  if config.rl.advantage == "group":
+    _check(config.rl.group_size >= 2, "rl.group_size", config.rl.group_size,
+           "must be >= 2 when rl.advantage='group' (a group of one has no baseline)")
+    _check(config.learner.batch_size % config.rl.group_size == 0, "learner.batch_size",
+           config.learner.batch_size, f"must be a multiple of rl.group_size ({config.rl.group_size})")
+  _number(config, "rl.gamma", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+  _number(config, "rl.gae_lambda", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+  _number(config, "mesh.rollout_fraction", lambda v: 0 < v < 1, "a number strictly between 0 and 1")
+  for role in ("learner", "rollout"):
+    for axis in ("data", "fsdp", "tensor"):
+      f = f"mesh.{role}.{axis}"
+      _number(config, f, lambda v: v >= 1 or v == -1, "a positive integer, or -1 for 'the rest'",
+              integer=True)
+    n_auto = sum(config.mesh[role][a] == -1 for a in ("data", "fsdp", "tensor"))
+    _check(n_auto <= 1, f"mesh.{role}", dict(config.mesh[role]), "at most one axis may be -1")
+
+  _number(config, "checkpoint.every_steps", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "checkpoint.max_to_keep", lambda v: v >= 1, "an integer >= 1", integer=True)
+  return config
+
+
+def _check_same_fields(config, expected, prefix: str) -> None:
+  got, want = set(config.keys()), set(expected.keys())
+  unknown = sorted(got - want)
+  if unknown:
+    raise ConfigError(f"unknown config field(s) {[prefix + k for k in unknown]}; "
+                      f"fields of {prefix.rstrip('.') or 'the config'}: {sorted(want)}")
+  missing = sorted(want - got)
+  if missing:
+    raise ConfigError(f"missing config field(s) {[prefix + k for k in missing]}")
+  for key in want:
+    if isinstance(expected[key], ml_collections.ConfigDict):
+      if not isinstance(config[key], ml_collections.ConfigDict):
+        raise ConfigError(f"{prefix + key} must be a section, got {config[key]!r}")
+      _check_same_fields(config[key], expected[key], f"{prefix}{key}.")
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The ModelConfig of an experiment whose architecture is given inline (no ``hf_path``)."""
+  return ModelConfig.from_mapping(config.model.to_dict())

@@ -1,0 +1,153 @@
+"""Functional model API: params are a plain nested dict of arrays at every boundary.
+
+* ``init_params(config, rng, mesh=None)``: random parameters, created already sharded when a mesh is given.
+* ``logits(config, params, tokens, positions=None, segment_ids=None, mesh=None)``: float32 ``[B, T, V]``.
+* ``init_cache`` / ``decode``: KV-cache prefill and one-token decode steps.
+
+Jitted functions are cached per (config, mesh), so repeated calls with the same shapes do not retrace.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from asyncrl_jax import sharding as sharding_lib
+from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.transformer import KVCache, Transformer
+
+Params = dict
+
+
+def _module(config: ModelConfig, mesh: Optional[Mesh]) -> Transformer:
+  return Transformer(config, mesh)
+
+
+def _boxed_init(config: ModelConfig, mesh: Optional[Mesh]):
+  model = _module(config, mesh)
+
+  def init_fn(rng):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
+      return model.init(rng, tokens, tokens)["params"]
+
+  return init_fn
+
+
+def abstract_params(config: ModelConfig) -> Params:
+  """Shapes and dtypes of the parameters (``jax.ShapeDtypeStruct`` leaves), computed without FLOPs."""
+  boxed = jax.eval_shape(_boxed_init(config, None), jax.random.key(0))
+  return nn.unbox(boxed)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules=sharding_lib.LOGICAL_RULES) -> Params:
+  """NamedShardings of every parameter on ``mesh`` under the logical axis ``rules``."""
+  boxed = jax.eval_shape(_boxed_init(config, None), jax.random.key(0))
+  shardings = sharding_lib.mesh_shardings(nn.get_partition_spec(boxed), mesh, rules)
+  sharding_lib.check_divisible(nn.unbox(boxed), shardings)
+  return shardings
+
+
+def init_params(config: ModelConfig, rng: jax.Array, mesh: Optional[Mesh] = None) -> Params:
+  """Random parameters; with a mesh they are created in place, already sharded (no host round trip)."""
+  init_fn = _boxed_init(config, mesh)
+  unboxed_init = lambda r: nn.unbox(init_fn(r))
+  if mesh is None:
+    return jax.jit(unboxed_init)(rng)
+  return jax.jit(unboxed_init, out_shardings=param_shardings(config, mesh))(rng)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_logits(config: ModelConfig, mesh: Optional[Mesh]):
+  model = _module(config, mesh)
+
+  def fn(params, tokens_bt, positions_bt, segment_ids_bt):
+    with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
+      return model.apply({"params": params}, tokens_bt, positions_bt, segment_ids_bt)
+
+  return jax.jit(fn)
+
+
+def apply_logits(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
+                 mesh: Optional[Mesh] = None) -> jax.Array:
+  """Traceable forward (use inside other jitted functions, e.g. a loss)."""
+  with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
+    return _module(config, mesh).apply({"params": params}, tokens_bt, positions_bt, segment_ids_bt)
+
+
+def _check_tokens(config: ModelConfig, tokens, name: str = "tokens") -> None:
+  shape = getattr(tokens, "shape", None)
+  if shape is None or len(shape) != 2:
+    raise ValueError(f"{name} must be a 2-D integer array [B, T], got shape {shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array, got dtype {tokens.dtype}")
+  if isinstance(tokens, (np.ndarray, jax.Array)) and not isinstance(tokens, jax.core.Tracer):
+    if tokens.size:
+      lo, hi = int(np.min(tokens)), int(np.max(tokens))
+      if lo < 0 or hi >= config.vocab_size:
+        raise ValueError(f"{name} contains ids outside [0, {config.vocab_size}): min {lo}, max {hi}")
+
+
+def default_positions(tokens_bt) -> jax.Array:
+  b, t = tokens_bt.shape
+  return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def logits(config: ModelConfig, params: Params, tokens, *, positions=None, segment_ids=None,
+           mesh: Optional[Mesh] = None) -> jax.Array:
+  """Float32 logits ``[B, T, V]`` for int tokens ``[B, T]``.
+
+  Args:
+    config: the model configuration.
+    params: parameter pytree (as returned by ``init_params`` or ``load_hf``).
+    tokens: int ``[B, T]`` token ids.
+    positions: int ``[B, T]`` RoPE positions; default ``0..T-1`` in every row.
+    segment_ids: int ``[B, T]``; tokens attend only to earlier tokens with the same id (packing).
+    mesh: when given, activations are constrained to the learner layout on this mesh.
+  """
+  _check_tokens(config, tokens)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = default_positions(tokens) if positions is None else jnp.asarray(positions, jnp.int32)
+  segment_ids = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+  for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
+    if arr.shape != tokens.shape:
+      raise ValueError(f"{name} has shape {arr.shape}, expected the tokens' shape {tokens.shape}")
+  return _jitted_logits(config, mesh)(params, tokens, positions, segment_ids)
+
+
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+  """An empty KV cache: per layer (keys, values), each ``[batch, length, num_kv_heads, head_dim]``."""
+  if length > config.max_seq_len:
+    raise ValueError(f"cache length {length} exceeds model.max_seq_len={config.max_seq_len}")
+  dtype = jnp.dtype(dtype or config.dtype)
+  shape = (batch, length, config.num_kv_heads, config.head_dim)
+  return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+
+
+def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,
+                 mesh: Optional[Mesh] = None) -> tuple[jax.Array, KVCache]:
+  """Traceable cached forward: writes keys/values at ``positions_bt``; returns (logits [B,T,V], cache)."""
+  with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
+    return _module(config, mesh).apply({"params": params}, tokens_bt, positions_bt, None, cache)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_decode(config: ModelConfig, mesh: Optional[Mesh]):
+  return jax.jit(functools.partial(apply_decode, config, mesh=mesh), donate_argnums=(3,))
+
+
+def decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,
+           mesh: Optional[Mesh] = None) -> tuple[jax.Array, KVCache]:
+  """Prefill (T > 1) or decode step (T == 1) against a KV cache; the input cache is donated."""
+  return _jitted_decode(config, mesh)(params, jnp.asarray(tokens_bt, jnp.int32),
+                                      jnp.asarray(positions_bt, jnp.int32), cache)
+
+
+def count_params(params: Any) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

@@ -1,0 +1,97 @@
+"""Model hyper-parameters: a frozen, hashable dataclass (safe as a static jit argument)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelConfigError(ValueError):
+  """A model configuration value is missing or not allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """A decoder-only transformer of the Qwen2 / Llama family.
+
+  Attributes:
+    vocab_size: V, rows of the embedding table.
+    hidden_size: D, width of the residual stream.
+    intermediate_size: F, width of the SwiGLU MLP.
+    num_layers: L.
+    num_heads: N query heads.
+    num_kv_heads: K key/value heads (grouped-query attention; N % K == 0).
+    head_dim: H; ``hidden_size // num_heads`` unless the checkpoint says otherwise.
+    rope_theta: RoPE base frequency.
+    rms_norm_eps: epsilon inside RMSNorm.
+    qkv_bias: q/k/v projections carry a bias (Qwen2: True, Llama: False).
+    tie_embeddings: the output projection reuses the embedding table.
+    max_seq_len: longest sequence (prompt + completion) the model is used with.
+    dtype: activation / matmul dtype.
+    param_dtype: storage dtype of the parameters.
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int = 0
+  rope_theta: float = 10000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = True
+  tie_embeddings: bool = False
+  max_seq_len: int = 2048
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    if not self.head_dim:
+      if self.num_heads <= 0 or self.hidden_size % self.num_heads:
+        raise ModelConfigError(
+            f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}; "
+            "set model.head_dim explicitly")
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    self.validate()
+
+  def validate(self) -> None:
+    """Raises ModelConfigError naming the first field that is not allowed."""
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError(f"model.{name}={value!r}: must be a positive integer")
+    if self.num_heads % self.num_kv_heads:
+      raise ModelConfigError(
+          f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}")
+    if self.head_dim % 2:
+      raise ModelConfigError(f"model.head_dim={self.head_dim}: RoPE needs an even head dimension")
+    if not self.rope_theta > 0:
+      raise ModelConfigError(f"model.rope_theta={self.rope_theta!r}: must be > 0")
+    if not self.rms_norm_eps > 0:
+      raise ModelConfigError(f"model.rms_norm_eps={self.rms_norm_eps!r}: must be > 0")
+    for name in ("dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ModelConfigError(f"model.{name}={getattr(self, name)!r}: must be one of {_DTYPES}")
+
+  @property
+  def num_params(self) -> int:
+    d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+    attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if self.qkv_bias:
+      attn += h * (self.num_heads + 2 * self.num_kv_heads)
+    layer = attn + 3 * d * f + 2 * d
+    head = 0 if self.tie_embeddings else self.vocab_size * d
+    return self.vocab_size * d + self.num_layers * layer + d + head
+
+  @classmethod
+  def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    """Builds from a dict (e.g. the ``model`` section of an experiment config), ignoring unknown keys."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in fields})
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,307 @@
+"""Hugging Face checkpoint directories (config.json + *.safetensors) <-> our params.
+
+Supported architectures: ``Qwen2ForCausalLM`` (model_type ``qwen2``) and ``LlamaForCausalLM``
+(``llama``) without rope scaling, sliding windows or MLP / output-projection biases. Anything else is
+refused with an error that names the unsupported field rather than loaded approximately.
+
+Weight layout (HF stores ``Linear`` weights as ``[out, in]``):
+
+====================================  ===============================  ============================
+HF tensor                             ours                             transform
+====================================  ===============================  ============================
+model.embed_tokens.weight [V, D]      embed [V, D]                     --
+...self_attn.q_proj.weight [N*H, D]   layer_i.attn.q [D, N, H]         W.T.reshape(D, N, H)
+...self_attn.k_proj / v_proj          layer_i.attn.k / v [D, K, H]     W.T.reshape(D, K, H)
+...self_attn.{q,k,v}_proj.bias        layer_i.attn.{q,k,v}_bias        reshape(N|K, H)
+...self_attn.o_proj.weight [D, N*H]   layer_i.attn.o [N, H, D]         W.T.reshape(N, H, D)
+...mlp.{gate,up}_proj.weight [F, D]   layer_i.mlp.{gate,up} [D, F]     W.T
+...mlp.down_proj.weight [D, F]        layer_i.mlp.down [F, D]          W.T
+...input_layernorm.weight             layer_i.attn_norm.scale          --
+...post_attention_layernorm.weight    layer_i.mlp_norm.scale           --
+model.norm.weight                     final_norm.scale                 --
+lm_head.weight [V, D] (untied only)   lm_head [D, V]                   W.T
+====================================  ===============================  ============================
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from asyncrl_jax.models import api, safetensors_io
+from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+
+_SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint directory is missing files or holds something we cannot load exactly."""
+
+
+def _rope_theta(hf: dict, path: str) -> float:
+  params = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling")
+  rope_type = params.get("rope_type", "default")
+  if scaling or rope_type != "default":
+    raise CheckpointError(f"{path}/config.json: rope scaling ({scaling or params}) is not supported")
+  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+  return float(theta)
+
+
+def config_from_hf(hf: dict, path: str = "<config>", *, max_seq_len: Optional[int] = None,
+                   dtype: str = "float32") -> ModelConfig:
+  """Translates a Hugging Face config.json dict into a ModelConfig (strictly)."""
+  model_type = hf.get("model_type")
+  if model_type not in _SUPPORTED:
+    raise CheckpointError(f"{path}/config.json: model_type={model_type!r} is not supported; "
+                          f"supported: {sorted(_SUPPORTED)}")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"{path}/config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU)")
+  if hf.get("use_sliding_window"):
+    raise CheckpointError(f"{path}/config.json: use_sliding_window=true is not supported")
+  if hf.get("mlp_bias"):
+    raise CheckpointError(f"{path}/config.json: mlp_bias=true is not supported")
+  if model_type == "llama" and hf.get("attention_bias"):
+    raise CheckpointError(f"{path}/config.json: llama attention_bias=true (o_proj bias) is not supported")
+  if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    raise CheckpointError(f"{path}/config.json: partial_rotary_factor != 1 is not supported")
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads")
+  missing = [k for k in required if k not in hf]
+  if missing:
+    raise CheckpointError(f"{path}/config.json: missing required fields {missing}")
+  try:
+    return ModelConfig(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        head_dim=int(hf.get("head_dim") or 0),
+        rope_theta=_rope_theta(hf, path),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        qkv_bias=model_type == "qwen2",
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
+        dtype=dtype,
+        param_dtype=dtype,
+    )
+  except ModelConfigError as e:
+    raise CheckpointError(f"{path}/config.json: {e}") from None
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+  """The config.json dict for a ModelConfig (qwen2 when q/k/v carry a bias, else llama)."""
+  model_type = "qwen2" if config.qkv_bias else "llama"
+  out = {
+      "architectures": [_SUPPORTED[model_type]],
+      "model_type": model_type,
+      "vocab_size": config.vocab_size,
+      "hidden_size": config.hidden_size,
+      "intermediate_size": config.intermediate_size,
+      "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": config.max_seq_len,
+      "rms_norm_eps": config.rms_norm_eps,
+      "rope_theta": config.rope_theta,
+      "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+      "tie_word_embeddings": config.tie_embeddings,
+      "torch_dtype": config.param_dtype,
+      "dtype": config.param_dtype,
+  }
+  if model_type == "qwen2":
+    out["use_sliding_window"] = False
+  else:
+    out.update(attention_bias=False, mlp_bias=False)
+  return out
+
+
+def _expected_hf_shapes(c: ModelConfig) -> dict[str, tuple]:
+  d, f, n, k, h = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+  shapes = {"model.embed_tokens.weight": (c.vocab_size, d), "model.norm.weight": (d,)}
+  for i in range(c.num_layers):
+    p = f"model.layers.{i}."
+    shapes.update({
+        p + "self_attn.q_proj.weight": (n * h, d), p + "self_attn.k_proj.weight": (k * h, d),
+        p + "self_attn.v_proj.weight": (k * h, d), p + "self_attn.o_proj.weight": (d, n * h),
+        p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+        p + "mlp.down_proj.weight": (d, f), p + "input_layernorm.weight": (d,),
+        p + "post_attention_layernorm.weight": (d,)})
+    if c.qkv_bias:
+      shapes.update({p + "self_attn.q_proj.bias": (n * h,), p + "self_attn.k_proj.bias": (k * h,),
+                     p + "self_attn.v_proj.bias": (k * h,)})
+  if not c.tie_embeddings:
+    shapes["lm_head.weight"] = (c.vocab_size, d)
+  return shapes
+
+
+def _safetensor_files(path: str) -> list[str]:
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    try:
+      with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+    files = sorted(set(weight_map.values()))
+    for name in files:
+      if not os.path.exists(os.path.join(path, name)):
+        raise CheckpointError(f"{index} lists {name!r}, which is not in {path}")
+    return [os.path.join(path, name) for name in files]
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise CheckpointError(f"{path}: no *.safetensors files (only safetensors checkpoints are supported)")
+  return files
+
+
+def read_hf_config(path: str) -> dict:
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: not a directory")
+  cfg_path = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_path):
+    raise CheckpointError(f"{path}: missing config.json")
+  try:
+    with open(cfg_path) as f:
+      hf = json.load(f)
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+  if not isinstance(hf, dict):
+    raise CheckpointError(f"{cfg_path}: expected a JSON object")
+  return hf
+
+
+def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray], path: str = "<tensors>"
+                 ) -> dict[str, Any]:
+  """Converts a flat HF tensor dict to our (numpy) params, checking names and shapes exactly."""
+  expected = _expected_hf_shapes(config)
+  ignorable = lambda name: name.endswith("rotary_emb.inv_freq")
+  if config.tie_embeddings:
+    # Some tied checkpoints still store lm_head.weight; accept it only if it equals the embedding.
+    head = tensors.get("lm_head.weight")
+    if head is not None and not np.array_equal(head, tensors.get("model.embed_tokens.weight")):
+      raise CheckpointError(f"{path}: tie_word_embeddings=true but lm_head.weight differs from the "
+                            "embedding")
+    ignorable = lambda name, _f=ignorable: _f(name) or name == "lm_head.weight"
+  missing = sorted(set(expected) - set(tensors))
+  unexpected = sorted(n for n in set(tensors) - set(expected) if not ignorable(n))
+  if missing:
+    raise CheckpointError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+  if unexpected:
+    raise CheckpointError(f"{path}: unexpected tensors {unexpected[:5]} (unsupported architecture "
+                          "variant?)")
+  for name, shape in expected.items():
+    if tuple(tensors[name].shape) != shape:
+      raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                            f"config.json implies {shape}")
+  dt = np.dtype(jax.numpy.dtype(config.param_dtype))
+  get = lambda name: np.asarray(tensors[name]).astype(dt)
+  d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+  params: dict[str, Any] = {"embed": get("model.embed_tokens.weight"),
+                            "final_norm": {"scale": get("model.norm.weight")}}
+  for i in range(config.num_layers):
+    p = f"model.layers.{i}."
+    attn = {"q": get(p + "self_attn.q_proj.weight").T.reshape(d, n, h),
+            "k": get(p + "self_attn.k_proj.weight").T.reshape(d, k, h),
+            "v": get(p + "self_attn.v_proj.weight").T.reshape(d, k, h),
+            "o": get(p + "self_attn.o_proj.weight").T.reshape(n, h, d)}
+    if config.qkv_bias:
+      attn.update(q_bias=get(p + "self_attn.q_proj.bias").reshape(n, h),
+                  k_bias=get(p + "self_attn.k_proj.bias").reshape(k, h),
+                  v_bias=get(p + "self_attn.v_proj.bias").reshape(k, h))
+    params[f"layer_{i}"] = {
+        "attn": attn,
+        "attn_norm": {"scale": get(p + "input_layernorm.weight")},
+        "mlp": {"gate": get(p + "mlp.gate_proj.weight").T, "up": get(p + "mlp.up_proj.weight").T,
+                "down": get(p + "mlp.down_proj.weight").T},
+        "mlp_norm": {"scale": get(p + "post_attention_layernorm.weight")},
+    }
+  if not config.tie_embeddings:
+    params["lm_head"] = get("lm_head.weight").T
+  return params
+
+
+def params_to_hf(config: ModelConfig, params: dict[str, Any], dtype: Optional[str] = None
+                 ) -> dict[str, np.ndarray]:
+  """Inverse of ``hf_to_params``: a flat HF tensor dict (host numpy arrays)."""
+  dt = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
+  host = jax.tree.map(lambda x: np.asarray(jax.device_get(x)).astype(dt), params)
+  d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+  out = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"]["scale"]}
+  for i in range(config.num_layers):
+    p, layer = f"model.layers.{i}.", host[f"layer_{i}"]
+    attn = layer["attn"]
+    out.update({
+        p + "self_attn.q_proj.weight": attn["q"].reshape(d, n * h).T,
+        p + "self_attn.k_proj.weight": attn["k"].reshape(d, k * h).T,
+        p + "self_attn.v_proj.weight": attn["v"].reshape(d, k * h).T,
+        p + "self_attn.o_proj.weight": attn["o"].reshape(n * h, d).T,
+        p + "mlp.gate_proj.weight": layer["mlp"]["gate"].T,
+        p + "mlp.up_proj.weight": layer["mlp"]["up"].T,
+        p + "mlp.down_proj.weight": layer["mlp"]["down"].T,
+        p + "input_layernorm.weight": layer["attn_norm"]["scale"],
+        p + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"],
+    })
+    if config.qkv_bias:
+      out.update({p + "self_attn.q_proj.bias": attn["q_bias"].reshape(n * h),
+                  p + "self_attn.k_proj.bias": attn["k_bias"].reshape(k * h),
+                  p + "self_attn.v_proj.bias": attn["v_bias"].reshape(k * h)})
+  if not config.tie_embeddings:
+    out["lm_head.weight"] = host["lm_head"].T
+  return out
+
+
+def load_hf(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "float32",
+            max_seq_len: Optional[int] = None) -> tuple[ModelConfig, dict[str, Any]]:
+  """Loads a Hugging Face model directory into ``(config, params)``.
+
+  Args:
+    path: directory with config.json and model.safetensors (or a sharded index).
+    mesh: when given, each parameter is placed straight onto this mesh with the learner sharding.
+    dtype: parameter and activation dtype of the returned model.
+    max_seq_len: overrides ``max_position_embeddings``.
+  """
+  config = config_from_hf(read_hf_config(path), path, max_seq_len=max_seq_len, dtype=dtype)
+  tensors: dict[str, np.ndarray] = {}
+  for file in _safetensor_files(path):
+    try:
+      part = safetensors_io.load(file)
+    except safetensors_io.SafetensorsError as e:
+      raise CheckpointError(str(e)) from None
+    duplicated = set(part) & set(tensors)
+    if duplicated:
+      raise CheckpointError(f"{file}: tensors {sorted(duplicated)[:3]} also appear in another file")
+    tensors.update(part)
+  params = hf_to_params(config, tensors, path)
+  if mesh is None:
+    return config, jax.tree.map(jax.numpy.asarray, params)
+  return config, jax.device_put(params, api.param_shardings(config, mesh))
+
+
+def export_hf(config: ModelConfig, params: dict[str, Any], path: str, *, dtype: Optional[str] = None,
+              tokenizer_dir: Optional[str] = None) -> None:
+  """Writes ``path/config.json`` and ``path/model.safetensors`` (plus tokenizer files if given)."""
+  os.makedirs(path, exist_ok=True)
+  hf_config = config_to_hf(config)
+  if dtype:
+    hf_config["torch_dtype"] = hf_config["dtype"] = dtype
+  safetensors_io.save(os.path.join(path, "model.safetensors"), params_to_hf(config, params, dtype),
+                      metadata={"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  if tokenizer_dir:
+    import shutil  # pylint: disable=import-outside-toplevel
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json"):
+      src = os.path.join(tokenizer_dir, name)
+      if os.path.exists(src):
+        shutil.copy(src, os.path.join(path, name))

@@ -1,0 +1,191 @@
+"""Qwen2 / Llama-family decoder in Flax linen.
+
+One module serves training and decoding:
+
+* training / scoring: ``Transformer(tokens_bt, positions_bt, segment_ids_bt)``; packed sequences share a
+  row and are kept apart by segment ids (attention only within a segment, causal by index);
+* decoding: ``Transformer(tokens_bt, positions_bt, cache=cache)`` writes the new keys/values into a KV cache
+  at ``positions_bt`` and attends to cache entries ``s <= position``. Prefill is a call with the prompt,
+  each decode step a call with one token per row. Rows may sit at different positions (continuous
+  batching), and entries beyond a row's position are never read, so stale cache contents are harmless.
+
+Parameters carry logical axis names (see ``asyncrl_jax.sharding``); outside this module they are a plain
+nested dict of arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from asyncrl_jax.models.config import ModelConfig
+
+# A KV cache: one (keys [B, S, K, H], values [B, S, K, H]) pair per layer.
+KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+
+_NEG_INF = -1e30  # finite, so fully masked rows (padding) give uniform weights, not NaN
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+def _param(module: nn.Module, name: str, init, shape: Sequence[int], axes: Sequence[Optional[str]],
+           cfg: ModelConfig):
+  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
+                      _dtype(cfg.param_dtype))
+
+
+def _constrain(x, axes, mesh):
+  if mesh is None:
+    return x
+  return nn.with_logical_constraint(x, axes, mesh=mesh)
+
+
+class RMSNorm(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",), self.cfg)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    return (scale.astype(jnp.float32) * x32).astype(_dtype(self.cfg.dtype))
+
+
+def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding, half-split convention (as in Hugging Face Qwen2/Llama)."""
+  half = x_btnh.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x_btnh.shape[-1]))
+  angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+  cos, sin = jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
+  x1, x2 = x_btnh[..., :half].astype(jnp.float32), x_btnh[..., half:].astype(jnp.float32)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btnh.dtype)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+  mesh: Optional[jax.sharding.Mesh] = None
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt, mask_btts, cache=None):
+    cfg = self.cfg
+    n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+    dt = _dtype(cfg.dtype)
+    init = nn.initializers.normal(0.02)
+    wq = _param(self, "q", init, (d, n, h), ("embed", "heads", "head_dim"), cfg)
+    wk = _param(self, "k", init, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    wv = _param(self, "v", init, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    wo = _param(self, "o", init, (n, h, d), ("heads", "head_dim", "embed"), cfg)
+    x = x_btd.astype(dt)
+    q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(dt))
+    key = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt))
+    val = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt))
+    if cfg.qkv_bias:
+      zeros = nn.initializers.zeros
+      q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"), cfg).astype(dt)
+      key = key + _param(self, "k_bias", zeros, (k, h), ("kv_heads", "head_dim"), cfg).astype(dt)
+      val = val + _param(self, "v_bias", zeros, (k, h), ("kv_heads", "head_dim"), cfg).astype(dt)
+    q = rope(q, positions_bt, cfg.rope_theta)
+    key = rope(key, positions_bt, cfg.rope_theta)
+
+    new_cache = None
+    if cache is not None:
+      cache_k, cache_v = cache
+      b_idx = jnp.arange(x.shape[0])[:, None]
+      cache_k = cache_k.at[b_idx, positions_bt].set(key.astype(cache_k.dtype))
+      cache_v = cache_v.at[b_idx, positions_bt].set(val.astype(cache_v.dtype))
+      new_cache = (cache_k, cache_v)
+      key, val = cache_k.astype(dt), cache_v.astype(dt)
+
+    b, t = q.shape[:2]
+    q = q.reshape(b, t, k, n // k, h)  # group query heads by the kv head they share
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, key).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
+    scores = jnp.where(mask_btts[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, val).reshape(b, t, n, h)
+    out = jnp.einsum("BTNH,NHD->BTD", out, wo.astype(dt))
+    return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
+                      self.mesh), new_cache
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_btd):
+    cfg = self.cfg
+    dt = _dtype(cfg.dtype)
+    init = nn.initializers.normal(0.02)
+    gate = _param(self, "gate", init, (cfg.hidden_size, cfg.intermediate_size), ("embed", "mlp"), cfg)
+    up = _param(self, "up", init, (cfg.hidden_size, cfg.intermediate_size), ("embed", "mlp"), cfg)
+    down = _param(self, "down", init, (cfg.intermediate_size, cfg.hidden_size), ("mlp", "embed"), cfg)
+    x = x_btd.astype(dt)
+    hidden = nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    return hidden @ down.astype(dt)
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+  mesh: Optional[jax.sharding.Mesh] = None
+
+  @nn.compact
+  def __call__(self, x_btd, positions_bt, mask_btts, cache=None):
+    attn, new_cache = Attention(self.cfg, self.mesh, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask_btts, cache)
+    x_btd = x_btd + attn
+    x_btd = x_btd + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_btd))
+    return x_btd, new_cache
+
+
+def training_mask(segment_ids_bt: jax.Array) -> jax.Array:
+  """[B, T, T] mask: same segment and key index <= query index."""
+  t = segment_ids_bt.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+  return same & causal[None]
+
+
+def cache_mask(positions_bt: jax.Array, cache_len: int) -> jax.Array:
+  """[B, T, S] mask for cached decoding: cache entry s is visible to a query at position p iff s <= p."""
+  return jnp.arange(cache_len)[None, None, :] <= positions_bt[:, :, None]
+
+
+class Transformer(nn.Module):
+  """Returns float32 logits ``[B, T, V]`` (and the updated cache when one is given)."""
+
+  cfg: ModelConfig
+  mesh: Optional[jax.sharding.Mesh] = None
+
+  @nn.compact
+  def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None):
+    cfg = self.cfg
+    embed = _param(self, "embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
+                   ("vocab", "embed"), cfg)
+    x = jnp.take(embed, tokens_bt, axis=0).astype(_dtype(cfg.dtype))
+    x = _constrain(x, ("activation_batch", "activation_length", "activation_embed"), self.mesh)
+    if cache is None:
+      if segment_ids_bt is None:
+        segment_ids_bt = jnp.ones_like(tokens_bt)
+      mask = training_mask(segment_ids_bt)
+    else:
+      mask = cache_mask(positions_bt, cache[0][0].shape[1])
+    new_cache = []
+    for i in range(cfg.num_layers):
+      x, layer_cache = Block(cfg, self.mesh, name=f"layer_{i}")(
+          x, positions_bt, mask, None if cache is None else cache[i])
+      new_cache.append(layer_cache)
+    x = RMSNorm(cfg, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      head = embed.T
+    else:
+      head = _param(self, "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
+                    ("embed", "vocab"), cfg)
+    logits = jnp.einsum("BTD,DV->BTV", x, head.astype(x.dtype)).astype(jnp.float32)
+    if cache is None:
+      return logits
+    return logits, tuple(new_cache)

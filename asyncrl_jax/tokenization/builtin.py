@@ -1,0 +1,45 @@
+"""Character tokenizer of the built-in arithmetic task (17 tokens).
+
+Text alphabet: digits, ``+ = ; #``. A prompt is ``<bos>3+4+5=`` and a completion is a chain of partial
+sums ``3+4=7;7+5=12;#12<eos>``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from asyncrl_jax.tokenization.base import Tokenizer, TokenizerError
+
+PAD, BOS, EOS = 0, 1, 2
+_CHARS = "0123456789+=;#"
+
+
+class ArithmeticTokenizer(Tokenizer):
+  """ids: 0 pad, 1 bos, 2 eos, then one id per character of ``0123456789+=;#``."""
+
+  vocab_size = 3 + len(_CHARS)
+  pad_id, bos_id, eos_id = PAD, BOS, EOS
+  identity = "builtin-arithmetic-v1"
+
+  def __init__(self):
+    self._to_id = {ch: 3 + i for i, ch in enumerate(_CHARS)}
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [self._to_id[ch] for ch in text]
+    except KeyError as e:
+      raise TokenizerError(f"character {e.args[0]!r} is not in the built-in vocabulary {_CHARS!r}") \
+          from None
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if not 0 <= i < self.vocab_size:
+        raise TokenizerError(f"token id {i} is outside the built-in vocabulary [0, {self.vocab_size})")
+      if i >= 3:
+        out.append(_CHARS[i - 3])
+    return "".join(out)
+
+  def encode_prompt(self, question: str) -> list[int]:
+    return [BOS] + self.encode(question)

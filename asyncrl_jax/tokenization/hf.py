@@ -1,0 +1,103 @@
+"""Hugging Face tokenizers: ``tokenizer.json`` through the ``tokenizers`` package, chat template from
+``tokenizer_config.json`` rendered with Jinja (sandboxed, as transformers does)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Optional, Sequence
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+from asyncrl_jax.tokenization.base import Tokenizer, TokenizerError
+
+
+def _token_text(value) -> Optional[str]:
+  if isinstance(value, dict):  # {"content": "<|im_end|>", ...}
+    return value.get("content")
+  return value
+
+
+def _raise(message):
+  raise TokenizerError(f"chat template: {message}")
+
+
+class HFTokenizer(Tokenizer):
+  """A tokenizer directory: ``tokenizer.json`` and optionally ``tokenizer_config.json``.
+
+  Args:
+    path: the directory.
+    system_prompt: if given, prepended as a system turn by ``encode_prompt``.
+  """
+
+  def __init__(self, path: str, *, system_prompt: Optional[str] = None):
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+      raise TokenizerError(f"{path}: missing tokenizer.json")
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(file)
+    except Exception as e:  # the Rust library raises a plain Exception
+      raise TokenizerError(f"{file}: cannot be parsed ({e})") from None
+    config = {}
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if os.path.exists(config_file):
+      try:
+        with open(config_file) as f:
+          config = json.load(f)
+      except json.JSONDecodeError as e:
+        raise TokenizerError(f"{config_file}: not valid JSON ({e})") from None
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    self.bos_token = _token_text(config.get("bos_token"))
+    self.eos_token = _token_text(config.get("eos_token"))
+    self.pad_token = _token_text(config.get("pad_token"))
+    self.bos_id = self._id(self.bos_token)
+    self.eos_id = self._id(self.eos_token)
+    if self.eos_id is None:
+      raise TokenizerError(f"{path}: tokenizer_config.json names no eos_token present in the vocabulary")
+    pad = self._id(self.pad_token)
+    self.pad_id = self.eos_id if pad is None else pad
+    self.system_prompt = system_prompt
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+      template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    self.chat_template = template
+    if template:
+      env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+      env.globals["raise_exception"] = _raise
+      self._template = env.from_string(template)
+    else:
+      self._template = None
+    digest = hashlib.sha256(open(file, "rb").read() + (template or "").encode()).hexdigest()[:12]
+    self.identity = f"hf:{os.path.basename(os.path.normpath(path))}:{digest}"
+
+  def _id(self, token: Optional[str]) -> Optional[int]:
+    return None if token is None else self._tok.token_to_id(token)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < self.vocab_size]
+    if bad:
+      raise TokenizerError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    if self._template is None:
+      raise TokenizerError("tokenizer_config.json has no chat_template")
+    return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+  def encode_prompt(self, question: str) -> list[int]:
+    """Chat-templated user turn; without a template, ``bos + question``."""
+    if self._template is None:
+      ids = self.encode(question)
+      return ([self.bos_id] if self.bos_id is not None else []) + ids
+    messages = [{"role": "user", "content": question}]
+    if self.system_prompt:
+      messages.insert(0, {"role": "system", "content": self.system_prompt})
+    return self.encode(self.render_chat(messages))

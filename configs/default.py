@@ -1,0 +1,23 @@
+"""Built-in CPU experiment: asynchronous RL on heavy-tailed chain-of-thought arithmetic.
+
+Run (one CPU machine, 4 virtual devices: 3 decode, 1 learner):
+
+  python -m asyncrl_jax.train --config=configs/default.py --workdir=/tmp/asyncrl_run
+
+Model: 2-layer, d=128 Qwen2-style decoder (~0.4M params) over the built-in 17-token vocabulary.
+Overrides: --config.rl.max_staleness=0 (synchronous), --config.rl.loss=dis, --config.steps=50, ...
+"""
+
+from asyncrl_jax.config import base_config
+
+
+def get_config():
+  c = base_config()
+  c.steps = 200
+  c.model.update(vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
+                 num_kv_heads=2, max_seq_len=256)
+  c.data.update(task="arithmetic", max_prompt_len=48, max_completion_len=160)
+  c.rollout.update(num_slots=32, temperature=1.0)
+  c.learner.update(batch_size=32, token_budget=4096, learning_rate=3e-4, grad_clip=1.0)
+  c.rl.update(loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, advantage="group", group_size=8)
+  return c

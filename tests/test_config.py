@@ -1,0 +1,86 @@
+"""Experiment configs load, validate, and reject bad values with a message naming the field."""
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl_jax import config as config_lib
+from asyncrl_jax.models import ModelConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
+
+
+def _load(path):
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def test_there_are_configs():
+  names = {os.path.basename(p) for p in CONFIG_FILES}
+  assert {"default.py", "qwen2_5_1_5b.py"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_every_config_validates(path):
+  cfg = config_lib.validate(_load(path))
+  assert set(cfg.keys()) >= {"model", "data", "rollout", "learner", "rl", "mesh", "checkpoint"}
+  assert cfg.rl.loss in config_lib.LOSSES
+
+
+def test_real_model_config_has_qwen2_5_1_5b_shape():
+  model = config_lib.model_config(_load(os.path.join(ROOT, "configs", "qwen2_5_1_5b.py")))
+  assert isinstance(model, ModelConfig)
+  assert 1.4e9 < model.num_params < 1.65e9  # Qwen2.5-1.5B has 1.54B parameters (tied embeddings)
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("rl.loss", "grpo", r"rl.loss='grpo' is not allowed: must be one of \('ppo', 'decoupled_ppo', 'dis'\)"),
+    ("rl.max_staleness", -1, r"rl.max_staleness=-1 is not allowed"),
+    ("rl.eps_clip", 1.5, r"rl.eps_clip=1.5 is not allowed"),
+    ("rl.eps_low", 1.0, r"rl.eps_low=1.0 is not allowed"),
+    ("rl.eps_high", 0.0, r"rl.eps_high=0.0 is not allowed"),
+    ("rl.group_size", 5, r"learner.batch_size=32 is not allowed: must be a multiple of rl.group_size"),
+    ("model.num_kv_heads", 3, r"model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+    ("model.dtype", "float8", r"model.dtype='float8'"),
+    ("rollout.top_p", 0.0, r"rollout.top_p=0.0 is not allowed"),
+    ("mesh.rollout_fraction", 1.0, r"mesh.rollout_fraction=1.0 is not allowed"),
+    ("data.max_completion_len", 500, r"data.max_completion_len=500 is not allowed: .* model.max_seq_len"),
+    ("learner.token_budget", 10, r"learner.token_budget=10 is not allowed"),
+])
+def test_bad_values_name_the_field(field, value, pattern):
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  section, name = field.split(".")
+  cfg[section][name] = value
+  with pytest.raises(config_lib.ConfigError, match=pattern):
+    config_lib.validate(cfg)
+
+
+def test_unknown_field_is_rejected():
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  cfg.rl.unlock()
+  cfg.rl.max_stalenes = 3
+  with pytest.raises(config_lib.ConfigError, match=r"unknown config field\(s\) \['rl.max_stalenes'\]"):
+    config_lib.validate(cfg)
+
+
+def _run_cli(*overrides):
+  cmd = [sys.executable, "-m", "asyncrl_jax.info", f"--config={ROOT}/configs/default.py", *overrides]
+  return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_cli_override_and_bad_value_exit_nonzero():
+  ok = _run_cli("--config.rl.max_staleness=4", "--config.rl.loss=dis")
+  assert ok.returncode == 0, ok.stderr
+  assert "rl.max_staleness: 4" in ok.stdout and "rl.loss: dis" in ok.stdout
+  bad = _run_cli("--config.rl.loss=reinforce")
+  assert bad.returncode != 0
+  assert "rl.loss='reinforce'" in bad.stderr
+  typo = _run_cli("--config.rl.max_stalenes=4")
+  assert typo.returncode != 0 and "max_stalenes" in typo.stderr

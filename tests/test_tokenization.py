@@ -1,0 +1,87 @@
+"""Tokenizers: the built-in one, and tokenizer.json + chat template against transformers."""
+
+import json
+
+import numpy as np
+import pytest
+import tokenizers
+import transformers
+from tokenizers import models as tok_models
+from tokenizers import pre_tokenizers
+
+from asyncrl_jax.data import arithmetic
+from asyncrl_jax.tokenization import ArithmeticTokenizer, HFTokenizer, TokenizerError, load_tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}")
+
+
+def test_builtin_round_trip_and_vocab():
+  tok = load_tokenizer("")
+  assert isinstance(tok, ArithmeticTokenizer) and tok.vocab_size == 17
+  problem = arithmetic.make_problem(np.random.default_rng(0))
+  ids = tok.encode(problem.solution)
+  assert tok.decode(ids) == problem.solution
+  assert tok.encode_prompt("1+2=") == [1, 4, 13, 5, 17 - 3]
+  assert tok.decode([1, 4, 2, 0]) == "1"
+  with pytest.raises(TokenizerError, match="'x' is not in the built-in vocabulary"):
+    tok.encode("1+x")
+  with pytest.raises(TokenizerError, match="outside the built-in vocabulary"):
+    tok.decode([17])
+
+
+def test_arithmetic_problems_are_correct_and_heavy_tailed():
+  rng = np.random.default_rng(1)
+  problems = [arithmetic.make_problem(rng) for _ in range(3000)]
+  for p in problems[:200]:
+    digits = [int(x) for x in p.question[:-1].split("+")]
+    assert int(p.answer) == sum(digits) and len(digits) == p.num_terms
+    assert arithmetic.reward(p.solution, p.answer) == 1.0
+    assert arithmetic.reward(p.solution + "1", p.answer) == 0.0
+  terms = np.array([p.num_terms for p in problems])
+  assert np.median(terms) == 3 and terms.max() >= 9 and terms.min() == 2
+
+
+@pytest.fixture()
+def hf_dir(tmp_path):
+  words = ["<|im_start|>", "<|im_end|>", "<unk>", "user", "assistant", "system", "what", "is", "1", "+",
+           "2", "?", "\n", "be", "brief"]
+  tok = tokenizers.Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split(pattern=tokenizers.Regex(r"<\|im_(start|end)\|>|\n| |\w+|[^\w\s]"),
+                                           behavior="isolated")
+  tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  with open(tmp_path / "tokenizer_config.json", "w") as f:
+    json.dump({"eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+               "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+  return tmp_path
+
+
+def test_hf_tokenizer_matches_transformers_chat_template(hf_dir):
+  ours = HFTokenizer(str(hf_dir))
+  ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"),
+                                             eos_token="<|im_end|>")
+  ref.chat_template = CHAT_TEMPLATE
+  messages = [{"role": "user", "content": "what is 1+2?"}]
+  want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  if isinstance(want, dict) or hasattr(want, "keys"):
+    want = want["input_ids"]
+  assert ours.encode_prompt("what is 1+2?") == list(want)
+  assert ours.eos_id == 1 and ours.pad_id == 1 and ours.stop_ids == (1,)
+  assert "<|im_start|>" not in ours.decode(ours.encode_prompt("what is 1+2?"))
+  with_system = HFTokenizer(str(hf_dir), system_prompt="be brief")
+  assert with_system.encode_prompt("what")[:3] == [0, 5, 12]
+  assert ours.identity != with_system.identity or ours.identity.startswith("hf:")
+
+
+def test_hf_tokenizer_errors(tmp_path, hf_dir):
+  with pytest.raises(TokenizerError, match="missing tokenizer.json"):
+    HFTokenizer(str(tmp_path / "empty"))
+  (hf_dir / "tokenizer_config.json").write_text("{oops")
+  with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON"):
+    HFTokenizer(str(hf_dir))
+  (hf_dir / "tokenizer.json").write_text("{}")
+  with pytest.raises(TokenizerError, match="cannot be parsed"):
+    HFTokenizer(str(hf_dir))
