@@ -1,0 +1,1 @@
+"""RL math as pure, jittable functions: losses, advantages, the staleness rule, micro-batching."""

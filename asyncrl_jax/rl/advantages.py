@@ -1,0 +1,109 @@
+"""Advantages: group-relative (GRPO-style), single-rollout value baseline, GAE; a clipped value loss.
+
+Group-relative advantages need every member of a group, which reintroduces a barrier per prompt;
+single-rollout advantages (``A = R - V``, SAO) do not, at the cost of a critic. Both are pure functions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def group_advantages(rewards, group_ids, *, num_groups: int, scale_by_std: bool = False,
+                     eps: float = 1e-6):
+  """Reward minus its group's mean (optionally divided by the group's std).
+
+  Args:
+    rewards: [N] scalar reward per trajectory.
+    group_ids: [N] int in [0, num_groups): trajectories of the same prompt share an id.
+    num_groups: static number of group ids.
+    scale_by_std: divide by the group's population standard deviation (+ eps).
+    eps: added to the std.
+
+  Returns:
+    (advantages [N], group_count [N]): the count of members of each trajectory's group, so a caller can
+    detect incomplete groups (compare with the expected group size) before trusting the baseline.
+  """
+  rewards = jnp.asarray(rewards, jnp.float32)
+  ones = jnp.ones_like(rewards)
+  counts = jax.ops.segment_sum(ones, group_ids, num_segments=num_groups)
+  sums = jax.ops.segment_sum(rewards, group_ids, num_segments=num_groups)
+  means = sums / jnp.maximum(counts, 1.0)
+  centred = rewards - means[group_ids]
+  if scale_by_std:
+    var = jax.ops.segment_sum(centred * centred, group_ids, num_segments=num_groups)
+    std = jnp.sqrt(var / jnp.maximum(counts, 1.0))
+    centred = centred / (std[group_ids] + eps)
+  return centred, counts[group_ids].astype(jnp.int32)
+
+
+def incomplete_groups(group_ids, expected_size: int) -> list[int]:
+  """Host-side check: ids of groups that do not have exactly ``expected_size`` members."""
+  ids, counts = jnp.unique(jnp.asarray(group_ids), return_counts=True)
+  return [int(i) for i, c in zip(ids, counts) if int(c) != expected_size]
+
+
+def value_baseline_advantages(rewards, values):
+  """Single-rollout advantage ``A = R - V(s_0)`` per trajectory: [N], [N] -> [N]."""
+  return jnp.asarray(rewards, jnp.float32) - jnp.asarray(values, jnp.float32)
+
+
+def broadcast_to_tokens(per_sequence, mask_bt):
+  """[B] advantages -> [B, T], zero off the policy tokens."""
+  return jnp.where(mask_bt > 0, jnp.asarray(per_sequence, jnp.float32)[:, None], 0.0)
+
+
+def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: float = 1.0,
+        lam: float = 1.0):
+  """Generalised advantage estimation over the action tokens of each row.
+
+  Only tokens with ``mask == 1`` are steps of the MDP; the scan skips the others (prompt, tool output,
+  padding), carrying the next step's value and advantage across them. A reward placed on a skipped
+  token is credited to the action before it. After a row's last action, the next value is 0 when the
+  trajectory ``terminated`` (the episode ended) and ``bootstrap`` when it was truncated (cut off by a
+  length or time budget, so the future is estimated by the critic).
+
+    delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
+
+  Args:
+    rewards_bt: [B, T] rewards.
+    values_bt: [B, T] critic values V(s_t) at action tokens.
+    mask_bt: [B, T] 1 on action tokens.
+    terminated_b: [B] bool, True if the trajectory ended naturally.
+    bootstrap_b: [B] value of the state after the last token (used only when not terminated).
+    gamma, lam: discount and GAE lambda.
+
+  Returns:
+    (advantages [B, T], returns [B, T]); both 0 off the action tokens. returns = A + V.
+  """
+  rewards_bt = jnp.asarray(rewards_bt, jnp.float32)
+  values_bt = jnp.asarray(values_bt, jnp.float32)
+  is_action = jnp.asarray(mask_bt) > 0
+  next_value0 = jnp.where(jnp.asarray(terminated_b), 0.0, jnp.asarray(bootstrap_b, jnp.float32))
+
+  def step(carry, xs):
+    next_value, next_adv, pending_reward = carry
+    reward, value, action = xs
+    reward = reward + pending_reward
+    delta = reward + gamma * next_value - value
+    adv = delta + gamma * lam * next_adv
+    new_carry = (jnp.where(action, value, next_value), jnp.where(action, adv, next_adv),
+                 jnp.where(action, 0.0, reward))
+    return new_carry, jnp.where(action, adv, 0.0)
+
+  b = rewards_bt.shape[0]
+  init = (next_value0, jnp.zeros(b, jnp.float32), jnp.zeros(b, jnp.float32))
+  xs = (rewards_bt.T, values_bt.T, is_action.T)  # scan over time
+  _, adv_tb = jax.lax.scan(step, init, xs, reverse=True)
+  adv = adv_tb.T
+  return adv, jnp.where(is_action, adv + values_bt, 0.0)
+
+
+def clipped_value_loss(values, old_values, returns, mask, *, clip_eps: float):
+  """PPO value loss ``0.5 * max((V - R)^2, (clip(V, V_old - e, V_old + e) - R)^2)``, token mean."""
+  mask = jnp.asarray(mask, jnp.float32)
+  old_values = jax.lax.stop_gradient(old_values)
+  clipped = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
+  per_token = 0.5 * jnp.maximum(jnp.square(values - returns), jnp.square(clipped - returns))
+  return jnp.sum(jnp.where(mask > 0, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -1,0 +1,193 @@
+"""Dynamic micro-batching: first-fit-decreasing packing under a token budget, and the packed arrays.
+
+Reasoning traces are heavy-tailed, so fixed-size micro-batches padded to their longest member waste most
+of their FLOPs on padding. Instead, sequences are packed:
+
+1. ``pack(lengths, capacity)``: first-fit decreasing: longest first, each into the first bin with room.
+2. ``plan_micro_batches(lengths, token_budget, row_len)``: sequences are packed into rows of ``row_len``
+   tokens, and rows are grouped ``token_budget // row_len`` at a time into micro-batches. Every
+   micro-batch then has the same static shape ``[token_budget // row_len, row_len]``, so the train
+   step compiles once per ``row_len`` bucket, not once per step.
+3. ``layout(sequences, plan)``: the ``TokenBatch`` arrays the model consumes. Within a row, each sequence
+   gets its own segment id (1, 2, ...; 0 is padding) and positions restarting at 0, so packed sequences
+   never attend to each other (see ``asyncrl_jax.models.transformer``).
+
+Per-token fields are aligned with the token they describe: ``behav_logp[t]`` is the log-prob of
+``tokens[t]`` given the tokens before it; ``mask[t]`` is 1 if ``tokens[t]`` was sampled by the policy.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+DEFAULT_ROW_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class PackingError(ValueError):
+  """A sequence cannot be packed as asked."""
+
+
+def pack(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+  """First-fit-decreasing bin packing of sequence indices under a token budget.
+
+  Args:
+    lengths: length of each sequence (>= 1).
+    token_budget: capacity of a bin in tokens.
+
+  Returns:
+    Bins as lists of indices into ``lengths``; every index appears exactly once; each bin's total
+    length is <= ``token_budget``. Ties are broken by index, so the result is deterministic.
+
+  Raises:
+    PackingError: a sequence is longer than the budget (or has length < 1).
+  """
+  if token_budget < 1:
+    raise PackingError(f"token_budget={token_budget} must be >= 1")
+  lengths = [int(n) for n in lengths]
+  for i, n in enumerate(lengths):
+    if n < 1:
+      raise PackingError(f"sequence {i} has length {n}; lengths must be >= 1")
+    if n > token_budget:
+      raise PackingError(f"sequence {i} has {n} tokens, more than the token budget {token_budget}; "
+                         "raise learner.token_budget or cap the completion length")
+  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  bins: list[list[int]] = []
+  free: list[int] = []
+  for i in order:
+    n = lengths[i]
+    for b, room in enumerate(free):
+      if room >= n:
+        bins[b].append(i)
+        free[b] -= n
+        break
+    else:
+      bins.append([i])
+      free.append(token_budget - n)
+  return bins
+
+
+def bucket(n: int, buckets: Sequence[int] = DEFAULT_ROW_BUCKETS) -> int:
+  """Smallest bucket >= n."""
+  for b in buckets:
+    if b >= n:
+      return b
+  raise PackingError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+class MicroBatchPlan(NamedTuple):
+  """``micro_batches[m][r]`` lists the sequence indices in row ``r`` of micro-batch ``m``."""
+  micro_batches: list[list[list[int]]]
+  rows: int  # rows per micro-batch
+  row_len: int
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, *, row_len: Optional[int] = None,
+                       buckets: Sequence[int] = DEFAULT_ROW_BUCKETS) -> MicroBatchPlan:
+  """Packs sequences into rows of ``row_len`` (FFD), then groups rows into fixed-shape micro-batches.
+
+  ``row_len`` defaults to the bucket of the longest sequence. Each micro-batch has
+  ``max(1, token_budget // row_len)`` rows (the last one is completed with empty rows), so every
+  micro-batch holds at most ``token_budget`` tokens and all share one shape.
+  """
+  if not len(lengths):
+    raise PackingError("no sequences to pack")
+  row_len = row_len or bucket(max(lengths), buckets)
+  if token_budget < row_len:
+    raise PackingError(f"token_budget={token_budget} is smaller than one row of {row_len} tokens")
+  rows = pack(lengths, row_len)
+  # Rows come out longest-first; keep them in that order so micro-batches are similarly full.
+  per_mb = max(1, token_budget // row_len)
+  mbs = [rows[i:i + per_mb] for i in range(0, len(rows), per_mb)]
+  return MicroBatchPlan(mbs, per_mb, row_len)
+
+
+class SequenceData(NamedTuple):
+  """One trajectory as the learner sees it; every field has one entry per token."""
+  tokens: np.ndarray  # int32 [n]: prompt + completion
+  mask: np.ndarray  # float32 [n]: 1 on sampled (policy) tokens
+  behav_logp: np.ndarray  # float32 [n]
+  advantages: np.ndarray  # float32 [n]
+  versions: np.ndarray  # int32 [n]: policy version that sampled the token (-1 off policy tokens)
+
+
+class TokenBatch(NamedTuple):
+  """Packed arrays, all ``[R, L]``; segment id 0 marks padding."""
+  tokens: np.ndarray
+  positions: np.ndarray
+  segment_ids: np.ndarray
+  mask: np.ndarray
+  behav_logp: np.ndarray
+  advantages: np.ndarray
+  versions: np.ndarray
+
+
+def _check_sequence(i: int, s: SequenceData) -> int:
+  n = len(s.tokens)
+  for name in SequenceData._fields:
+    if len(getattr(s, name)) != n:
+      raise PackingError(f"sequence {i}: field {name} has {len(getattr(s, name))} entries, "
+                         f"tokens has {n}")
+  if n and s.mask[0]:
+    raise PackingError(f"sequence {i}: the first token has no context, so it cannot be a policy "
+                       "token (mask[0] must be 0)")
+  return n
+
+
+def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]], num_rows: int,
+                row_len: int) -> TokenBatch:
+  """Builds one ``[num_rows, row_len]`` TokenBatch from rows of sequence indices."""
+  if len(rows) > num_rows:
+    raise PackingError(f"{len(rows)} rows do not fit a micro-batch of {num_rows}")
+  shape = (num_rows, row_len)
+  out = TokenBatch(tokens=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32),
+                   segment_ids=np.zeros(shape, np.int32), mask=np.zeros(shape, np.float32),
+                   behav_logp=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
+                   versions=np.full(shape, -1, np.int32))
+  for r, row in enumerate(rows):
+    start = 0
+    for seg, i in enumerate(row, start=1):
+      s = sequences[i]
+      n = _check_sequence(i, s)
+      if start + n > row_len:
+        raise PackingError(f"row {r} overflows {row_len} tokens at sequence {i}")
+      sl = slice(start, start + n)
+      out.tokens[r, sl] = s.tokens
+      out.positions[r, sl] = np.arange(n)
+      out.segment_ids[r, sl] = seg
+      out.mask[r, sl] = s.mask
+      out.behav_logp[r, sl] = s.behav_logp
+      out.advantages[r, sl] = s.advantages
+      out.versions[r, sl] = s.versions
+      start += n
+  return out
+
+
+def layout(sequences: Sequence[SequenceData], plan: MicroBatchPlan) -> list[TokenBatch]:
+  """All micro-batches of a plan, each ``[plan.rows, plan.row_len]``."""
+  return [layout_rows(sequences, mb, plan.rows, plan.row_len) for mb in plan.micro_batches]
+
+
+def pack_sequences(sequences: Sequence[SequenceData], token_budget: int, *,
+                   row_len: Optional[int] = None) -> list[TokenBatch]:
+  """``plan_micro_batches`` + ``layout`` in one call."""
+  plan = plan_micro_batches([len(s.tokens) for s in sequences], token_budget, row_len=row_len)
+  return layout(sequences, plan)
+
+
+def padded_micro_batches(sequences: Sequence[SequenceData], batch_rows: int, *,
+                         buckets: Sequence[int] = DEFAULT_ROW_BUCKETS) -> list[TokenBatch]:
+  """The baseline: fixed-size micro-batches of ``batch_rows`` sequences, one per row, padded to the
+  bucket of the micro-batch's longest member (in input order)."""
+  out = []
+  for start in range(0, len(sequences), batch_rows):
+    idx = list(range(start, min(start + batch_rows, len(sequences))))
+    row_len = bucket(max(len(sequences[i].tokens) for i in idx), buckets)
+    out.append(layout_rows(sequences, [[i] for i in idx], batch_rows, row_len))
+  return out
+
+
+def total_policy_tokens(batches: Sequence[TokenBatch]) -> float:
+  """The global normalizer: policy tokens over all micro-batches of one global batch."""
+  return float(sum(np.sum(b.mask) for b in batches))

@@ -1,0 +1,49 @@
+"""The learner's objective on one packed micro-batch: forward -> aligned log-probs -> policy loss."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh
+
+from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.rl import losses
+from asyncrl_jax.rl.batching import TokenBatch
+from asyncrl_jax.rl.logprobs import token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+  """Static (hashable) loss options, taken from the ``rl`` config section."""
+  loss: str = "decoupled_ppo"
+  eps_clip: float = 0.2
+  eps_low: float = 0.3
+  eps_high: float = 5.0
+  behav_weight_cap: Optional[float] = None
+  temperature: float = 1.0
+
+  @classmethod
+  def from_config(cls, config) -> "LossSettings":
+    return cls(loss=config.rl.loss, eps_clip=config.rl.eps_clip, eps_low=config.rl.eps_low,
+               eps_high=config.rl.eps_high, behav_weight_cap=config.rl.behav_weight_cap,
+               temperature=config.rollout.temperature or 1.0)
+
+
+def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model: ModelConfig,
+                     settings: LossSettings, mesh: Optional[Mesh] = None):
+  """Loss of one micro-batch, normalised by the *global* policy-token count ``normalizer``.
+
+  Summing this over the micro-batches of a global batch (and their gradients) gives exactly the token
+  mean over the global batch. ``prox_logp`` ([R, L], or None unless the loss is decoupled PPO) comes
+  from ``compute_logprobs`` under the weights before the update.
+  """
+  logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
+                                 temperature=settings.temperature, mesh=mesh, with_entropy=True)
+  return losses.policy_loss(
+      settings.loss, logp=logp, behav_logp=batch.behav_logp, prox_logp=prox_logp,
+      advantages=batch.advantages, mask=batch.mask, eps_clip=settings.eps_clip,
+      eps_low=settings.eps_low, eps_high=settings.eps_high,
+      behav_weight_cap=settings.behav_weight_cap, normalizer=normalizer,
+      entropy=jax.lax.stop_gradient(entropy))

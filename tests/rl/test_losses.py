@@ -1,0 +1,222 @@
+"""Losses against hand-computed values and an independent numpy reference (values and gradients)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl_jax.rl import losses
+
+# ----------------------------------------------------------------------------- numpy references
+
+
+def np_ppo(logp, old, adv, mask, eps):
+  """Returns (loss, dloss/dlogp) computed in float64 numpy."""
+  r = np.exp(logp - old)
+  unclipped, clipped = r * adv, np.clip(r, 1 - eps, 1 + eps) * adv
+  per = -np.minimum(unclipped, clipped)
+  n = max(mask.sum(), 1.0)
+  grad = np.where(unclipped <= clipped, -adv * r, 0.0) * mask / n
+  return (per * mask).sum() / n, grad
+
+
+def np_decoupled(logp, prox, behav, adv, mask, eps, cap=None):
+  w = np.exp(prox - behav)
+  if cap is not None:
+    w = np.where(w > cap, 0.0, w)
+  u = np.exp(logp - prox)
+  unclipped, clipped = u * adv, np.clip(u, 1 - eps, 1 + eps) * adv
+  n = max(mask.sum(), 1.0)
+  loss = (-w * np.minimum(unclipped, clipped) * mask).sum() / n
+  grad = np.where(unclipped <= clipped, -w * adv * u, 0.0) * mask / n
+  return loss, grad
+
+
+def np_dis(logp, behav, adv, mask, lo, hi):
+  rho = np.exp(logp - behav)
+  keep = (rho > lo) & (rho < hi) & (mask > 0)
+  n = max(mask.sum(), 1.0)
+  return (np.where(keep, -rho * adv, 0.0)).sum() / n, np.where(keep, -rho * adv, 0.0) / n
+
+
+def _random_inputs(seed, shape=(4, 9), spread=0.3):
+  rng = np.random.default_rng(seed)
+  behav = np.log(rng.uniform(0.05, 0.95, shape))
+  prox = behav + rng.normal(0, spread, shape)
+  logp = prox + rng.normal(0, spread, shape)
+  adv = rng.normal(0, 1, shape)
+  mask = (rng.uniform(size=shape) < 0.8).astype(np.float64)
+  return logp, prox, behav, adv, mask
+
+
+def _f32(*xs):
+  return [jnp.asarray(x, jnp.float32) for x in xs]
+
+
+# ----------------------------------------------------------------------------- hand-computed values
+
+
+def test_naive_ppo_hand_computed():
+  old = np.log(np.array([0.2, 0.4, 0.3]))
+  logp = np.log(np.array([0.3, 0.2, 0.3]))  # ratios 1.5, 0.5, 1.0
+  adv = np.array([1.0, -1.0, 2.0])
+  mask = np.ones(3)
+  fn = lambda lp: losses.naive_ppo_loss(lp, *_f32(old, adv, mask), eps_clip=0.2)
+  (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logp, jnp.float32))
+  # -min(1.5*1, 1.2*1) = -1.2; -min(-0.5, -0.8) = 0.8; -min(2, 2) = -2  -> mean -0.8
+  assert float(loss) == pytest.approx(-0.8, abs=1e-6)
+  # Clipped tokens get no gradient; the third gets -A * r / N = -2/3.
+  np.testing.assert_allclose(np.asarray(grad), [0.0, 0.0, -2.0 / 3.0], atol=1e-6)
+  assert float(metrics["clipped_frac"]) == pytest.approx(2.0 / 3.0)
+  assert float(metrics["iw_max"]) == pytest.approx(1.5, rel=1e-6)
+
+
+def test_decoupled_hand_computed_seed_example():
+  # The seed's token: probability 0.2 at generation, 0.25 under prox, 0.3 now.
+  behav, prox, logp = (np.log(np.array([p])) for p in (0.2, 0.25, 0.3))
+  adv, mask = np.array([1.0]), np.array([1.0])
+  loss, metrics = losses.decoupled_ppo_loss(*_f32(logp, prox, behav, adv, mask), eps_clip=0.1)
+  # w = 1.25, u = 1.2 clipped to 1.1: L = -1.25 * min(1.2, 1.1) = -1.375
+  assert float(loss) == pytest.approx(-1.375, rel=1e-6)
+  assert float(metrics["iw_mean"]) == pytest.approx(1.25, rel=1e-6)
+  assert float(metrics["clipped_frac"]) == 1.0
+
+
+def test_dis_hand_computed_seed_bounds():
+  behav = np.log(np.array([0.2, 0.2, 0.2]))
+  logp = np.log(np.array([0.22, 0.36, 0.13]))  # rho 1.1 (kept), 1.8 (out), 0.65 (out) for (0.7, 1.5)
+  adv, mask = np.array([2.0, 1.0, 1.0]), np.ones(3)
+  fn = lambda lp: losses.dis_loss(lp, *_f32(behav, adv, mask), eps_low=0.3, eps_high=0.5)[0]
+  loss, grad = jax.value_and_grad(fn)(jnp.asarray(logp, jnp.float32))
+  assert float(loss) == pytest.approx(-1.1 * 2.0 / 3.0, rel=1e-5)  # dropped tokens stay in N = 3
+  np.testing.assert_allclose(np.asarray(grad), [-1.1 * 2.0 / 3.0, 0.0, 0.0], rtol=1e-5)
+  _, m = losses.dis_loss(*_f32(logp, behav, adv, mask), eps_low=0.3, eps_high=0.5)
+  assert float(m["dropped_frac"]) == pytest.approx(2.0 / 3.0)
+  # The paper's math setting (0.7, 6.0) keeps the 1.8 token.
+  _, m = losses.dis_loss(*_f32(logp, behav, adv, mask), eps_low=0.3, eps_high=5.0)
+  assert float(m["dropped_frac"]) == pytest.approx(1.0 / 3.0)
+
+
+# ----------------------------------------------------------------------------- numpy reference
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_naive_ppo_matches_numpy(seed):
+  logp, _, behav, adv, mask = _random_inputs(seed)
+  fn = lambda lp: losses.naive_ppo_loss(lp, *_f32(behav, adv, mask), eps_clip=0.2)[0]
+  loss, grad = jax.value_and_grad(fn)(jnp.asarray(logp, jnp.float32))
+  ref_loss, ref_grad = np_ppo(logp, behav, adv, mask, 0.2)
+  assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed,cap", [(0, None), (1, None), (2, 1.3), (3, 1.1)])
+def test_decoupled_matches_numpy(seed, cap):
+  logp, prox, behav, adv, mask = _random_inputs(seed)
+  fn = lambda lp: losses.decoupled_ppo_loss(lp, *_f32(prox, behav, adv, mask), eps_clip=0.2,
+                                            behav_weight_cap=cap)[0]
+  loss, grad = jax.value_and_grad(fn)(jnp.asarray(logp, jnp.float32))
+  ref_loss, ref_grad = np_decoupled(logp, prox, behav, adv, mask, 0.2, cap)
+  assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
+  if cap is not None:
+    w = np.exp(prox - behav)
+    _, m = losses.decoupled_ppo_loss(*_f32(logp, prox, behav, adv, mask), behav_weight_cap=cap)
+    assert float(m["dropped_frac"]) == pytest.approx(((w > cap) * mask).sum() / mask.sum(), abs=1e-6)
+    assert ((w > cap) * mask).sum() > 0  # the cap really dropped something in this case
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_dis_matches_numpy(seed):
+  logp, _, behav, adv, mask = _random_inputs(seed, spread=0.4)
+  fn = lambda lp: losses.dis_loss(lp, *_f32(behav, adv, mask), eps_low=0.2, eps_high=0.3)[0]
+  loss, grad = jax.value_and_grad(fn)(jnp.asarray(logp, jnp.float32))
+  ref_loss, ref_grad = np_dis(logp, behav, adv, mask, 0.8, 1.3)
+  assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decoupled_reduces_exactly_to_ppo_at_staleness_zero(seed):
+  logp, _, behav, adv, mask = _random_inputs(seed)
+  logp, behav, adv, mask = _f32(logp, behav, adv, mask)
+  ppo = jax.value_and_grad(lambda lp: losses.naive_ppo_loss(lp, behav, adv, mask)[0])(logp)
+  dec = jax.value_and_grad(lambda lp: losses.decoupled_ppo_loss(lp, behav, behav, adv, mask)[0])(logp)
+  assert float(ppo[0]) == float(dec[0])
+  np.testing.assert_array_equal(np.asarray(ppo[1]), np.asarray(dec[1]))
+
+
+def _exact_log_ratio_for(target):
+  """A float32 log-ratio whose jnp.exp is exactly ``target`` (found by stepping through floats)."""
+  x = np.float32(math.log(target))
+  for _ in range(64):
+    got = float(jnp.exp(jnp.float32(x)))
+    if got == target:
+      return x
+    x = np.nextafter(x, np.float32(np.inf if got < target else -np.inf), dtype=np.float32)
+  pytest.skip(f"no float32 x with exp(x) == {target} on this platform")
+
+
+def test_dis_zero_gradient_outside_and_at_strict_boundaries():
+  lo, hi = 0.5, 2.0  # exactly representable: eps_low = 0.5, eps_high = 1.0
+  log_ratios = np.array([_exact_log_ratio_for(lo), _exact_log_ratio_for(hi), -3.0, 3.0, 0.1, -0.1],
+                        np.float32)
+  behav = np.zeros(6, np.float32)  # so that logp - behav is exactly the chosen log-ratio
+  logp = log_ratios.copy()
+  adv = np.array([1.0, -1.0, 1.0, -1.0, 1.0, -1.0], np.float32)
+  mask = np.ones(6, np.float32)
+  fn = lambda lp: losses.dis_loss(lp, jnp.asarray(behav), jnp.asarray(adv), jnp.asarray(mask),
+                                  eps_low=0.5, eps_high=1.0)[0]
+  grad = np.asarray(jax.grad(fn)(jnp.asarray(logp)))
+  np.testing.assert_array_equal(grad[:4], 0.0)  # both boundaries and both outside: exactly zero
+  assert np.all(grad[4:] != 0.0)
+
+
+def test_dropped_tokens_stay_in_the_denominator():
+  logp, prox, behav, adv, mask = _f32(*_random_inputs(5))
+  mask = jnp.ones_like(mask)
+  prox = prox.at[0, :3].set(behav[0, :3] + 2.0)  # w = e^2 > cap: dropped
+  capped, m = losses.decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=3.0)
+  keep = mask.at[0, :3].set(0.0)
+  manual, _ = losses.decoupled_ppo_loss(logp, prox, behav, adv, keep, normalizer=jnp.sum(mask))
+  assert float(capped) == pytest.approx(float(manual), rel=1e-6)
+  assert float(m["dropped_frac"]) >= 3 / mask.size
+
+
+def test_no_nan_or_inf_when_ratios_overflow_or_padding_is_garbage():
+  logp = jnp.array([[0.0, -1.0, -2.0, jnp.nan], [-300.0, 0.0, -1e30, jnp.inf]], jnp.float32)
+  behav = jnp.array([[-200.0, -1.0, 0.0, jnp.nan], [-1.0, -500.0, 0.0, -jnp.inf]], jnp.float32)
+  adv = jnp.array([[-1.0, 1.0, 2.0, jnp.nan], [1.0, -3.0, 1.0, 5.0]], jnp.float32)
+  mask = jnp.array([[1, 1, 1, 0], [1, 1, 1, 0]], jnp.float32)
+  adv = jnp.where(mask > 0, adv, jnp.nan)  # padding advantages are garbage too
+  for name in ("ppo", "decoupled_ppo", "dis"):
+    fn = lambda lp: losses.policy_loss(name, logp=lp, behav_logp=behav, prox_logp=behav - 1.0,
+                                       advantages=adv, mask=mask, eps_clip=0.2, eps_low=0.3,
+                                       eps_high=5.0, behav_weight_cap=None)
+    (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(logp)
+    assert np.isfinite(float(loss)), name
+    assert np.all(np.isfinite(np.asarray(grad))), name
+    for k, v in metrics.items():
+      assert np.isfinite(float(v)), (name, k)
+    assert np.all(np.asarray(grad)[:, 3] == 0.0), name  # padding gets no gradient
+
+
+def test_empty_mask_gives_zero_loss():
+  z = jnp.zeros((2, 3), jnp.float32)
+  loss, _ = losses.dis_loss(z, z, z + 1.0, z, eps_low=0.3, eps_high=5.0)
+  assert float(loss) == 0.0
+
+
+def test_unknown_loss_name():
+  z = jnp.zeros((1, 2))
+  with pytest.raises(ValueError, match="rl.loss='reinforce'"):
+    losses.policy_loss("reinforce", logp=z, behav_logp=z, prox_logp=z, advantages=z, mask=z,
+                       eps_clip=0.2, eps_low=0.3, eps_high=5.0)
+  with pytest.raises(ValueError, match="needs prox_logp"):
+    losses.policy_loss("decoupled_ppo", logp=z, behav_logp=z, prox_logp=None, advantages=z, mask=z,
+                       eps_clip=0.2, eps_low=0.3, eps_high=5.0)
