@@ -1,0 +1,301 @@
+"""A JetStream engine (``jetstream.engine.engine_api.Engine``, google-jetstream 0.2.2) for our model.
+
+The decode state holds fixed-shape slots: a KV cache ``[S, L, K, H]`` per layer, the next-token logits of
+every slot, and each slot's position. One ``generate`` call samples one token for every slot from its
+stored logits (so the first token after a prefill comes from the prompt's last logits), runs the model on
+those tokens, and stores the new logits. Steps are jitted with the decode state donated, so the cache is
+updated in place.
+
+Beyond the JetStream API, the RL decode server uses:
+
+* ``step(params, state) -> (state, tokens [S], logp [S])``: a generate step that also returns the
+  log-probability of every sampled token (JetStream 0.2.2's ``ResultTokens`` has no room for it);
+* ``refill(params, state, tokens [S, P], lengths [S])``: recompute every slot's cache and next-token
+  logits from its tokens so far under ``params``: the interrupt after a weight update, in one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from asyncrl_jax import models
+from asyncrl_jax import sharding as sharding_lib
+from asyncrl_jax.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
+from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.rollout.sampling import SamplingSettings, sample
+from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@struct.dataclass
+class Prefix:
+  """A prefilled prompt: its KV cache ``[1, P, K, H]`` per layer and next-token logits ``[1, V]``."""
+  cache: Any
+  logits: jax.Array
+  length: jax.Array  # int32 scalar: true prompt length
+
+
+@struct.dataclass
+class DecodeState:
+  cache: Any  # per layer (keys, values), each [S, L, K, H]
+  logits: jax.Array  # [S, V] next-token logits of each slot
+  positions: jax.Array  # [S] where the next token goes (= tokens in the slot so far)
+  generated: jax.Array  # [S] tokens generated since the slot was filled
+  rng: jax.Array
+
+
+class JetStreamTokenizer(tokenizer_api.Tokenizer):
+  """Adapts our tokenizer to JetStream's tokenizer interface (encode pads to a prefill bucket)."""
+
+  def __init__(self, tokenizer: Tokenizer, max_prefill_length: int):
+    self._tok = tokenizer
+    self._max = max_prefill_length
+
+  def encode(self, s: str, **kwargs):
+    ids = self._tok.encode_prompt(s) if kwargs.get("is_bos", True) else self._tok.encode(s)
+    max_len = kwargs.get("max_prefill_length") or self._max
+    if len(ids) > max_len:
+      raise ValueError(f"prompt has {len(ids)} tokens, more than max_prefill_length={max_len}")
+    padded = bucket_length(len(ids), max_len)
+    out = np.full(padded, self._tok.pad_id, np.int32)
+    out[:len(ids)] = ids
+    return (jnp.asarray(out) if kwargs.get("jax_padding", True) else out), len(ids)
+
+  def decode(self, token_ids, **kwargs):
+    return self._tok.decode(token_ids)
+
+  @property
+  def pad_id(self) -> int:
+    return self._tok.pad_id
+
+  @property
+  def eos_id(self) -> int:
+    return self._tok.eos_id
+
+  @property
+  def bos_id(self) -> int:
+    return self._tok.bos_id if self._tok.bos_id is not None else self._tok.pad_id
+
+  @property
+  def stop_tokens(self) -> set[int]:
+    return set(self._tok.stop_ids)
+
+
+def bucket_length(n: int, max_len: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int:
+  for b in buckets:
+    if n <= b <= max_len:
+      return b
+  if n <= max_len:
+    return max_len
+  raise ValueError(f"length {n} exceeds {max_len}")
+
+
+class Engine(engine_api.Engine):
+  """Our Flax decoder behind JetStream's Engine API, on one rollout mesh.
+
+  Args:
+    config: model configuration.
+    mesh: the rollout mesh (slots are split over its data x fsdp axes).
+    num_slots: concurrent sequences S (a multiple of the mesh's data x fsdp size).
+    max_prefill_length: longest prompt (or prompt + tokens so far, on refill).
+    max_target_length: cache length L: prompt plus completion.
+    sampling: temperature / top-k / top-p and which log-prob to record.
+    tokenizer: our tokenizer (``load_tokenizer(tokenizer_path)`` if None).
+    tokenizer_path: recorded in ``get_tokenizer``; "" means the built-in tokenizer.
+    params: parameters to return from ``load_params`` (else ``hf_path`` is loaded, else random init).
+    hf_path: a Hugging Face checkpoint directory.
+    seed: sampling seed.
+  """
+
+  def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
+               max_target_length: int, sampling: SamplingSettings = SamplingSettings(),
+               tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
+               hf_path: str = "", seed: int = 0):
+    if max_target_length > config.max_seq_len:
+      raise ValueError(f"max_target_length={max_target_length} exceeds model.max_seq_len="
+                       f"{config.max_seq_len}")
+    if max_prefill_length > max_target_length:
+      raise ValueError(f"max_prefill_length={max_prefill_length} exceeds max_target_length="
+                       f"{max_target_length}")
+    batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if num_slots % batch_ways:
+      raise ValueError(f"num_slots={num_slots} must be a multiple of the rollout mesh's data x fsdp "
+                       f"size {batch_ways}")
+    self.config = config
+    self._mesh = mesh
+    self.num_slots = num_slots
+    self._max_prefill = max_prefill_length
+    self.max_target_length = max_target_length
+    self.sampling = sampling
+    self.tokenizer = tokenizer or load_tokenizer(tokenizer_path)
+    self.tokenizer_path = tokenizer_path
+    self._params, self._hf_path, self._seed = params, hf_path, seed
+    self.param_shardings = models.param_shardings(config, mesh)
+    self._slot_sharding = sharding_lib.batch_sharding(mesh, 1)
+    self._replicated = sharding_lib.replicated(mesh)
+    self._jit_prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
+    self._jit_insert = jax.jit(self._insert_impl, donate_argnums=(1,))
+    self._jit_step = jax.jit(self._step_impl, donate_argnums=(1,))
+    self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
+
+  # ------------------------------------------------------------------ JetStream API: properties
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.num_slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill
+
+  @property
+  def mesh(self) -> Mesh:
+    return self._mesh
+
+  @property
+  def colocated_cpus(self):
+    return None
+
+  # ------------------------------------------------------------------ JetStream API: methods
+
+  def load_params(self, *args, **kwargs):
+    """Parameters placed with the rollout sharding (given, from ``hf_path``, or random)."""
+    del args, kwargs
+    if self._params is not None:
+      return self.place_params(self._params)
+    if self._hf_path:
+      config, params = models.load_hf(self._hf_path, dtype=self.config.param_dtype)
+      if config.replace(max_seq_len=self.config.max_seq_len, dtype=self.config.dtype) != self.config:
+        raise ValueError(f"{self._hf_path}: checkpoint config {config} does not match the engine's "
+                         f"{self.config}")
+      return self.place_params(params)
+    return models.init_params(self.config, jax.random.key(self._seed), mesh=self._mesh)
+
+  def place_params(self, params):
+    """Puts a parameter pytree (from any mesh or the host) onto this engine's rollout sharding."""
+    return jax.device_put(params, self.param_shardings)
+
+  def get_prefix_destination_sharding(self) -> Any:
+    return self._replicated
+
+  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+    return tokenizer_pb2.TokenizerParameters(path=self.tokenizer_path or "builtin")
+
+  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
+    del metadata  # the engine already holds its tokenizer
+    return JetStreamTokenizer(self.tokenizer, self._max_prefill)
+
+  def init_decode_state(self, *args, **kwargs) -> DecodeState:
+    del args, kwargs
+    c, s, length = self.config, self.num_slots, self.max_target_length
+    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
+
+    @functools.partial(jax.jit, out_shardings=DecodeState(
+        cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
+        positions=self._slot_sharding, generated=self._slot_sharding, rng=self._replicated))
+    def make():
+      return DecodeState(cache=models.init_cache(c, s, length),
+                         logits=jnp.zeros((s, c.vocab_size), jnp.float32),
+                         positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
+                         rng=jax.random.key(self._seed))
+    return make()
+
+  def prefill(self, *, params, existing_prefix: Optional[Prefix] = None, padded_tokens,
+              true_length: int) -> Prefix:
+    """KV cache and next-token logits of one prompt (``padded_tokens`` [P], right-padded)."""
+    if existing_prefix is not None:
+      raise NotImplementedError("prefill with an existing prefix (multi-turn cache reuse) is not "
+                                "supported; prefill the whole context")
+    padded_tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+    if not 1 <= true_length <= min(len(padded_tokens), self._max_prefill):
+      raise ValueError(f"true_length={true_length} must be in [1, min(len(padded_tokens)="
+                       f"{len(padded_tokens)}, max_prefill_length={self._max_prefill})]")
+    return self._jit_prefill(params, jnp.asarray(padded_tokens[None]), int(true_length))
+
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+    if not 0 <= slot < self.num_slots:
+      raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+    return self._jit_insert(prefix, decode_state, jnp.int32(slot))
+
+  def generate(self, params, decode_state: DecodeState):
+    decode_state, tokens, _ = self._jit_step(params, decode_state)
+    s = self.num_slots
+    data = jnp.stack([tokens, jnp.ones((s,), jnp.int32), decode_state.generated], axis=1)
+    return decode_state, engine_api.ResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
+                                                 length_idx=(2, 3), samples_per_slot=1)
+
+  # ------------------------------------------------------------------ RL extensions
+
+  def step(self, params, decode_state: DecodeState):
+    """One decode step for every slot: (new state, sampled tokens [S], their log-probs [S])."""
+    return self._jit_step(params, decode_state)
+
+  def refill(self, params, decode_state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
+    """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
+
+    Used when weights change: in-flight sequences continue under the new ``params`` exactly as if their
+    prompt and tokens so far had been prefilled with them. Rows with length 0 are left idle.
+    """
+    tokens_sp = np.asarray(tokens_sp, np.int32)
+    lengths_s = np.asarray(lengths_s, np.int32)
+    if tokens_sp.shape[0] != self.num_slots or lengths_s.shape != (self.num_slots,):
+      raise ValueError(f"refill needs [{self.num_slots}, P] tokens and [{self.num_slots}] lengths")
+    if lengths_s.max(initial=0) >= self.max_target_length:
+      raise ValueError(f"a slot holds {lengths_s.max()} tokens; the cache has {self.max_target_length}")
+    width = bucket_length(max(int(lengths_s.max(initial=1)), 1), self.max_target_length)
+    padded = np.zeros((self.num_slots, width), np.int32)
+    padded[:, :tokens_sp.shape[1]] = tokens_sp[:, :width]
+    return self._jit_refill(params, decode_state, jax.device_put(padded, sharding_lib.batch_sharding(
+        self._mesh, 2)), jax.device_put(lengths_s, self._slot_sharding))
+
+  # ------------------------------------------------------------------ jitted bodies
+
+  def _prefill_impl(self, params, tokens_1p, true_length: int) -> Prefix:
+    p = tokens_1p.shape[1]
+    cache = models.init_cache(self.config, 1, p)
+    positions = jnp.arange(p, dtype=jnp.int32)[None]
+    logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache)
+    return Prefix(cache=cache, logits=logits[:, true_length - 1], length=jnp.int32(true_length))
+
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+    def put(big, small):
+      small = small.astype(big.dtype)
+      return jax.lax.dynamic_update_slice(big, small, (slot,) + (0,) * (big.ndim - 1))
+    cache = jax.tree.map(put, state.cache, prefix.cache)
+    return state.replace(
+        cache=cache, logits=put(state.logits, prefix.logits),
+        positions=state.positions.at[slot].set(prefix.length),
+        generated=state.generated.at[slot].set(0))
+
+  def _step_impl(self, params, state: DecodeState):
+    rng, key = jax.random.split(state.rng)
+    tokens, logp = sample(state.logits, key, self.sampling)
+    positions = jnp.minimum(state.positions, self.max_target_length - 1)
+    logits, cache = models.apply_decode(self.config, params, tokens[:, None], positions[:, None],
+                                        state.cache, self._mesh)
+    new_state = DecodeState(cache=cache, logits=logits[:, 0], positions=state.positions + 1,
+                            generated=state.generated + 1, rng=rng)
+    return new_state, tokens, logp
+
+  def _refill_impl(self, params, state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
+    s, p = tokens_sp.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (s, p))
+    # Write into the existing cache: entries beyond each row's length are never read (see transformer).
+    logits, cache = models.apply_decode(self.config, params, tokens_sp, positions, state.cache,
+                                        self._mesh)
+    last = jnp.take_along_axis(logits, jnp.maximum(lengths_s - 1, 0)[:, None, None], axis=1)[:, 0]
+    active = lengths_s > 0
+    return state.replace(cache=cache, logits=jnp.where(active[:, None], last, state.logits),
+                         positions=jnp.where(active, lengths_s, state.positions))

@@ -1,0 +1,259 @@
+"""The decode server: continuous batching over the engine, per-token versions, interruptible updates.
+
+One loop owns the engine's decode state. Each iteration:
+
+1. applies new weights if a newer version was published: every in-flight sequence is interrupted, its
+   KV cache discarded and recomputed from prompt + tokens so far under the new weights (``refill``),
+   and decoding continues; the trajectory keeps the version of every token;
+2. fills free slots from the request queue at once (prefill + insert), so slots stay busy;
+3. runs one decode step for all slots and records each sampled token with its log-prob and version;
+4. finishes sequences that emitted a stop token or reached their length cap and streams them out
+   (``on_trajectory`` callback, or the ``finished`` queue).
+
+Requests that cannot be served as asked (prompt longer than the engine's prefill limit, or prompt +
+``max_new_tokens`` beyond the cache) finish at once with ``finish_reason="error"`` and a message: nothing
+is silently truncated. ``abort(id)`` finishes a request with the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+from asyncrl_jax.rollout.engine import Engine, bucket_length
+from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory, _Building
+
+log = logging.getLogger(__name__)
+
+
+class DecodeServer:
+  """Runs generation on one engine; thread-safe ``submit`` / ``update_weights`` / ``abort``.
+
+  Args:
+    engine: the JetStream engine (its mesh, slots and sampling settings).
+    params: initial parameters (any placement; they are put on the engine's sharding).
+    version: their policy version.
+    server_id: recorded in every trajectory.
+    on_trajectory: called (from the loop thread) with each finished trajectory; if None they are put on
+      ``self.finished``.
+  """
+
+  def __init__(self, engine: Engine, params, *, version: int = 0, server_id: str = "decode-0",
+               on_trajectory: Optional[Callable[[Trajectory], None]] = None):
+    self.engine = engine
+    self.server_id = server_id
+    self.finished: "queue.Queue[Trajectory]" = queue.Queue()
+    self._emit = on_trajectory or self.finished.put
+    self._params = engine.place_params(params)
+    self.version = version
+    self._pending: Optional[tuple] = None
+    self._requests: "collections.deque[RolloutRequest]" = collections.deque()
+    self._aborts: set[str] = set()
+    self._lock = threading.Lock()
+    self._wake = threading.Condition(self._lock)
+    self._slots: list[Optional[_Building]] = [None] * engine.num_slots
+    self._state = engine.init_decode_state()
+    self._thread: Optional[threading.Thread] = None
+    self._stop = threading.Event()
+    self.error: Optional[BaseException] = None
+    self.stats = collections.Counter()
+    self._meta = dict(logprob_source=engine.sampling.logprob_source if engine.sampling.temperature
+                      else "model", sampling=engine.sampling.as_dict(),
+                      tokenizer_id=engine.tokenizer.identity, server_id=server_id)
+    self._stop_ids = np.asarray(sorted(engine.tokenizer.stop_ids), np.int32)
+
+  # ------------------------------------------------------------------ public, thread-safe
+
+  def submit(self, *requests: RolloutRequest) -> None:
+    with self._wake:
+      self._requests.extend(requests)
+      self._wake.notify()
+
+  def update_weights(self, params, version: int) -> None:
+    """Publishes new weights; in-flight sequences switch to them at the next step boundary."""
+    with self._wake:
+      if version <= self.version and (self._pending is None or version <= self._pending[1]):
+        raise ValueError(f"weight version {version} is not newer than {self.version}")
+      self._pending = (params, version)
+      self._wake.notify()
+
+  def abort(self, request_id: str) -> None:
+    with self._wake:
+      self._aborts.add(request_id)
+      self._wake.notify()
+
+  @property
+  def num_active(self) -> int:
+    return sum(s is not None for s in self._slots)
+
+  @property
+  def num_queued(self) -> int:
+    with self._lock:
+      return len(self._requests)
+
+  def idle(self) -> bool:
+    with self._lock:
+      return not self._requests and self._pending is None and self.num_active == 0
+
+  def start(self) -> "DecodeServer":
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name=f"{self.server_id}-loop", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self, timeout: float = 30.0) -> None:
+    self._stop.set()
+    with self._wake:
+      self._wake.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+      self._thread = None
+
+  def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
+    """Drives the loop in the calling thread until nothing is queued or in flight (tests, benchmarks)."""
+    for _ in range(max_iterations):
+      if self.idle():
+        return
+      self.iteration(block=False)
+    raise RuntimeError(f"not idle after {max_iterations} iterations")
+
+  # ------------------------------------------------------------------ the loop
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        self.iteration(block=True)
+    except BaseException as e:  # surface the failure: finish everything in flight as "error"
+      log.exception("decode server %s failed", self.server_id)
+      self.error = e
+      self._fail_all(repr(e))
+
+  def iteration(self, block: bool = False) -> None:
+    """One pass: weights, aborts, slot refill, one decode step."""
+    with self._wake:
+      if block and not self._requests and self._pending is None and not self._aborts \
+          and self.num_active == 0 and not self._stop.is_set():
+        self._wake.wait(timeout=0.5)
+      pending, self._pending = self._pending, None
+      aborts, self._aborts = self._aborts, set()
+    if pending is not None:
+      self._apply_weights(*pending)
+    if aborts:
+      self._apply_aborts(aborts)
+    self._fill_slots()
+    if self.num_active:
+      self._decode_step()
+
+  def _apply_weights(self, params, version: int) -> None:
+    t = time.perf_counter()
+    self._params = self.engine.place_params(params)
+    self.version = version
+    active = [i for i, s in enumerate(self._slots) if s is not None]
+    if active:
+      width = max(len(self._slots[i].request.prompt_tokens) + len(self._slots[i].tokens) for i in active)
+      tokens = np.zeros((self.engine.num_slots, width), np.int32)
+      lengths = np.zeros(self.engine.num_slots, np.int32)
+      for i in active:
+        b = self._slots[i]
+        seq = list(b.request.prompt_tokens) + b.tokens
+        tokens[i, :len(seq)] = seq
+        lengths[i] = len(seq)
+        b.interruptions += 1
+      self._state = self.engine.refill(self._params, self._state, tokens, lengths)
+      jax.block_until_ready(self._state.logits)
+      self.stats["interrupted_sequences"] += len(active)
+      self.stats["interrupt_seconds"] += time.perf_counter() - t
+    self.stats["weight_updates"] += 1
+
+  def _apply_aborts(self, aborts: set[str]) -> None:
+    for i, b in enumerate(self._slots):
+      if b is not None and b.request.request_id in aborts:
+        self._finish(i, "aborted")
+        aborts.discard(b.request.request_id)
+    if aborts:
+      with self._lock:
+        kept = [r for r in self._requests if r.request_id not in aborts]
+        dropped = [r for r in self._requests if r.request_id in aborts]
+        self._requests = collections.deque(kept)
+      for r in dropped:
+        self._emit(_Building(r).finish("aborted", **self._meta))
+
+  def _validate(self, r: RolloutRequest) -> str:
+    e = self.engine
+    n = len(r.prompt_tokens)
+    if n == 0:
+      return "empty prompt"
+    if n > e.max_prefill_length:
+      return f"prompt has {n} tokens, more than the engine's max_prefill_length={e.max_prefill_length}"
+    if r.max_new_tokens < 1:
+      return f"max_new_tokens={r.max_new_tokens} must be >= 1"
+    if n + r.max_new_tokens > e.max_target_length:
+      return (f"prompt ({n}) + max_new_tokens ({r.max_new_tokens}) exceeds the cache length "
+              f"max_target_length={e.max_target_length}")
+    bad = [t for t in r.prompt_tokens if not 0 <= int(t) < e.config.vocab_size]
+    if bad:
+      return f"prompt token ids {bad[:5]} outside [0, {e.config.vocab_size})"
+    return ""
+
+  def _fill_slots(self) -> None:
+    free = [i for i, s in enumerate(self._slots) if s is None]
+    while free:
+      with self._lock:
+        if not self._requests:
+          return
+        request = self._requests.popleft()
+      error = self._validate(request)
+      if error:
+        self._emit(_Building(request).finish("error", error=error, **self._meta))
+        self.stats["rejected_requests"] += 1
+        continue
+      slot = free.pop(0)
+      prompt = np.asarray(request.prompt_tokens, np.int32)
+      padded = np.zeros(bucket_length(len(prompt), self.engine.max_prefill_length), np.int32)
+      padded[:len(prompt)] = prompt
+      prefix = self.engine.prefill(params=self._params, padded_tokens=padded, true_length=len(prompt))
+      self._state = self.engine.insert(prefix, self._state, slot)
+      self._slots[slot] = _Building(request)
+      self.stats["started"] += 1
+
+  def _decode_step(self) -> None:
+    self._state, tokens, logp = self.engine.step(self._params, self._state)
+    tokens, logp = jax.device_get((tokens, logp))
+    self.stats["steps"] += 1
+    self.stats["slot_steps"] += self.engine.num_slots
+    version = self.version
+    is_stop = np.isin(tokens, self._stop_ids)
+    for i, b in enumerate(self._slots):
+      if b is None:
+        continue
+      b.tokens.append(int(tokens[i]))
+      b.logprobs.append(float(logp[i]))
+      b.versions.append(version)
+      self.stats["tokens"] += 1
+      if is_stop[i]:
+        self._finish(i, "eos")
+      elif len(b.tokens) >= b.request.max_new_tokens:
+        self._finish(i, "length")
+
+  def _finish(self, slot: int, reason: str, error: str = "") -> None:
+    b = self._slots[slot]
+    self._slots[slot] = None
+    self.stats[f"finished_{reason}"] += 1
+    self._emit(b.finish(reason, error=error, **self._meta))
+
+  def _fail_all(self, message: str) -> None:
+    for i, b in enumerate(self._slots):
+      if b is not None:
+        self._finish(i, "error", message)
+    with self._lock:
+      requests, self._requests = list(self._requests), collections.deque()
+    for r in requests:
+      self._emit(_Building(r).finish("error", error=message, **self._meta))
+

@@ -1,0 +1,104 @@
+"""What a rollout request asks for and what a finished trajectory records."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from typing import Optional
+
+import numpy as np
+
+FINISH_REASONS = ("eos", "length", "aborted", "error")
+
+
+def new_id() -> str:
+  return uuid.uuid4().hex
+
+
+@dataclasses.dataclass
+class RolloutRequest:
+  """One generation to run.
+
+  ``request_id`` becomes the trajectory id: it is unique, so a trajectory delivered twice (a retried
+  stream, a restarted server) can be recognised and dropped by the consumer.
+  """
+  prompt_tokens: list[int]
+  max_new_tokens: int
+  request_id: str = dataclasses.field(default_factory=new_id)
+  prompt_id: str = ""
+  group_id: int = -1
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """A finished (or aborted / failed) generation with everything the learner needs.
+
+  Per completion token: ``completion_tokens[t]``, ``logprobs[t]`` (behaviour log-prob, from the source
+  named by ``logprob_source``) and ``versions[t]`` (the policy version that sampled it). A trajectory
+  interrupted by weight updates holds several versions, non-decreasing along the sequence.
+  """
+  trajectory_id: str
+  prompt_id: str
+  group_id: int
+  prompt_tokens: np.ndarray
+  completion_tokens: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  finish_reason: str
+  logprob_source: str
+  sampling: dict
+  tokenizer_id: str
+  server_id: str = ""
+  num_interruptions: int = 0
+  error: str = ""
+  started_at: float = 0.0
+  finished_at: float = 0.0
+  reward: Optional[float] = None
+  reward_source: str = ""
+
+  def __post_init__(self):
+    if self.finish_reason not in FINISH_REASONS:
+      raise ValueError(f"finish_reason={self.finish_reason!r}: must be one of {FINISH_REASONS}")
+    n = len(self.completion_tokens)
+    if len(self.logprobs) != n or len(self.versions) != n:
+      raise ValueError(f"trajectory {self.trajectory_id}: {n} tokens but {len(self.logprobs)} "
+                       f"log-probs and {len(self.versions)} versions")
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_tokens) + len(self.completion_tokens)
+
+  def version_segments(self) -> list[tuple[int, int, int]]:
+    """``(version, start, end)`` runs of completion tokens sampled by the same policy version."""
+    out, start = [], 0
+    v = self.versions
+    for t in range(1, len(v) + 1):
+      if t == len(v) or v[t] != v[start]:
+        out.append((int(v[start]), start, t))
+        start = t
+    return out
+
+
+class _Building:
+  """A trajectory being generated (internal to the decode server)."""
+
+  def __init__(self, request: RolloutRequest):
+    self.request = request
+    self.tokens: list[int] = []
+    self.logprobs: list[float] = []
+    self.versions: list[int] = []
+    self.interruptions = 0
+    self.started_at = time.time()
+
+  def finish(self, reason: str, *, logprob_source: str, sampling: dict, tokenizer_id: str,
+             server_id: str, error: str = "") -> Trajectory:
+    r = self.request
+    return Trajectory(
+        trajectory_id=r.request_id, prompt_id=r.prompt_id, group_id=r.group_id,
+        prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
+        completion_tokens=np.asarray(self.tokens, np.int32),
+        logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
+        finish_reason=reason, logprob_source=logprob_source, sampling=sampling,
+        tokenizer_id=tokenizer_id, server_id=server_id, num_interruptions=self.interruptions,
+        error=error, started_at=self.started_at, finished_at=time.time())

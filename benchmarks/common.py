@@ -1,0 +1,50 @@
+"""Shared benchmark plumbing: machine description and writing a result (JSON + Markdown table + PNG)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from typing import Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine() -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  dev = jax.devices()[0]
+  return {
+      "platform": dev.platform,
+      "device_kind": dev.device_kind,
+      "num_devices": len(jax.devices()),
+      "cpu_count": os.cpu_count(),
+      "processor": platform.processor() or platform.machine(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+  }
+
+
+def write_result(name: str, result: dict, table_header: Sequence[str], table_rows: Sequence[Sequence],
+                 notes: str = "", out_dir: str = RESULTS_DIR) -> str:
+  """Writes ``name.json`` and ``name.md`` (table + machine + config) to ``out_dir``; returns the md path."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  lines = [f"# {name}", "", notes.strip(), "",
+           "| " + " | ".join(table_header) + " |", "|" + "---|" * len(table_header)]
+  for row in table_rows:
+    lines.append("| " + " | ".join(_fmt(x) for x in row) + " |")
+  lines += ["", "Machine: " + ", ".join(f"{k}={v}" for k, v in result.get("machine", {}).items()),
+            "", "Config: `" + json.dumps(result.get("config", {})) + "`", ""]
+  path = os.path.join(out_dir, f"{name}.md")
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+  return path
+
+
+def _fmt(x) -> str:
+  if isinstance(x, float):
+    return f"{x:,.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+  return str(x)

@@ -1,0 +1,156 @@
+"""The engine: greedy equals the full forward, recorded log-probs, the sampling distribution."""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from asyncrl_jax import models, sharding
+from asyncrl_jax.rl.logprobs import compute_logprobs
+from asyncrl_jax.rollout import Engine, SamplingSettings
+from asyncrl_jax.rollout.sampling import sample, sampling_logits
+
+CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def params():
+  p = models.init_params(CFG, jax.random.key(0))
+  return jax.tree.map(lambda x: x * 3.0 if x.ndim > 1 else x, p)
+
+
+def _engine(params, sampling, slots=4, devices=2, seed=0):
+  mesh = sharding.make_mesh(jax.devices()[:devices], dict(data=-1, fsdp=1, tensor=1))
+  return Engine(CFG, mesh=mesh, num_slots=slots, max_prefill_length=16, max_target_length=48,
+                sampling=sampling, params=params, seed=seed)
+
+
+def _prompts(n, seed=0):
+  rng = np.random.default_rng(seed)
+  return [list(rng.integers(3, 17, size=int(rng.integers(2, 9)))) for _ in range(n)]
+
+
+def _run_slots(engine, params, prompts, steps):
+  state = engine.init_decode_state()
+  for slot, p in enumerate(prompts):
+    padded = np.zeros(16, np.int32)
+    padded[:len(p)] = p
+    prefix = engine.prefill(params=params, padded_tokens=padded, true_length=len(p))
+    state = engine.insert(prefix, state, slot)
+  toks, lps = [], []
+  for _ in range(steps):
+    state, t, lp = engine.step(params, state)
+    toks.append(np.asarray(t))
+    lps.append(np.asarray(lp))
+  return np.stack(toks, 1), np.stack(lps, 1)
+
+
+def test_greedy_engine_equals_full_forward_greedy(params):
+  engine = _engine(params, SamplingSettings(temperature=0.0))
+  p = engine.load_params()
+  prompts = _prompts(4)
+  toks, lps = _run_slots(engine, p, prompts, 12)
+  for i, prompt in enumerate(prompts):
+    seq = list(prompt)
+    for t in range(12):
+      logits = np.asarray(models.logits(CFG, params, np.array([seq], np.int32)))[0, -1]
+      nxt = int(np.argmax(logits))
+      assert toks[i, t] == nxt, (i, t)
+      lsm = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+      assert lps[i, t] == pytest.approx(lsm[nxt], abs=1e-4)
+      seq.append(nxt)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_recorded_logprobs_equal_recomputation(params, temperature):
+  engine = _engine(params, SamplingSettings(temperature=temperature), seed=3)
+  p = engine.load_params()
+  prompts = _prompts(4, seed=1)
+  toks, lps = _run_slots(engine, p, prompts, 20)
+  for i, prompt in enumerate(prompts):
+    seq = np.array(prompt + list(toks[i]), np.int32)[None]
+    ref = np.asarray(compute_logprobs(CFG, params, seq, np.arange(seq.shape[1])[None],
+                                      np.ones_like(seq), temperature=temperature))[0, len(prompt):]
+    np.testing.assert_allclose(lps[i], ref, atol=2e-5)
+
+
+def test_inserting_into_a_busy_batch_does_not_disturb_other_slots(params):
+  engine = _engine(params, SamplingSettings(temperature=0.0))
+  p = engine.load_params()
+  prompts = _prompts(4, seed=2)
+  alone, _ = _run_slots(engine, p, prompts[:1], 10)
+  state = engine.init_decode_state()
+  padded = np.zeros(16, np.int32)
+  padded[:len(prompts[0])] = prompts[0]
+  state = engine.insert(engine.prefill(params=p, padded_tokens=padded, true_length=len(prompts[0])),
+                        state, 0)
+  got = []
+  for step in range(10):
+    if step == 4:  # a new request arrives mid-way into slot 2
+      padded = np.zeros(16, np.int32)
+      padded[:len(prompts[1])] = prompts[1]
+      state = engine.insert(engine.prefill(params=p, padded_tokens=padded,
+                                           true_length=len(prompts[1])), state, 2)
+    state, t, _ = engine.step(p, state)
+    got.append(int(t[0]))
+  assert got == list(alone[0])
+
+
+@pytest.mark.parametrize("settings", [
+    SamplingSettings(temperature=1.0),
+    SamplingSettings(temperature=0.5),
+    SamplingSettings(temperature=1.0, top_k=3),
+    SamplingSettings(temperature=1.0, top_p=0.7),
+])
+def test_sampling_follows_the_configured_distribution(settings):
+  logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+  # Expected distribution computed independently in numpy.
+  z = logits.astype(np.float64) / settings.temperature
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  order = np.argsort(-p)
+  keep = np.zeros(6, bool)
+  if settings.top_k:
+    keep[order[:settings.top_k]] = True
+  else:
+    keep[:] = True
+  if settings.top_p < 1:
+    cum = np.cumsum(p[order]) - p[order]
+    keep_p = np.zeros(6, bool)
+    keep_p[order[cum < settings.top_p]] = True
+    keep &= keep_p
+  expected = np.where(keep, p, 0)
+  expected /= expected.sum()
+  n = 40000
+  tokens, logp = jax.jit(lambda k: sample(np.tile(logits, (n, 1)), k, settings))(jax.random.key(7))
+  counts = np.bincount(np.asarray(tokens), minlength=6)
+  assert np.all(counts[~keep] == 0)
+  f_exp = expected[keep] / expected[keep].sum() * counts[keep].sum()
+  _, pval = stats.chisquare(counts[keep], f_exp)
+  assert pval > 1e-3, (counts, expected * n)
+  # The recorded log-prob is that of the sampling distribution.
+  np.testing.assert_allclose(np.exp(np.asarray(logp)), expected[np.asarray(tokens)], rtol=1e-5)
+  masked = np.asarray(sampling_logits(logits[None], settings))[0]
+  assert np.all((masked < -1e29) == ~keep)
+
+
+def test_model_logprob_source_records_raw_distribution():
+  logits = np.array([[2.0, 1.0, 0.5]], np.float32)
+  settings = SamplingSettings(temperature=0.5, logprob_source="model")
+  tok, lp = sample(logits, jax.random.key(0), settings)
+  raw = logits[0] - np.log(np.exp(logits[0]).sum())
+  assert float(lp[0]) == pytest.approx(raw[int(tok[0])], abs=1e-6)
+
+
+def test_engine_rejects_bad_setup(params):
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  with pytest.raises(ValueError, match="num_slots=3 must be a multiple"):
+    Engine(CFG, mesh=mesh, num_slots=3, max_prefill_length=16, max_target_length=48)
+  with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
+    Engine(CFG, mesh=mesh, num_slots=2, max_prefill_length=16, max_target_length=65)
+  engine = _engine(params, SamplingSettings())
+  with pytest.raises(ValueError, match="true_length=20"):
+    engine.prefill(params=engine.load_params(), padded_tokens=np.zeros(32, np.int32), true_length=20)
+  with pytest.raises(ValueError, match="temperature=-1"):
+    SamplingSettings(temperature=-1)

@@ -1,0 +1,164 @@
+"""The decode server: continuous batching, interruptible weight updates, termination, errors."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from asyncrl_jax import models, sharding
+from asyncrl_jax.rl.logprobs import compute_logprobs
+from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
+from asyncrl_jax.tokenization import ArithmeticTokenizer
+
+CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, max_seq_len=64)
+
+
+def _params(seed, scale=3.0):
+  p = models.init_params(CFG, jax.random.key(seed))
+  return jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, p)
+
+
+@pytest.fixture(scope="module")
+def params_a():
+  return _params(0)
+
+
+@pytest.fixture(scope="module")
+def params_b():
+  return _params(1)
+
+
+class NoStopTokenizer(ArithmeticTokenizer):
+  """Never stops on a token, so lengths are controlled by max_new_tokens alone."""
+  stop_ids = (-1,)
+
+
+def _server(params, *, temperature=1.0, slots=4, tokenizer=None):
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(CFG, mesh=mesh, num_slots=slots, max_prefill_length=16, max_target_length=48,
+                  sampling=SamplingSettings(temperature=temperature), params=params, seed=5,
+                  tokenizer=tokenizer or ArithmeticTokenizer())
+  return DecodeServer(engine, params)
+
+
+def _requests(n, max_new=20, seed=0):
+  rng = np.random.default_rng(seed)
+  return [RolloutRequest(prompt_tokens=[1] + list(rng.integers(3, 17, int(rng.integers(2, 8)))),
+                         max_new_tokens=max_new, prompt_id=f"p{i}", group_id=i // 2) for i in range(n)]
+
+
+def _drain(server):
+  out = []
+  while not server.finished.empty():
+    out.append(server.finished.get())
+  return out
+
+
+def _recompute(params, traj):
+  seq = np.concatenate([traj.prompt_tokens, traj.completion_tokens])[None]
+  lp = compute_logprobs(CFG, params, seq, np.arange(seq.shape[1])[None], np.ones_like(seq))
+  return np.asarray(lp)[0, len(traj.prompt_tokens):]
+
+
+def test_interrupted_trajectories_record_versions_and_new_logprobs(params_a, params_b):
+  server = _server(params_a, tokenizer=NoStopTokenizer())
+  requests = _requests(6, max_new=20)
+  server.submit(*requests)
+  for _ in range(8):  # 4 slots busy for 8 steps (6 requests: 2 wait in the queue)
+    server.iteration()
+  server.update_weights(params_b, version=1)
+  server.run_until_idle()
+  trajectories = _drain(server)
+  assert sorted(t.trajectory_id for t in trajectories) == sorted(r.request_id for r in requests)
+  interrupted = [t for t in trajectories if t.num_interruptions]
+  assert len(interrupted) == 4
+  for t in trajectories:
+    assert t.finish_reason == "length" and len(t.completion_tokens) == 20
+    assert np.all(np.diff(t.versions) >= 0)
+    lp_a, lp_b = _recompute(params_a, t), _recompute(params_b, t)
+    v0 = t.versions == 0
+    np.testing.assert_allclose(t.logprobs[v0], lp_a[v0], atol=3e-5)
+    np.testing.assert_allclose(t.logprobs[~v0], lp_b[~v0], atol=3e-5)
+  for t in interrupted:
+    assert t.version_segments() == [(0, 0, 8), (1, 8, 20)]
+    assert abs(_recompute(params_a, t)[8:] - t.logprobs[8:]).max() > 1e-3  # really new weights
+  assert server.stats["interrupted_sequences"] == 4
+
+
+def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_b):
+  server = _server(params_a, temperature=0.0, tokenizer=NoStopTokenizer())
+  (request,) = _requests(1, max_new=12, seed=3)
+  server.submit(request)
+  for _ in range(5):
+    server.iteration()
+  server.update_weights(params_b, version=7)
+  server.run_until_idle()
+  (t,) = _drain(server)
+  seq = list(request.prompt_tokens)
+  for i in range(12):
+    p = params_a if i < 5 else params_b
+    seq.append(int(np.argmax(np.asarray(models.logits(CFG, p, np.array([seq], np.int32)))[0, -1])))
+  assert list(t.completion_tokens) == seq[len(request.prompt_tokens):]
+  assert list(t.versions) == [0] * 5 + [7] * 7
+
+
+def test_continuous_batching_keeps_slots_busy_and_stops_at_eos(params_a):
+  server = _server(params_a)
+  requests = _requests(16, max_new=24, seed=1)
+  server.submit(*requests)
+  server.run_until_idle()
+  out = _drain(server)
+  assert len(out) == 16 and len({t.trajectory_id for t in out}) == 16
+  for t in out:
+    assert t.finish_reason in ("eos", "length")
+    if t.finish_reason == "eos":
+      assert t.completion_tokens[-1] == 2 and 2 not in t.completion_tokens[:-1]
+    else:
+      assert len(t.completion_tokens) == 24
+    assert t.logprob_source == "sampling" and t.sampling["temperature"] == 1.0
+    assert t.tokenizer_id == "builtin-arithmetic-v1" and t.group_id >= 0
+  used = server.stats["tokens"] / server.stats["slot_steps"]
+  # Slots idle only while the queue has run dry at the very end.
+  assert used > 1 - 4 * 24 / server.stats["slot_steps"] - 1e-9
+
+
+def test_bad_requests_finish_with_an_error_and_abort_returns_partial_tokens(params_a):
+  server = _server(params_a, tokenizer=NoStopTokenizer())
+  too_long = RolloutRequest(prompt_tokens=[1] * 17, max_new_tokens=4)
+  too_many = RolloutRequest(prompt_tokens=[1, 3], max_new_tokens=47)
+  bad_id = RolloutRequest(prompt_tokens=[1, 99], max_new_tokens=4)
+  keep = RolloutRequest(prompt_tokens=[1, 3, 4], max_new_tokens=30)
+  server.submit(too_long, too_many, bad_id, keep)
+  for _ in range(3):
+    server.iteration()
+  server.abort(keep.request_id)
+  server.run_until_idle()
+  out = {t.trajectory_id: t for t in _drain(server)}
+  assert "more than the engine's max_prefill_length=16" in out[too_long.request_id].error
+  assert "exceeds the cache length" in out[too_many.request_id].error
+  assert "outside [0, 17)" in out[bad_id.request_id].error
+  assert out[keep.request_id].finish_reason == "aborted"
+  assert len(out[keep.request_id].completion_tokens) == 3
+
+
+def test_threaded_server_streams_to_a_callback(params_a, params_b):
+  got, done = [], threading.Event()
+
+  def on_trajectory(t):
+    got.append(t)
+    if len(got) == 8:
+      done.set()
+
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(CFG, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
+                  params=params_a)
+  server = DecodeServer(engine, params_a, on_trajectory=on_trajectory).start()
+  server.submit(*_requests(8, max_new=16, seed=4))
+  server.update_weights(params_b, version=1)
+  assert done.wait(120)
+  server.stop()
+  assert server.error is None and len(got) == 8
+  with pytest.raises(ValueError, match="not newer"):
+    server.update_weights(params_b, version=1)
