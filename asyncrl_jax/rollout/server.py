@@ -89,6 +89,14 @@ class DecodeServer:
       self._aborts.add(request_id)
       self._wake.notify()
 
+  def stream_to(self, sink: Callable[[Trajectory], None]) -> None:
+    """Sends finished trajectories to ``sink`` from now on (e.g. a gRPC service's outbox)."""
+    self._emit = sink
+
+  @property
+  def current_params(self):
+    return self._params
+
   @property
   def num_active(self) -> int:
     return sum(s is not None for s in self._slots)

@@ -1,0 +1,84 @@
+"""A decode server as its own process: ``python -m asyncrl_jax.rollout.main --config=configs/default.py``.
+
+It takes all of its process's devices as its rollout mesh, starts with the config's initial weights
+(``model.hf_path`` or the seeded random init, version 0), serves the rollout gRPC service on
+``rollout.host:rollout.port`` (127.0.0.1 by default; port 0 picks a free one, written to
+``--port_file``) and pulls new weights from the learner over ``jax.experimental.transfer`` when told to.
+"""
+
+from __future__ import annotations
+
+from asyncrl_jax import cli
+
+import os  # noqa: E402  pylint: disable=wrong-import-position
+
+cli.ensure_cpu_devices(int(os.environ.get("ASYNCRL_CPU_DEVICES", "2")))
+
+# pylint: disable=wrong-import-position
+import signal
+import threading
+
+import jax
+from absl import app, flags, logging
+
+from asyncrl_jax import config as config_lib
+from asyncrl_jax import models, sharding
+from asyncrl_jax.models.hf import read_hf_config
+from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.sampling import SamplingSettings
+from asyncrl_jax.rollout.server import DecodeServer
+from asyncrl_jax.rollout.service import RolloutService, serve
+from asyncrl_jax.transfer import WeightReceiver
+
+_CONFIG = cli.define_config_flag()
+_PORT_FILE = flags.DEFINE_string("port_file", "", "Write the bound port here once serving.")
+_SERVER_ID = flags.DEFINE_string("server_id", "decode-0", "Name recorded in trajectories.")
+
+
+def build_engine(config, devices, *, params=None) -> Engine:
+  """The engine an experiment config describes, on ``devices``."""
+  mesh = sharding.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
+  model_config = (models.config_from_hf(read_hf_config(config.model.hf_path),
+                                        config.model.hf_path, dtype=config.model.param_dtype)
+                  if config.model.hf_path else config_lib.model_config(config))
+  sampling = SamplingSettings(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
+                              top_p=config.rollout.top_p, logprob_source=config.rollout.logprob_source)
+  return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
+                max_prefill_length=config.data.max_prompt_len,
+                max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
+                sampling=sampling, tokenizer_path=config.data.tokenizer_path, params=params,
+                hf_path=config.model.hf_path, seed=config.seed)
+
+
+def main(argv=None) -> None:
+  def _main(args):
+    del args
+    config = cli.validated(_CONFIG.value)
+    engine = build_engine(config, jax.local_devices())
+    server = DecodeServer(engine, engine.load_params(), version=0, server_id=_SERVER_ID.value)
+    host = config.rollout.host
+    service = RolloutService(server, WeightReceiver(f"{host}:0"))
+    grpc_server, port = serve(service, host=host, port=config.rollout.port)
+    server.start()
+    logging.info("decode server %s on %s:%d (%d devices, %d slots)", _SERVER_ID.value, host, port,
+                 len(jax.local_devices()), engine.num_slots)
+    if _PORT_FILE.value:
+      tmp = _PORT_FILE.value + ".tmp"
+      with open(tmp, "w") as f:
+        f.write(str(port))
+      os.replace(tmp, _PORT_FILE.value)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(sig, lambda *_: done.set())
+    while not done.wait(1.0):
+      if server.error is not None:
+        logging.error("decode server failed: %r", server.error)
+        break
+    grpc_server.stop(grace=2).wait()
+    server.stop()
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()

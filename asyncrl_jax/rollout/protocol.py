@@ -1,0 +1,137 @@
+"""Protobuf messages of the rollout streaming service (``asyncrl.rollout.v1``), built at import time.
+
+The schema is declared here in code (equivalent .proto below) so no generated modules or protoc are
+needed and it works with any protobuf runtime. Only protobuf crosses the wire: nothing is pickled.
+
+  package asyncrl.rollout.v1;
+  message RolloutRequest { string request_id = 1; repeated int32 prompt_tokens = 2;
+                           int32 max_new_tokens = 3; string prompt_id = 4; int64 group_id = 5; }
+  message SubmitRequest  { repeated RolloutRequest requests = 1; }
+  message SubmitReply    { int32 accepted = 1; }
+  message StreamRequest  { int32 max_trajectories = 1; }        // 0: until cancelled
+  message Trajectory     { string trajectory_id = 1; string prompt_id = 2; int64 group_id = 3;
+                           repeated int32 prompt_tokens = 4; repeated int32 completion_tokens = 5;
+                           repeated float logprobs = 6; repeated int32 versions = 7;
+                           string finish_reason = 8; string logprob_source = 9;
+                           string sampling_json = 10; string tokenizer_id = 11; string server_id = 12;
+                           int32 num_interruptions = 13; string error = 14;
+                           double started_at = 15; double finished_at = 16; }
+  message WeightsNotice  { int64 version = 1; string address = 2; int64 uuid = 3; }
+  message WeightsReply   { int64 version = 1; double seconds = 2; int64 bytes = 3; }
+  message AbortRequest   { string request_id = 1; }
+  message Empty {}
+  message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
+                           int64 tokens = 5; string server_id = 6; string error = 7; }
+  service Rollout {
+    rpc Submit(SubmitRequest) returns (SubmitReply);
+    rpc Stream(StreamRequest) returns (stream Trajectory);
+    rpc UpdateWeights(WeightsNotice) returns (WeightsReply);
+    rpc Abort(AbortRequest) returns (Empty);
+    rpc Health(Empty) returns (HealthReply);
+  }
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
+
+PACKAGE = "asyncrl.rollout.v1"
+SERVICE = f"{PACKAGE}.Rollout"
+
+_F = descriptor_pb2.FieldDescriptorProto
+_TYPES = {"string": _F.TYPE_STRING, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64,
+          "float": _F.TYPE_FLOAT, "double": _F.TYPE_DOUBLE}
+
+_MESSAGES = {
+    "RolloutRequest": [("request_id", "string", 1), ("prompt_tokens", "int32*", 2),
+                       ("max_new_tokens", "int32", 3), ("prompt_id", "string", 4),
+                       ("group_id", "int64", 5)],
+    "SubmitRequest": [("requests", ".RolloutRequest*", 1)],
+    "SubmitReply": [("accepted", "int32", 1)],
+    "StreamRequest": [("max_trajectories", "int32", 1)],
+    "Trajectory": [("trajectory_id", "string", 1), ("prompt_id", "string", 2), ("group_id", "int64", 3),
+                   ("prompt_tokens", "int32*", 4), ("completion_tokens", "int32*", 5),
+                   ("logprobs", "float*", 6), ("versions", "int32*", 7), ("finish_reason", "string", 8),
+                   ("logprob_source", "string", 9), ("sampling_json", "string", 10),
+                   ("tokenizer_id", "string", 11), ("server_id", "string", 12),
+                   ("num_interruptions", "int32", 13), ("error", "string", 14),
+                   ("started_at", "double", 15), ("finished_at", "double", 16)],
+    "WeightsNotice": [("version", "int64", 1), ("address", "string", 2), ("uuid", "int64", 3)],
+    "WeightsReply": [("version", "int64", 1), ("seconds", "double", 2), ("bytes", "int64", 3)],
+    "AbortRequest": [("request_id", "string", 1)],
+    "Empty": [],
+    "HealthReply": [("status", "string", 1), ("version", "int64", 2), ("active", "int32", 3),
+                    ("queued", "int32", 4), ("tokens", "int64", 5), ("server_id", "string", 6),
+                    ("error", "string", 7)],
+}
+
+METHODS = {  # name: (request, reply, server streaming)
+    "Submit": ("SubmitRequest", "SubmitReply", False),
+    "Stream": ("StreamRequest", "Trajectory", True),
+    "UpdateWeights": ("WeightsNotice", "WeightsReply", False),
+    "Abort": ("AbortRequest", "Empty", False),
+    "Health": ("Empty", "HealthReply", False),
+}
+
+
+def _build():
+  file = descriptor_pb2.FileDescriptorProto(name="asyncrl_rollout_v1.proto", package=PACKAGE,
+                                            syntax="proto3")
+  for name, fields in _MESSAGES.items():
+    msg = file.message_type.add(name=name)
+    for field_name, kind, number in fields:
+      repeated = kind.endswith("*")
+      kind = kind.rstrip("*")
+      f = msg.field.add(name=field_name, number=number,
+                        label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
+      if kind.startswith("."):
+        f.type, f.type_name = _F.TYPE_MESSAGE, f".{PACKAGE}{kind}"
+      else:
+        f.type = _TYPES[kind]
+  pool = descriptor_pool.DescriptorPool()
+  pool.Add(file)
+  return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{name}"))
+          for name in _MESSAGES}
+
+
+MESSAGES = _build()
+
+
+def request_to_pb(r: RolloutRequest):
+  return MESSAGES["RolloutRequest"](request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
+                                    max_new_tokens=r.max_new_tokens, prompt_id=r.prompt_id,
+                                    group_id=r.group_id)
+
+
+def request_from_pb(m) -> RolloutRequest:
+  if not m.request_id:
+    raise ValueError("RolloutRequest.request_id is empty (trajectory ids must be unique)")
+  return RolloutRequest(prompt_tokens=list(m.prompt_tokens), max_new_tokens=m.max_new_tokens,
+                        request_id=m.request_id, prompt_id=m.prompt_id, group_id=m.group_id)
+
+
+def trajectory_to_pb(t: Trajectory):
+  return MESSAGES["Trajectory"](
+      trajectory_id=t.trajectory_id, prompt_id=t.prompt_id, group_id=t.group_id,
+      prompt_tokens=t.prompt_tokens.tolist(), completion_tokens=t.completion_tokens.tolist(),
+      logprobs=t.logprobs.tolist(), versions=t.versions.tolist(), finish_reason=t.finish_reason,
+      logprob_source=t.logprob_source, sampling_json=json.dumps(t.sampling, sort_keys=True),
+      tokenizer_id=t.tokenizer_id, server_id=t.server_id, num_interruptions=t.num_interruptions,
+      error=t.error, started_at=t.started_at, finished_at=t.finished_at)
+
+
+def trajectory_from_pb(m) -> Trajectory:
+  return Trajectory(
+      trajectory_id=m.trajectory_id, prompt_id=m.prompt_id, group_id=m.group_id,
+      prompt_tokens=np.asarray(m.prompt_tokens, np.int32),
+      completion_tokens=np.asarray(m.completion_tokens, np.int32),
+      logprobs=np.asarray(m.logprobs, np.float32), versions=np.asarray(m.versions, np.int32),
+      finish_reason=m.finish_reason, logprob_source=m.logprob_source,
+      sampling=json.loads(m.sampling_json or "{}"), tokenizer_id=m.tokenizer_id,
+      server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
+      started_at=m.started_at, finished_at=m.finished_at)

@@ -1,0 +1,120 @@
+"""The rollout gRPC service in process, and a decode server in its own process receiving weights."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from asyncrl_jax import config as config_lib
+from asyncrl_jax import models, sharding
+from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
+from asyncrl_jax.rollout.service import RolloutClient, RolloutService, serve
+from asyncrl_jax.transfer import WeightSender, uuid_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, max_seq_len=64)
+
+
+def _greedy_reference(config, params, prompt, n, stop=2):
+  seq = list(prompt)
+  for _ in range(n):
+    nxt = int(np.argmax(np.asarray(models.logits(config, params, np.array([seq], np.int32)))[0, -1]))
+    seq.append(nxt)
+    if nxt == stop:
+      break
+  return seq[len(prompt):]
+
+
+@pytest.fixture()
+def local_service():
+  params = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, models.init_params(CFG, jax.random.key(0)))
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(CFG, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
+                  sampling=SamplingSettings(temperature=0.0), params=params)
+  server = DecodeServer(engine, params, server_id="local")
+  service = RolloutService(server)
+  grpc_server, port = serve(service)
+  server.start()
+  client = RolloutClient(f"127.0.0.1:{port}")
+  client.wait_ready(30)
+  yield params, client, service
+  client.close()
+  grpc_server.stop(0)
+  server.stop()
+
+
+def test_grpc_submit_stream_health(local_service):
+  params, client, _ = local_service
+  prompts = [[1, 3 + i, 5, 13] for i in range(6)]
+  requests = [RolloutRequest(prompt_tokens=p, max_new_tokens=10, prompt_id=f"q{i}")
+              for i, p in enumerate(prompts)]
+  assert client.submit(requests) == 6
+  got = {t.trajectory_id: t for t in client.stream(max_trajectories=6, timeout=120)}
+  assert set(got) == {r.request_id for r in requests}
+  for r in requests:
+    t = got[r.request_id]
+    assert list(t.completion_tokens) == _greedy_reference(CFG, params, r.prompt_tokens, 10)
+    assert t.logprobs.dtype == np.float32 and len(t.versions) == len(t.completion_tokens)
+    assert t.server_id == "local" and t.sampling["temperature"] == 0.0
+  health = client.health()
+  assert health.status == "serving" and health.active == 0 and health.tokens > 0
+
+
+def test_stream_deadline_and_cancellation_lose_nothing(local_service):
+  _, client, service = local_service
+  import grpc
+  with pytest.raises(grpc.RpcError) as e:
+    list(client.stream(max_trajectories=1, timeout=0.5))  # nothing submitted: deadline passes
+  assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+  requests = [RolloutRequest(prompt_tokens=[1, 4, 13], max_new_tokens=6) for _ in range(4)]
+  client.submit(requests)
+  first = next(iter(client.stream(timeout=60)))  # take one, then cancel the stream
+  rest = list(client.stream(max_trajectories=3, timeout=60))
+  ids = [first.trajectory_id] + [t.trajectory_id for t in rest]
+  while not service.outbox.empty():  # a cancelled stream may re-deliver its in-flight item
+    ids.append(service.outbox.get().trajectory_id)
+  assert set(ids) == {r.request_id for r in requests}
+
+
+def test_decode_server_process_pulls_weights_from_another_process(tmp_path):
+  port_file = tmp_path / "port"
+  env = dict(os.environ, ASYNCRL_CPU_DEVICES="2", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  overrides = ["--config.rollout.temperature=0", "--config.rollout.num_slots=4",
+               "--config.data.max_completion_len=24", "--config.seed=11"]
+  proc = subprocess.Popen([sys.executable, "-m", "asyncrl_jax.rollout.main",
+                           f"--config={ROOT}/configs/default.py", f"--port_file={port_file}",
+                           "--server_id=proc-0", *overrides],
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.time() + 120
+    while not port_file.exists():
+      assert proc.poll() is None, proc.stdout.read()[-3000:]
+      assert time.time() < deadline, "decode server did not start"
+      time.sleep(0.2)
+    client = RolloutClient(f"127.0.0.1:{port_file.read_text()}")
+    client.wait_ready(30)
+    from configs.default import get_config  # pylint: disable=import-outside-toplevel
+    model = config_lib.model_config(get_config())
+    learner_mesh = sharding.make_mesh(jax.devices()[:2], dict(data=1, fsdp=-1, tensor=1))
+    # Sharded on a learner mesh, and not the server's seed-11 init.
+    new_params = models.init_params(model, jax.random.key(12345), mesh=learner_mesh)
+    new_params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, new_params)
+    sender = WeightSender("127.0.0.1:0")
+    sender.offer(new_params, uuid_for(1, 0))
+    reply = client.update_weights(version=1, address=sender.address, uuid=uuid_for(1, 0), timeout=120)
+    assert reply.version == 1 and reply.bytes == sum(x.nbytes for x in jax.tree.leaves(new_params))
+    prompt = [1, 5, 13, 7, 14]
+    request = RolloutRequest(prompt_tokens=prompt, max_new_tokens=12)
+    client.submit([request])
+    (t,) = list(client.stream(max_trajectories=1, timeout=120))
+    assert t.trajectory_id == request.request_id and set(t.versions) == {1}
+    assert list(t.completion_tokens) == _greedy_reference(model, new_params, prompt, 12)
+    assert client.health().version == 1
+  finally:
+    proc.terminate()
+    proc.wait(30)
