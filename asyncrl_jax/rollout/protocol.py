@@ -19,6 +19,7 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   message WeightsNotice  { int64 version = 1; string address = 2; int64 uuid = 3; }
   message WeightsReply   { int64 version = 1; double seconds = 2; int64 bytes = 3; }
   message AbortRequest   { string request_id = 1; }
+  message AckRequest     { repeated string trajectory_ids = 1; }
   message Empty {}
   message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
                            int64 tokens = 5; string server_id = 6; string error = 7; }
@@ -26,6 +27,7 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
     rpc Submit(SubmitRequest) returns (SubmitReply);
     rpc Stream(StreamRequest) returns (stream Trajectory);
     rpc UpdateWeights(WeightsNotice) returns (WeightsReply);
+    rpc Ack(AckRequest) returns (Empty);
     rpc Abort(AbortRequest) returns (Empty);
     rpc Health(Empty) returns (HealthReply);
   }
@@ -64,6 +66,7 @@ _MESSAGES = {
     "WeightsNotice": [("version", "int64", 1), ("address", "string", 2), ("uuid", "int64", 3)],
     "WeightsReply": [("version", "int64", 1), ("seconds", "double", 2), ("bytes", "int64", 3)],
     "AbortRequest": [("request_id", "string", 1)],
+    "AckRequest": [("trajectory_ids", "string*", 1)],
     "Empty": [],
     "HealthReply": [("status", "string", 1), ("version", "int64", 2), ("active", "int32", 3),
                     ("queued", "int32", 4), ("tokens", "int64", 5), ("server_id", "string", 6),
@@ -74,6 +77,7 @@ METHODS = {  # name: (request, reply, server streaming)
     "Submit": ("SubmitRequest", "SubmitReply", False),
     "Stream": ("StreamRequest", "Trajectory", True),
     "UpdateWeights": ("WeightsNotice", "WeightsReply", False),
+    "Ack": ("AckRequest", "Empty", False),
     "Abort": ("AbortRequest", "Empty", False),
     "Health": ("Empty", "HealthReply", False),
 }

@@ -2,8 +2,10 @@
 
 * ``Submit``: queue rollout requests.
 * ``Stream``: server-streams finished trajectories as they complete; ends after ``max_trajectories``
-  (0: until the client cancels or its deadline passes). Delivery is at-least-once: a trajectory in
-  flight when a stream breaks is queued again, so consumers drop duplicates by ``trajectory_id``.
+  (0: until the client cancels or its deadline passes).
+* ``Ack``: the client confirms receipt. A trajectory sent on a stream that ends (cancelled, deadline,
+  client gone) without an ack is queued again, so delivery is at-least-once and consumers drop
+  duplicates by ``trajectory_id``. ``RolloutClient.stream`` acks every trajectory on receipt.
 * ``UpdateWeights``: pull version ``v`` from the learner's transfer server and switch to it
   (in-flight sequences are interrupted and resumed under the new weights).
 * ``Abort``, ``Health``.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent import futures
 from typing import Iterator, Optional, Sequence
 
@@ -39,6 +42,8 @@ class RolloutService:
     self.outbox: "queue.Queue[Trajectory]" = queue.Queue()
     server.stream_to(self.outbox.put)
     self._weights_lock = threading.Lock()
+    self._unacked: dict[str, Trajectory] = {}
+    self._unacked_lock = threading.Lock()
 
   def Submit(self, request, context):
     try:
@@ -49,23 +54,41 @@ class RolloutService:
     return M["SubmitReply"](accepted=len(requests))
 
   def Stream(self, request, context) -> Iterator:
-    sent, limit = 0, request.max_trajectories
-    while context.is_active() and (limit <= 0 or sent < limit):
-      try:
-        t = self.outbox.get(timeout=0.2)
-      except queue.Empty:
-        if self.server.error is not None:
-          context.abort(grpc.StatusCode.INTERNAL, f"decode server failed: {self.server.error!r}")
-        continue
-      if not context.is_active():
-        self.outbox.put(t)  # the client went away: keep it for the next stream
-        break
-      try:
+    sent: list[str] = []
+    limit = request.max_trajectories
+    try:
+      while context.is_active() and (limit <= 0 or len(sent) < limit):
+        try:
+          t = self.outbox.get(timeout=0.2)
+        except queue.Empty:
+          if self.server.error is not None:
+            context.abort(grpc.StatusCode.INTERNAL, f"decode server failed: {self.server.error!r}")
+          continue
+        with self._unacked_lock:
+          self._unacked[t.trajectory_id] = t
+        sent.append(t.trajectory_id)
         yield protocol.trajectory_to_pb(t)
-      except GeneratorExit:
-        self.outbox.put(t)  # possibly undelivered: deliver again (consumers dedupe by id)
-        raise
-      sent += 1
+      deadline = time.time() + 2.0  # finished normally: give the client a moment to ack the last ones
+      while context.is_active() and time.time() < deadline and self._any_unacked(sent):
+        time.sleep(0.01)
+    finally:
+      self._requeue_unacked(sent)
+
+  def _any_unacked(self, ids) -> bool:
+    with self._unacked_lock:
+      return any(i in self._unacked for i in ids)
+
+  def _requeue_unacked(self, ids) -> None:
+    with self._unacked_lock:
+      lost = [self._unacked.pop(i) for i in ids if i in self._unacked]
+    for t in lost:
+      self.outbox.put(t)
+
+  def Ack(self, request, context):
+    with self._unacked_lock:
+      for i in request.trajectory_ids:
+        self._unacked.pop(i, None)
+    return M["Empty"]()
 
   def UpdateWeights(self, request, context):
     if self.receiver is None:
@@ -136,7 +159,9 @@ class RolloutClient:
     call = self._calls["Stream"](M["StreamRequest"](max_trajectories=max_trajectories), timeout=timeout)
     try:
       for m in call:
-        yield protocol.trajectory_from_pb(m)
+        t = protocol.trajectory_from_pb(m)
+        self._calls["Ack"](M["AckRequest"](trajectory_ids=[t.trajectory_id]), timeout=30)
+        yield t
     finally:
       call.cancel()
 
