@@ -49,6 +49,7 @@ class DecodeState:
   logits: jax.Array  # [S, V] next-token logits of each slot
   positions: jax.Array  # [S] where the next token goes (= tokens in the slot so far)
   generated: jax.Array  # [S] tokens generated since the slot was filled
+  budget: jax.Array  # [S] tokens the slot may still generate; 0 = idle (finished or never filled)
   rng: jax.Array
 
 
@@ -136,14 +137,18 @@ class Engine(engine_api.Engine):
     self.max_target_length = max_target_length
     self.sampling = sampling
     self.tokenizer = tokenizer or load_tokenizer(tokenizer_path)
+    self._stop_ids = np.asarray(sorted(self.tokenizer.stop_ids), np.int32)
     self.tokenizer_path = tokenizer_path
     self._params, self._hf_path, self._seed = params, hf_path, seed
     self.param_shardings = models.param_shardings(config, mesh)
     self._slot_sharding = sharding_lib.batch_sharding(mesh, 1)
     self._replicated = sharding_lib.replicated(mesh)
+    self._make_state = None
     self._jit_prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
     self._jit_insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._jit_step = jax.jit(self._step_impl, donate_argnums=(1,))
+    self._jit_steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnums=(2,))
+    self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
     self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
 
   # ------------------------------------------------------------------ JetStream API: properties
@@ -199,18 +204,24 @@ class Engine(engine_api.Engine):
 
   def init_decode_state(self, *args, **kwargs) -> DecodeState:
     del args, kwargs
+    if self._make_state is None:
+      self._make_state = self._build_make_state()
+    return self._make_state()
+
+  def _build_make_state(self):
     c, s, length = self.config, self.num_slots, self.max_target_length
     cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
 
     @functools.partial(jax.jit, out_shardings=DecodeState(
         cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
-        positions=self._slot_sharding, generated=self._slot_sharding, rng=self._replicated))
+        positions=self._slot_sharding, generated=self._slot_sharding, budget=self._slot_sharding,
+        rng=self._replicated))
     def make():
       return DecodeState(cache=models.init_cache(c, s, length),
                          logits=jnp.zeros((s, c.vocab_size), jnp.float32),
                          positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
-                         rng=jax.random.key(self._seed))
-    return make()
+                         budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed))
+    return make
 
   def prefill(self, *, params, existing_prefix: Optional[Prefix] = None, padded_tokens,
               true_length: int) -> Prefix:
@@ -241,6 +252,50 @@ class Engine(engine_api.Engine):
   def step(self, params, decode_state: DecodeState):
     """One decode step for every slot: (new state, sampled tokens [S], their log-probs [S])."""
     return self._jit_step(params, decode_state)
+
+  def steps(self, params, decode_state: DecodeState, max_steps: int):
+    """Up to ``max_steps`` fused decode steps, stopping early after the step in which any busy slot
+    finishes (emits a stop token or exhausts its ``budget``), so freed slots can be refilled at once.
+
+    Returns (new state, tokens [S, max_steps], log-probs [S, max_steps], steps taken n): columns
+    ``>= n`` are unused. Fewer dispatches and host round trips per token when nothing finishes.
+    """
+    return self._jit_steps(params, decode_state, max_steps)
+
+  def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
+                     slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None
+                     ) -> DecodeState:
+    """Prefills several prompts in one batched pass and inserts them into ``slots``.
+
+    Each slot may then generate ``max_new_tokens[i]`` tokens (default: until the cache is full).
+
+    The batch is padded to a power of two (padding rows target slot ``S`` and are dropped), and the
+    width to a prefill bucket, so only a few shapes are ever compiled.
+    """
+    if len(prompts) != len(slots) or not prompts:
+      raise ValueError("prefill_insert needs one slot per prompt and at least one prompt")
+    longest = max(len(p) for p in prompts)
+    if longest > self._max_prefill:
+      raise ValueError(f"a prompt has {longest} tokens, more than max_prefill_length={self._max_prefill}")
+    n = 1 << (len(prompts) - 1).bit_length()
+    width = bucket_length(longest, self._max_prefill)
+    tokens = np.zeros((n, width), np.int32)
+    lengths = np.ones(n, np.int32)
+    slot_ids = np.full(n, self.num_slots, np.int32)
+    budgets = np.zeros(n, np.int32)
+    for i, (p, slot) in enumerate(zip(prompts, slots)):
+      if not 0 <= slot < self.num_slots:
+        raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+      room = self.max_target_length - len(p)
+      budget = room if max_new_tokens is None else int(max_new_tokens[i])
+      if not 1 <= budget <= room:
+        raise ValueError(f"prompt {i}: max_new_tokens={budget} must be in [1, {room}] (cache room)")
+      tokens[i, :len(p)] = p
+      lengths[i] = len(p)
+      slot_ids[i] = slot
+      budgets[i] = budget
+    return self._jit_prefill_insert(params, decode_state, jnp.asarray(tokens), jnp.asarray(lengths),
+                                    jnp.asarray(slot_ids), jnp.asarray(budgets))
 
   def refill(self, params, decode_state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
     """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
@@ -277,7 +332,8 @@ class Engine(engine_api.Engine):
     return state.replace(
         cache=cache, logits=put(state.logits, prefix.logits),
         positions=state.positions.at[slot].set(prefix.length),
-        generated=state.generated.at[slot].set(0))
+        generated=state.generated.at[slot].set(0),
+        budget=state.budget.at[slot].set(self.max_target_length - prefix.length))
 
   def _step_impl(self, params, state: DecodeState):
     rng, key = jax.random.split(state.rng)
@@ -285,9 +341,47 @@ class Engine(engine_api.Engine):
     positions = jnp.minimum(state.positions, self.max_target_length - 1)
     logits, cache = models.apply_decode(self.config, params, tokens[:, None], positions[:, None],
                                         state.cache, self._mesh)
+    active = state.budget > 0
+    finishing = active & (jnp.isin(tokens, self._stop_ids) | (state.budget == 1))
+    budget = jnp.where(finishing, 0, jnp.maximum(state.budget - 1, 0))
     new_state = DecodeState(cache=cache, logits=logits[:, 0], positions=state.positions + 1,
-                            generated=state.generated + 1, rng=rng)
+                            generated=state.generated + 1, budget=budget, rng=rng)
     return new_state, tokens, logp
+
+  def _steps_impl(self, params, state: DecodeState, max_steps: int):
+    s = self.num_slots
+
+    def cond(carry):
+      i, state, _, _, _ = carry
+      any_finished = jnp.any((carry[4] > 0) & (state.budget == 0))
+      return (i < max_steps) & ~any_finished & jnp.any(state.budget > 0)
+
+    def body(carry):
+      i, state, tokens, logps, was_active = carry
+      state, tok, lp = self._step_impl(params, state)
+      return i + 1, state, tokens.at[:, i].set(tok), logps.at[:, i].set(lp), was_active
+
+    init = (jnp.int32(0), state, jnp.zeros((s, max_steps), jnp.int32),
+            jnp.zeros((s, max_steps), jnp.float32), state.budget)
+    n, state, tokens, logps, _ = jax.lax.while_loop(cond, body, init)
+    return state, tokens, logps, n
+
+  def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n):
+    n, p = tokens_np.shape
+    cache = models.init_cache(self.config, n, p)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, cache)
+    last = jnp.take_along_axis(logits, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
+    rows, cols = slots_n[:, None], jnp.arange(p)[None, :]
+    # Out-of-range slot ids (the padding rows) are dropped by the scatter.
+    new_cache = jax.tree.map(lambda big, small: big.at[rows, cols].set(small.astype(big.dtype),
+                                                                        mode="drop"),
+                             state.cache, cache)
+    return state.replace(cache=new_cache,
+                         logits=state.logits.at[slots_n].set(last, mode="drop"),
+                         positions=state.positions.at[slots_n].set(lengths_n, mode="drop"),
+                         generated=state.generated.at[slots_n].set(0, mode="drop"),
+                         budget=state.budget.at[slots_n].set(budgets_n, mode="drop"))
 
   def _refill_impl(self, params, state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
     s, p = tokens_sp.shape

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from asyncrl_jax.rollout.engine import Engine, bucket_length
+from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory, _Building
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,17 @@ class DecodeServer:
     server_id: recorded in every trajectory.
     on_trajectory: called (from the loop thread) with each finished trajectory; if None they are put on
       ``self.finished``.
+    steps_per_call: most decode steps fused into one device call. A call ends early, after the step in
+      which any busy slot finishes, so freed slots are refilled promptly; when nothing finishes, long
+      calls amortise dispatch and host round trips. A weight update takes effect at the next call
+      boundary, so this also bounds how many tokens the old weights produce after an update.
   """
 
   def __init__(self, engine: Engine, params, *, version: int = 0, server_id: str = "decode-0",
-               on_trajectory: Optional[Callable[[Trajectory], None]] = None):
+               on_trajectory: Optional[Callable[[Trajectory], None]] = None, steps_per_call: int = 16):
+    if steps_per_call < 1:
+      raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+    self.steps_per_call = steps_per_call
     self.engine = engine
     self.server_id = server_id
     self.finished: "queue.Queue[Trajectory]" = queue.Queue()
@@ -59,6 +66,7 @@ class DecodeServer:
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._slots: list[Optional[_Building]] = [None] * engine.num_slots
+    self._inflight: Optional[tuple] = None  # (tokens, logp, slot occupants, version) of a launched chunk
     self._state = engine.init_decode_state()
     self._thread: Optional[threading.Thread] = None
     self._stop = threading.Event()
@@ -108,7 +116,8 @@ class DecodeServer:
 
   def idle(self) -> bool:
     with self._lock:
-      return not self._requests and self._pending is None and self.num_active == 0
+      return (not self._requests and self._pending is None and self.num_active == 0
+              and self._inflight is None)
 
   def start(self) -> "DecodeServer":
     if self._thread is None:
@@ -144,20 +153,28 @@ class DecodeServer:
       self._fail_all(repr(e))
 
   def iteration(self, block: bool = False) -> None:
-    """One pass: weights, aborts, slot refill, one decode step."""
+    """One pass: weights, aborts, launch the next decode chunk, process the previous one, refill slots.
+
+    The next chunk is dispatched before the previous chunk's tokens are read back, so the host's
+    bookkeeping overlaps the device's decoding. Slots freed by the previous chunk are refilled after
+    the next one was launched; that chunk's tokens for them are discarded.
+    """
     with self._wake:
       if block and not self._requests and self._pending is None and not self._aborts \
-          and self.num_active == 0 and not self._stop.is_set():
+          and self.num_active == 0 and self._inflight is None and not self._stop.is_set():
         self._wake.wait(timeout=0.5)
       pending, self._pending = self._pending, None
       aborts, self._aborts = self._aborts, set()
+    if pending is not None or aborts:
+      self._collect()  # weight refills and aborts need every token generated so far
     if pending is not None:
       self._apply_weights(*pending)
     if aborts:
       self._apply_aborts(aborts)
+    launched = self._launch() if self.num_active else None
+    self._collect()
+    self._inflight = launched
     self._fill_slots()
-    if self.num_active:
-      self._decode_step()
 
   def _apply_weights(self, params, version: int) -> None:
     t = time.perf_counter()
@@ -212,40 +229,63 @@ class DecodeServer:
 
   def _fill_slots(self) -> None:
     free = [i for i, s in enumerate(self._slots) if s is None]
-    while free:
+    starting: list[RolloutRequest] = []
+    while len(starting) < len(free):
       with self._lock:
         if not self._requests:
-          return
+          break
         request = self._requests.popleft()
       error = self._validate(request)
       if error:
         self._emit(_Building(request).finish("error", error=error, **self._meta))
         self.stats["rejected_requests"] += 1
         continue
-      slot = free.pop(0)
-      prompt = np.asarray(request.prompt_tokens, np.int32)
-      padded = np.zeros(bucket_length(len(prompt), self.engine.max_prefill_length), np.int32)
-      padded[:len(prompt)] = prompt
-      prefix = self.engine.prefill(params=self._params, padded_tokens=padded, true_length=len(prompt))
-      self._state = self.engine.insert(prefix, self._state, slot)
+      starting.append(request)
+    if not starting:
+      return
+    slots = free[:len(starting)]
+    self._state = self.engine.prefill_insert(self._params, self._state,
+                                             [r.prompt_tokens for r in starting], slots,
+                                             [r.max_new_tokens for r in starting])
+    for slot, request in zip(slots, starting):
       self._slots[slot] = _Building(request)
-      self.stats["started"] += 1
+    self.stats["started"] += len(starting)
 
-  def _decode_step(self) -> None:
-    self._state, tokens, logp = self.engine.step(self._params, self._state)
-    tokens, logp = jax.device_get((tokens, logp))
-    self.stats["steps"] += 1
-    self.stats["slot_steps"] += self.engine.num_slots
-    version = self.version
+  def _launch(self) -> tuple:
+    self._state, tokens, logp, n = self.engine.steps(self._params, self._state, self.steps_per_call)
+    for x in (tokens, logp, n):
+      x.copy_to_host_async()
+    return tokens, logp, n, list(self._slots), self.version
+
+  def _collect(self) -> None:
+    """Records the in-flight chunk's tokens for the sequences that were in their slots at launch.
+
+    Finishing mirrors the device's rule (stop token, or ``max_new_tokens`` reached), so a slot the host
+    frees is exactly a slot the device stopped counting as busy.
+    """
+    if self._inflight is None:
+      return
+    tokens, logp, n, occupants, version = self._inflight
+    self._inflight = None
+    tokens, logp, n = jax.device_get((tokens, logp, n))
+    k = int(n)
+    if k == 0:  # nothing was busy on the device when the chunk ran
+      return
+    tokens, logp = tokens[:, :k], logp[:, :k]
+    self.stats["steps"] += k
+    self.stats["slot_steps"] += k * self.engine.num_slots
     is_stop = np.isin(tokens, self._stop_ids)
-    for i, b in enumerate(self._slots):
-      if b is None:
+    first_stop = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1), k)
+    for i, b in enumerate(occupants):
+      if b is None or b.done:
         continue
-      b.tokens.append(int(tokens[i]))
-      b.logprobs.append(float(logp[i]))
-      b.versions.append(version)
-      self.stats["tokens"] += 1
-      if is_stop[i]:
+      room = b.request.max_new_tokens - len(b.tokens)
+      take = min(int(first_stop[i]) + 1, room, k)
+      b.tokens.extend(tokens[i, :take].tolist())
+      b.logprobs.extend(logp[i, :take].tolist())
+      b.versions.extend([version] * take)
+      self.stats["tokens"] += take
+      if take == first_stop[i] + 1:  # the stop token itself was taken
         self._finish(i, "eos")
       elif len(b.tokens) >= b.request.max_new_tokens:
         self._finish(i, "length")
@@ -253,10 +293,12 @@ class DecodeServer:
   def _finish(self, slot: int, reason: str, error: str = "") -> None:
     b = self._slots[slot]
     self._slots[slot] = None
+    b.done = True
     self.stats[f"finished_{reason}"] += 1
     self._emit(b.finish(reason, error=error, **self._meta))
 
   def _fail_all(self, message: str) -> None:
+    self._inflight = None
     for i, b in enumerate(self._slots):
       if b is not None:
         self._finish(i, "error", message)

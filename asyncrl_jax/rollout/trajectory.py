@@ -89,6 +89,7 @@ class _Building:
     self.logprobs: list[float] = []
     self.versions: list[int] = []
     self.interruptions = 0
+    self.done = False
     self.started_at = time.time()
 
   def finish(self, reason: str, *, logprob_source: str, sampling: dict, tokenizer_id: str,
