@@ -54,6 +54,8 @@ def base_config() -> ml_collections.ConfigDict:
       tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
       max_prompt_len=48, max_completion_len=160, shuffle_buffer=1024,
       min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
+      num_train=20000, num_test=500,  # built-in task: problems per split
+      eval_problems=256,  # held-out problems per evaluation
   ))
   c.rollout = ml_collections.ConfigDict(dict(
       num_servers=1, num_slots=32, temperature=1.0, top_p=1.0, top_k=0,
@@ -64,6 +66,10 @@ def base_config() -> ml_collections.ConfigDict:
       batch_size=32,  # trajectories per policy update (B in the staleness bound)
       token_budget=4096,  # tokens per micro-batch (dynamic micro-batching)
       learning_rate=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999,
+      ppo_minibatches=1,  # optimizer updates per global batch (prox is fixed for all of them)
+      eval_every=10,  # policy versions between held-out evaluations
+      warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
+      warm_start_batch=128, warm_start_lr=1e-3,
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
@@ -125,7 +131,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.data.task != "arithmetic":
     _check(bool(config.data.path), "data.path", config.data.path,
            f"required (a file or directory) when data.task={config.data.task!r}")
-  for f in ("data.max_prompt_len", "data.max_completion_len", "data.shuffle_buffer"):
+  for f in ("data.max_prompt_len", "data.max_completion_len", "data.shuffle_buffer", "data.num_train",
+            "data.num_test", "data.eval_problems"):
     _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
   _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,
@@ -153,6 +160,13 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "learner.grad_clip", lambda v: v > 0, "a number > 0")
   _number(config, "learner.b1", lambda v: 0 <= v < 1, "a number in [0, 1)")
   _number(config, "learner.b2", lambda v: 0 <= v < 1, "a number in [0, 1)")
+  _number(config, "learner.ppo_minibatches", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _check(config.learner.ppo_minibatches <= config.learner.batch_size, "learner.ppo_minibatches",
+         config.learner.ppo_minibatches, f"must be <= learner.batch_size ({config.learner.batch_size})")
+  _number(config, "learner.eval_every", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "learner.warm_start_steps", lambda v: v >= 0, "an integer >= 0", integer=True)
+  _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
   if not config.model.hf_path:
     longest = config.data.max_prompt_len + config.data.max_completion_len
     _check(config.learner.token_budget >= longest, "learner.token_budget", config.learner.token_budget,

@@ -1,12 +1,13 @@
 """The main job: ``python -m asyncrl_jax.train --config=configs/default.py --workdir=DIR``.
 
-Status: the asynchronous RL loop (controller, decode servers, learner, weight transfer, checkpoints) is
-not built yet. Until it is, this entry point runs the pieces that exist, in the order the loop will use
-them, and says so:
+setup -> meshes (rollout : learner split of the devices) -> data (TFDS array_record + grain) -> model
+(resume from DIR/checkpoints, else ``model.hf_path``, else random init + supervised warm start) ->
+learner (learner mesh) -> decode server (rollout mesh, its own thread) -> controller (staleness-bounded
+admission, rewards, batches) -> loop: batch -> update -> publish version v+1 -> checkpoint / evaluate.
 
-  setup -> meshes (rollout : learner split) -> model initialised sharded on the learner mesh (or loaded
-  from ``model.hf_path``) -> weights moved to the rollout mesh -> greedy KV-cache decoding of built-in
-  problems on the rollout mesh -> exact-answer rewards -> ``WORKDIR/summary.json``.
+Writes ``DIR/metrics.jsonl``, TensorBoard events in ``DIR/tb``, ``DIR/progress.png``,
+``DIR/trained_prompts.jsonl`` and ``DIR/summary.json``. Killed at any point, the same command resumes
+from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -23,101 +24,326 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
-from asyncrl_jax.data import arithmetic
+from asyncrl_jax.checkpoint import Checkpointer
+from asyncrl_jax.controller import Controller
+from asyncrl_jax.data import builder as builder_lib
+from asyncrl_jax.data import pipeline
+from asyncrl_jax.learner import Learner
 from asyncrl_jax.models.generate import greedy_generate
+from asyncrl_jax.rewards import reward_fn
+from asyncrl_jax.rl.staleness import StalenessManager
+from asyncrl_jax.rollout.engine import engine_from_config
+from asyncrl_jax.rollout.server import DecodeServer
+from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
+from asyncrl_jax.transfer import local_transfer
 
 _CONFIG = cli.define_config_flag()
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, checkpoints and summaries.")
-_NUM_PROBLEMS = flags.DEFINE_integer("num_problems", 16, "Built-in problems to decode in the demo.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
 
 
-def _log(msg: str) -> None:
+def _say(msg: str) -> None:
   print(f"[asyncrl_jax] {msg}", flush=True)
 
 
-def run(config, workdir: str, num_problems: int) -> dict:
-  """Runs what exists of the pipeline; returns the summary it writes."""
-  t0 = time.time()
-  os.makedirs(workdir, exist_ok=True)
+class Evaluator:
+  """Greedy accuracy on held-out problems, decoded on the rollout mesh."""
 
-  # Meshes: one per role.
+  def __init__(self, model_config, mesh, tokenizer, problems, *, max_prompt_len: int, max_new_tokens: int):
+    self.model_config, self.mesh, self.tokenizer = model_config, mesh, tokenizer
+    self.problems = problems
+    self.max_new_tokens = max_new_tokens
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = -(-len(problems) // ways) * ways
+    self.prompts = np.full((rows, max_prompt_len), tokenizer.pad_id, np.int32)
+    self.lengths = np.ones(rows, np.int32)
+    for i, p in enumerate(problems):
+      ids = tokenizer.encode_prompt(p["question"])
+      if len(ids) > max_prompt_len:
+        raise ValueError(f"eval problem {i} has {len(ids)} prompt tokens > data.max_prompt_len")
+      self.prompts[i, :len(ids)] = ids
+      self.lengths[i] = len(ids)
+    self._prompts = jax.device_put(self.prompts, sharding.batch_sharding(mesh, 2))
+    self._lengths = jax.device_put(self.lengths, sharding.batch_sharding(mesh, 1))
+
+  def accuracy(self, params, reward) -> float:
+    tokens, lengths = greedy_generate(self.model_config, params, self._prompts, self._lengths,
+                                      max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id,
+                                      mesh=self.mesh)
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    scores = [reward(self.tokenizer.decode(tokens[i, :lengths[i]]), p["answer"])
+              for i, p in enumerate(self.problems)]
+    return float(np.mean(scores))
+
+
+def _data(config, workdir):
+  if config.data.task == "arithmetic":
+    return builder_lib.build_arithmetic(
+        config.data.path or os.path.join(workdir, "data"), num_train=config.data.num_train,
+        num_test=config.data.num_test, seed=config.seed, min_terms=config.data.min_terms,
+        max_terms=config.data.max_terms)
+  if config.data.task == "jsonl":
+    files = {"train": config.data.path}
+    test = config.data.path.replace("train", "test")
+    if test != config.data.path and os.path.exists(test):
+      files["test"] = test
+    return builder_lib.build_math(os.path.join(workdir, "data"), files)
+  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
+  return tfds.builder_from_directory(os.path.expanduser(config.data.path))
+
+
+def _truncate_jsonl(path: str, keep) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = [l for l in f if l.strip() and keep(json.loads(l))]
+  with open(path, "w") as f:
+    f.writelines(lines)
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def run(config, workdir: str) -> dict:
+  t_start = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  prompts_path = os.path.join(workdir, "trained_prompts.jsonl")
+
+  # --- meshes: one per role
   rollout_devices, learner_devices = sharding.split_devices(jax.devices(), config.mesh.rollout_fraction)
   learner_mesh = sharding.make_mesh(learner_devices, config.mesh.learner.to_dict(), role="mesh.learner")
   rollout_mesh = sharding.make_mesh(rollout_devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
-  _log(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}; "
-       f"learner mesh {sharding.describe(learner_mesh)}; rollout mesh {sharding.describe(rollout_mesh)}")
+  _say(f"{len(jax.devices())} {jax.devices()[0].platform} devices: rollout {sharding.describe(rollout_mesh)}"
+       f", learner {sharding.describe(learner_mesh)}")
 
-  # Model: created already sharded on the learner mesh.
+  # --- data
+  builder = _data(config, workdir)
+  tokenizer = load_tokenizer(config.data.tokenizer_path)
+  reward = reward_fn(config.data.task)
+  splits = list(builder.info.splits.keys())
+  test_split = "test" if "test" in splits else splits[0]
+  eval_problems = pipeline.read_split(builder, test_split, config.data.eval_problems)
+  prompts = pipeline.PromptStream(builder.as_data_source(split="train"), seed=config.seed)
+
+  # --- model (resume > hf_path > random init + warm start)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
+                      async_save=config.checkpoint.async_save)
+  latest = ckpt.latest_step()
   if config.model.hf_path:
     model_config, params = models.load_hf(config.model.hf_path, mesh=learner_mesh,
                                           dtype=config.model.param_dtype)
   else:
     model_config = config_lib.model_config(config)
     params = models.init_params(model_config, jax.random.key(config.seed), mesh=learner_mesh)
-  _log(f"model: {models.count_params(params):,} parameters, {model_config.num_layers} layers, "
-       f"d={model_config.hidden_size}")
+  learner = Learner(model_config, params, learner_mesh, config, total_steps=config.steps)
+  meta = {}
+  if latest is not None:
+    learner.params, learner.opt_state, meta = ckpt.restore(latest, params_like=learner.params,
+                                                           opt_state_like=learner.opt_state)
+    learner.version = int(meta["version"])
+    prompts.set_state(meta["data_state"])
+    _truncate_jsonl(metrics_path, lambda r: r.get("version", 0) <= learner.version)
+    _truncate_jsonl(prompts_path, lambda r: r["version"] < learner.version)
+    _say(f"resumed from checkpoint at policy version {learner.version}")
+  else:
+    for path in (metrics_path, prompts_path):
+      if os.path.exists(path):
+        os.remove(path)
 
-  # Weights to the rollout mesh (the in-process weight transfer).
-  t = time.time()
-  rollout_params = jax.block_until_ready(
-      jax.device_put(params, models.param_shardings(model_config, rollout_mesh)))
-  transfer_s = time.time() - t
-  _log(f"weights -> rollout mesh in {transfer_s * 1e3:.1f} ms")
+  engine = engine_from_config(config, rollout_devices)
+  evaluator = Evaluator(model_config, rollout_mesh, tokenizer, eval_problems,
+                        max_prompt_len=config.data.max_prompt_len,
+                        max_new_tokens=config.data.max_completion_len)
+  if latest is None and config.learner.warm_start_steps and not config.model.hf_path:
+    rollout_params, _ = local_transfer(learner.params, engine.param_shardings)
+    meta["untrained_eval_accuracy"] = evaluator.accuracy(rollout_params, reward)
+    t = time.time()
+    examples = pipeline.read_split(builder, "train")
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    bar = tqdm(total=config.learner.warm_start_steps, desc="warm start (supervised)", unit="step",
+               file=sys.stdout, dynamic_ncols=True)
+    def progress(step, loss):
+      bar.update(step - bar.n)
+      bar.set_postfix(loss=f"{loss:.3f}")
+    params, loss = warm_start(model_config, learner.params, learner_mesh, examples, tokenizer,
+                              steps=config.learner.warm_start_steps,
+                              batch_size=config.learner.warm_start_batch,
+                              learning_rate=config.learner.warm_start_lr, seed=config.seed,
+                              token_budget=config.learner.token_budget, progress=progress)
+    bar.close()
+    learner = Learner(model_config, params, learner_mesh, config, total_steps=config.steps)
+    meta["warm_start_seconds"] = time.time() - t
+    meta["warm_start_loss"] = loss
 
-  # Greedy decoding of built-in problems on the rollout mesh.
-  tokenizer = load_tokenizer(config.data.tokenizer_path)
-  rng = np.random.default_rng(config.seed)
-  problems = [arithmetic.make_problem(rng, config.data.min_terms, config.data.max_terms)
-              for _ in range(num_problems)]
-  prompts = [tokenizer.encode_prompt(p.question) for p in problems]
-  longest = max(len(p) for p in prompts)
-  if longest > config.data.max_prompt_len:
-    raise ValueError(f"a prompt has {longest} tokens > data.max_prompt_len={config.data.max_prompt_len}")
-  rows = -(-num_problems // rollout_mesh.devices.size) * rollout_mesh.devices.size
-  prompt_bp = np.full((rows, config.data.max_prompt_len), tokenizer.pad_id, np.int32)
-  prompt_len = np.ones(rows, np.int32)
-  for i, p in enumerate(prompts):
-    prompt_bp[i, :len(p)] = p
-    prompt_len[i] = len(p)
-  t = time.time()
-  tokens, lengths = greedy_generate(
-      model_config, rollout_params, jax.device_put(prompt_bp, sharding.batch_sharding(rollout_mesh)),
-      jax.device_put(prompt_len, sharding.batch_sharding(rollout_mesh, 1)),
-      max_new_tokens=config.data.max_completion_len, eos_id=tokenizer.eos_id, mesh=rollout_mesh)
-  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  decode_s = time.time() - t
-  rewards = []
-  for i, problem in enumerate(problems):
-    text = tokenizer.decode(tokens[i, :lengths[i]])
-    rewards.append(arithmetic.reward(text, problem.answer))
-    if i < 3:
-      _log(f"  {problem.question!r} -> {text[:40]!r} (answer {problem.answer}, reward {rewards[-1]})")
+  rollout_params, _ = local_transfer(learner.params, engine.param_shardings)
+  if "initial_eval_accuracy" not in meta:
+    meta["initial_eval_accuracy"] = evaluator.accuracy(rollout_params, reward)
+  _say(f"model {models.count_params(learner.params):,} params; held-out greedy accuracy "
+       f"{meta['initial_eval_accuracy']:.3f} at version {learner.version}")
 
+  # --- rollout and controller
+  eta, batch_size, group = config.rl.max_staleness, config.learner.batch_size, config.rl.group_size
+  slots_total = engine.num_slots
+  manager = StalenessManager(batch_size=batch_size, max_staleness=eta,
+                             max_concurrent=-(-slots_total // group) * group)
+  manager.restore(learner.version)
+  server_box = {}
+  controller = Controller(prompts=prompts, tokenizer=tokenizer,
+                          submit=lambda *r: server_box["server"].submit(*r), manager=manager,
+                          reward=reward, batch_size=batch_size, group_size=group,
+                          max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
+                          scale_by_std=config.rl.scale_by_std)
+  server = DecodeServer(engine, rollout_params, version=learner.version, server_id="decode-0",
+                        on_trajectory=controller.on_trajectory)
+  server_box["server"] = server
+  server.start()
+
+  from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  writer = SummaryWriter(os.path.join(workdir, "tb"))
+  history = _load_history(metrics_path)
+  trained_tokens = sum(h.get("trained_tokens", 0) for h in history)
+  max_staleness_seen = max((h.get("max_staleness_seen", 0) for h in history), default=0)
+  eval_acc = meta.get("last_eval_accuracy", meta["initial_eval_accuracy"])
+  bar = tqdm(total=config.steps, initial=learner.version, desc=f"async RL (eta={eta}, {config.rl.loss})",
+             unit="step", file=sys.stdout, dynamic_ncols=True)
+  t_rl = time.time()
+  rl_tokens_this_run = 0
+  wait_total = train_total = 0.0
+  try:
+    controller.pump()
+    while learner.version < config.steps:
+      if server.error is not None:
+        raise RuntimeError(f"decode server failed: {server.error!r}")
+      t = time.time()
+      batch = controller.next_batch(learner.version, timeout=5.0)
+      wait_total += time.time() - t
+      if batch is None:
+        continue
+      t = time.time()
+      m = learner.train(batch.sequences)
+      train_total += time.time() - t
+      rollout_params, transfer = local_transfer(learner.params, engine.param_shardings)
+      server.update_weights(rollout_params, learner.version)
+      manager.set_version(learner.version)
+      controller.pump()
+      tokens = int(sum(s.mask.sum() for s in batch.sequences))
+      trained_tokens += tokens
+      rl_tokens_this_run += tokens
+      max_staleness_seen = max(max_staleness_seen, batch.max_staleness_seen)
+      record = dict(
+          version=learner.version, time=time.time() - t_start, reward=float(batch.rewards.mean()),
+          accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
+          max_staleness_seen=batch.max_staleness_seen, mean_staleness=batch.mean_staleness,
+          failed_rollouts=batch.failed, transfer_seconds=transfer.seconds,
+          tokens_per_s=rl_tokens_this_run / max(time.time() - t_rl, 1e-9),
+          learner_idle_fraction=wait_total / max(wait_total + train_total, 1e-9),
+          interrupted_sequences=server.stats["interrupted_sequences"],
+          **{k: v for k, v in m.items() if k != "version"})
+      if learner.version % config.learner.eval_every == 0 or learner.version == config.steps:
+        eval_acc = evaluator.accuracy(rollout_params, reward)
+        record["eval_accuracy"] = eval_acc
+      _append_jsonl(metrics_path, record)
+      _append_jsonl(prompts_path, {"version": learner.version - 1, "prompts": batch.prompt_indices})
+      for k, v in record.items():
+        if isinstance(v, (int, float)):
+          writer.add_scalar(k, v, learner.version)
+      bar.update(1)
+      bar.set_postfix(reward=f"{record['reward']:.2f}", eval=f"{eval_acc:.2f}", v=learner.version,
+                      stale=batch.max_staleness_seen, tok_s=f"{record['tokens_per_s']:.0f}")
+      if learner.version % config.checkpoint.every_steps == 0 or learner.version == config.steps:
+        meta.update(version=learner.version, data_state=controller.data_state_for(learner.version),
+                    staleness=manager.state_dict(), last_eval_accuracy=eval_acc)
+        ckpt.save(learner.version, params=learner.params, opt_state=learner.opt_state,
+                  meta=_jsonable(meta))
+  finally:
+    bar.close()
+    server.stop()
+    controller.close()
+    ckpt.close()
+    writer.close()
+
+  history = _load_history(metrics_path)
+  wall = time.time() - t_start
   summary = {
-      "status": "partial: the asynchronous RL loop is not built yet; ran setup, sharded init, "
-                "weight transfer and greedy decoding",
-      "devices": len(jax.devices()),
-      "learner_mesh": dict(learner_mesh.shape),
-      "rollout_mesh": dict(rollout_mesh.shape),
-      "num_params": models.count_params(params),
-      "weight_transfer_s": transfer_s,
-      "decode_s_incl_compile": decode_s,
-      "problems": num_problems,
-      "greedy_accuracy": float(np.mean(rewards)),
-      "max_staleness": int(config.rl.max_staleness),
+      "initial_eval_accuracy": meta["initial_eval_accuracy"],
+      "untrained_eval_accuracy": meta.get("untrained_eval_accuracy"),
+      "final_eval_accuracy": eval_acc,
+      "trained_tokens": trained_tokens,
+      "wall_seconds": wall,
+      "rl_seconds_this_run": time.time() - t_rl,
+      "effective_tokens_per_s": rl_tokens_this_run / max(time.time() - t_rl, 1e-9),
+      "max_staleness_seen": max_staleness_seen,
+      "max_staleness": eta,
       "loss": config.rl.loss,
-      "wall_seconds": time.time() - t0,
+      "steps": learner.version,
+      "warm_start_seconds": meta.get("warm_start_seconds"),
+      "learner_idle_fraction": wait_total / max(wait_total + train_total, 1e-9),
+      "duplicates_dropped": controller.duplicates,
+      "failed_rollouts": controller.failed,
+      "devices": {"rollout": dict(rollout_mesh.shape), "learner": dict(learner_mesh.shape)},
   }
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
-  _log(f"untrained greedy accuracy {summary['greedy_accuracy']:.2f} on {num_problems} problems; "
-       f"summary in {os.path.join(workdir, 'summary.json')}")
+  _plot(history, summary, os.path.join(workdir, "progress.png"))
+  _print_summary(summary)
   return summary
+
+
+def _jsonable(d: dict) -> dict:
+  return json.loads(json.dumps(d, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+
+def _load_history(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def _print_summary(summary: dict) -> None:
+  rows = [("held-out accuracy, before RL", summary["initial_eval_accuracy"]),
+          ("held-out accuracy, after RL", summary["final_eval_accuracy"]),
+          ("policy versions trained", summary["steps"]),
+          ("trained tokens", summary["trained_tokens"]),
+          ("effective tokens/s", summary["effective_tokens_per_s"]),
+          ("max staleness seen / allowed", f"{summary['max_staleness_seen']} / {summary['max_staleness']}"),
+          ("learner idle fraction", summary["learner_idle_fraction"]),
+          ("wall seconds", summary["wall_seconds"])]
+  width = max(len(r[0]) for r in rows)
+  print("\n" + "-" * (width + 16))
+  for name, value in rows:
+    value = f"{value:.3f}" if isinstance(value, float) else str(value)
+    print(f"{name:<{width}}  {value:>12}")
+  print("-" * (width + 16), flush=True)
+
+
+def _plot(history, summary, path) -> None:
+  if not history:
+    return
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4))
+  t = [h["time"] for h in history]
+  ax.plot(t, [h["reward"] for h in history], alpha=0.5, label="batch reward (sampled)")
+  ev = [(h["time"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
+  ax.plot([history[0]["time"]] + [e[0] for e in ev], [summary["initial_eval_accuracy"]] +
+          [e[1] for e in ev], "o-", label="held-out greedy accuracy")
+  ax.set_xlabel("seconds")
+  ax.set_ylim(0, 1)
+  ax.set_title(f"{summary['loss']}, eta={summary['max_staleness']}")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -128,7 +354,8 @@ def main(argv=None) -> None:
     if not _WORKDIR.value:
       print("error: --workdir is required", file=sys.stderr)
       sys.exit(2)
-    run(config, _WORKDIR.value, _NUM_PROBLEMS.value)
+    logging.set_verbosity(logging.WARNING)
+    run(config, _WORKDIR.value)
 
   app.run(_main, argv=argv)
 

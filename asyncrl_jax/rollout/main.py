@@ -21,11 +21,7 @@ import threading
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models, sharding
-from asyncrl_jax.models.hf import read_hf_config
-from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.rollout.sampling import SamplingSettings
+from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.service import RolloutService, serve
 from asyncrl_jax.transfer import WeightReceiver
@@ -35,26 +31,11 @@ _PORT_FILE = flags.DEFINE_string("port_file", "", "Write the bound port here onc
 _SERVER_ID = flags.DEFINE_string("server_id", "decode-0", "Name recorded in trajectories.")
 
 
-def build_engine(config, devices, *, params=None) -> Engine:
-  """The engine an experiment config describes, on ``devices``."""
-  mesh = sharding.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
-  model_config = (models.config_from_hf(read_hf_config(config.model.hf_path),
-                                        config.model.hf_path, dtype=config.model.param_dtype)
-                  if config.model.hf_path else config_lib.model_config(config))
-  sampling = SamplingSettings(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
-                              top_p=config.rollout.top_p, logprob_source=config.rollout.logprob_source)
-  return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
-                max_prefill_length=config.data.max_prompt_len,
-                max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
-                sampling=sampling, tokenizer_path=config.data.tokenizer_path, params=params,
-                hf_path=config.model.hf_path, seed=config.seed)
-
-
 def main(argv=None) -> None:
   def _main(args):
     del args
     config = cli.validated(_CONFIG.value)
-    engine = build_engine(config, jax.local_devices())
+    engine = engine_from_config(config, jax.local_devices())
     server = DecodeServer(engine, engine.load_params(), version=0, server_id=_SERVER_ID.value)
     host = config.rollout.host
     service = RolloutService(server, WeightReceiver(f"{host}:0"))

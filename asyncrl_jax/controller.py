@@ -1,0 +1,231 @@
+"""The controller: admits rollouts under the staleness bound, collects and scores trajectories, forms
+training batches oldest-first, computes advantages.
+
+Batches are blocks of the prompt stream in admission order: batch ``k`` holds the groups of prompts
+``[k * P, (k + 1) * P)`` (``P = batch_size / group_size``). Because admission follows the AReaL bound
+(``rollout_capacity``) and batches are consumed in admission order, every trajectory trained at version
+``k`` was admitted at a version ``>= k - eta``, so its oldest token is at most ``eta`` versions old
+(checked again for every batch; ``StalenessError`` if ever violated). The rollout side stays busy
+generating the next ``eta`` batches while the learner waits for the oldest one's stragglers. It also
+makes the set of trained prompts a function of the seed and the number of steps alone, which is what
+makes resuming exact: a checkpoint at version ``k`` resumes the prompt stream at batch ``k``'s first
+prompt.
+
+Duplicate deliveries are dropped by trajectory id. Aborted rollouts are resubmitted under the same id.
+A rollout that failed (``finish_reason == "error"``) keeps its place in the group with no tokens and
+reward 0, so a bad prompt cannot stall training; failures are counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from asyncrl_jax.data.pipeline import Prompt, PromptStream
+from asyncrl_jax.rl import batching
+from asyncrl_jax.rl.staleness import StalenessManager
+from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.tokenization import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class StalenessError(RuntimeError):
+  """A batch would train on data older than rl.max_staleness (a bug, never expected)."""
+
+
+@dataclasses.dataclass
+class _Group:
+  prompt: Prompt
+  requests: dict  # id -> RolloutRequest
+  trajectories: dict = dataclasses.field(default_factory=dict)  # id -> Trajectory
+  rewards: dict = dataclasses.field(default_factory=dict)  # id -> float
+
+  @property
+  def complete(self) -> bool:
+    return len(self.rewards) == len(self.requests)
+
+
+@dataclasses.dataclass
+class TrainingBatch:
+  version: int  # the policy version this batch trains (it produces version + 1)
+  sequences: list  # SequenceData per trajectory
+  trajectories: list
+  rewards: np.ndarray
+  prompt_indices: list
+  max_staleness_seen: int
+  mean_staleness: float
+  failed: int
+
+
+class Controller:
+  """Feeds a rollout backend (anything with ``submit(*requests)``) and assembles training batches."""
+
+  def __init__(self, *, prompts: PromptStream, tokenizer: Tokenizer, submit: Callable,
+               manager: StalenessManager, reward: Callable[[str, str], float], batch_size: int,
+               group_size: int, max_new_tokens: int, advantage: str = "group",
+               scale_by_std: bool = False, reward_threads: int = 2):
+    if advantage != "group":
+      raise NotImplementedError("the built-in loop computes group-relative advantages; rl.advantage="
+                                "'value' needs a critic, which the main job does not train yet")
+    if batch_size % group_size:
+      raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {group_size}")
+    self.prompts = prompts
+    self.tokenizer = tokenizer
+    self._submit = submit
+    self.manager = manager
+    self.batch_size, self.group_size = batch_size, group_size
+    self.prompts_per_batch = batch_size // group_size
+    self.max_new_tokens = max_new_tokens
+    self.scale_by_std = scale_by_std
+    self._groups: dict[int, _Group] = {}
+    self._seen: set[str] = set()
+    self._batch_states: dict[int, dict] = {}
+    self._cond = threading.Condition()
+    self.duplicates = 0
+    self.failed = 0
+    from asyncrl_jax.rewards import RewardWorker  # pylint: disable=import-outside-toplevel
+    self._rewards = RewardWorker(reward, self._on_reward, threads=reward_threads)
+    self.next_batch_index = manager.state.version
+
+  # ------------------------------------------------------------------ admission
+
+  def pump(self) -> int:
+    """Admits as many whole groups as the staleness bound and slots allow; returns rollouts started."""
+    started = 0
+    while True:
+      with self._cond:
+        if self.manager.capacity() < self.group_size:
+          return started
+        index = self.prompts.next_index
+        if index % self.prompts_per_batch == 0:
+          self._batch_states[index // self.prompts_per_batch] = self.prompts.get_state()
+        admitted = self.manager.try_submit(self.group_size)
+        if admitted < self.group_size:  # lost a race with another pump: give the places back
+          self.manager.reject(admitted)
+          return started
+        prompt = self.prompts.next()
+        tokens = self.tokenizer.encode_prompt(prompt.question)
+        requests = {f"p{prompt.index}-s{j}": RolloutRequest(
+            prompt_tokens=tokens, max_new_tokens=self.max_new_tokens, request_id=f"p{prompt.index}-s{j}",
+            prompt_id=str(prompt.index), group_id=prompt.index) for j in range(self.group_size)}
+        self._groups[prompt.index] = _Group(prompt, requests)
+      self._submit(*requests.values())
+      started += self.group_size
+
+  def data_state_for(self, batch_index: int) -> dict:
+    """Prompt-stream state at the first prompt of ``batch_index`` (for checkpoints)."""
+    with self._cond:
+      if batch_index in self._batch_states:
+        return self._batch_states[batch_index]
+      if self.prompts.next_index == batch_index * self.prompts_per_batch:
+        return self.prompts.get_state()
+    raise KeyError(f"no prompt-stream state recorded for batch {batch_index}")
+
+  # ------------------------------------------------------------------ arrivals
+
+  def on_trajectory(self, t: Trajectory) -> None:
+    """Called by the rollout backend (any thread) for every finished trajectory."""
+    with self._cond:
+      if t.trajectory_id in self._seen:
+        self.duplicates += 1
+        return
+      group = self._groups.get(t.group_id)
+      if group is None or t.trajectory_id not in group.requests:
+        log.warning("dropping trajectory %s of unknown group %s", t.trajectory_id, t.group_id)
+        self.duplicates += 1
+        return
+      if t.finish_reason == "aborted":
+        resubmit = group.requests[t.trajectory_id]
+      else:
+        resubmit = None
+        self._seen.add(t.trajectory_id)
+        group.trajectories[t.trajectory_id] = t
+    if resubmit is not None:
+      self._submit(resubmit)
+      return
+    self.manager.accept()
+    self.pump()  # a place was freed: admit more
+    if t.finish_reason == "error":
+      with self._cond:
+        self.failed += 1
+      log.warning("rollout %s failed: %s", t.trajectory_id, t.error)
+      self._on_reward(t, 0.0)
+      return
+    completion = self.tokenizer.decode(t.completion_tokens)
+    self._rewards.submit(t, completion, self._groups[t.group_id].prompt.answer)
+
+  def _on_reward(self, t: Trajectory, reward: float) -> None:
+    with self._cond:
+      t.reward = reward
+      t.reward_source = "exact" if reward in (0.0, 1.0) else "verifier"
+      self._groups[t.group_id].rewards[t.trajectory_id] = reward
+      self._cond.notify_all()
+
+  # ------------------------------------------------------------------ batches
+
+  def batch_ready(self) -> bool:
+    first = self.next_batch_index * self.prompts_per_batch
+    with self._cond:
+      return all(i in self._groups and self._groups[i].complete
+                 for i in range(first, first + self.prompts_per_batch))
+
+  def next_batch(self, version: int, timeout: Optional[float] = None) -> Optional[TrainingBatch]:
+    """Blocks until batch ``next_batch_index`` is complete; ``None`` on timeout."""
+    first = self.next_batch_index * self.prompts_per_batch
+    indices = list(range(first, first + self.prompts_per_batch))
+    deadline = None if timeout is None else time.time() + timeout
+    with self._cond:
+      while not all(i in self._groups and self._groups[i].complete for i in indices):
+        remaining = None if deadline is None else deadline - time.time()
+        if remaining is not None and remaining <= 0:
+          return None
+        self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+      groups = [self._groups.pop(i) for i in indices]
+      self._batch_states.pop(self.next_batch_index, None)
+    self.next_batch_index += 1
+    return self._assemble(groups, version)
+
+  def _assemble(self, groups, version: int) -> TrainingBatch:
+    sequences, trajectories, rewards, staleness, failed = [], [], [], [], 0
+    for g in groups:
+      ids = sorted(g.requests)
+      r = np.array([g.rewards[i] for i in ids], np.float32)
+      adv = r - r.mean()
+      if self.scale_by_std:
+        adv = adv / (r.std() + 1e-6)
+      for i, a in zip(ids, adv):
+        t = g.trajectories[i]
+        trajectories.append(t)
+        rewards.append(g.rewards[i])
+        if t.finish_reason == "error" or not len(t.completion_tokens):
+          failed += 1
+          continue
+        staleness.append(version - int(t.versions.min()))
+        sequences.append(_sequence(t, float(a)))
+    max_seen = max(staleness, default=0)
+    if max_seen > self.manager.max_staleness:
+      raise StalenessError(f"batch for version {version} holds data {max_seen} versions old > "
+                           f"rl.max_staleness={self.manager.max_staleness}")
+    return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
+                         rewards=np.asarray(rewards, np.float32),
+                         prompt_indices=[g.prompt.index for g in groups], max_staleness_seen=max_seen,
+                         mean_staleness=float(np.mean(staleness)) if staleness else 0.0, failed=failed)
+
+  def close(self) -> None:
+    self._rewards.close()
+
+
+def _sequence(t: Trajectory, advantage: float) -> batching.SequenceData:
+  p, c = len(t.prompt_tokens), len(t.completion_tokens)
+  mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
+  return batching.SequenceData(
+      tokens=np.concatenate([t.prompt_tokens, t.completion_tokens]).astype(np.int32), mask=mask,
+      behav_logp=np.r_[np.zeros(p), t.logprobs].astype(np.float32),
+      advantages=(mask * advantage).astype(np.float32),
+      versions=np.r_[np.full(p, -1), t.versions].astype(np.int32))

@@ -1,0 +1,87 @@
+"""Verifiable rewards, computed off the learner's critical path.
+
+* ``arithmetic``: exact match of the final answer (text after the last '#') for the built-in task.
+* ``math``: ``math-verify`` equivalence of the completion's final answer and the reference (LaTeX,
+  fractions, boxed answers...), each check in a worker process with a timeout, since symbolic
+  comparison can hang on adversarial output; a timeout scores 0 and is counted.
+
+``RewardWorker`` scores trajectories on a thread pool as they arrive, so the learner never waits on it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import Callable
+
+from asyncrl_jax.data import arithmetic
+
+
+def arithmetic_reward(completion: str, answer: str) -> float:
+  return arithmetic.reward(completion, answer)
+
+
+def _math_verify(completion: str, answer: str) -> float:
+  from math_verify import parse, verify  # pylint: disable=import-outside-toplevel
+  gold = parse(answer if "$" in answer or "\\" in answer else f"${answer}$")
+  return float(bool(verify(gold, parse(completion))))
+
+
+class MathReward:
+  """``math-verify`` reward with a per-call timeout (seconds), in a small process pool."""
+
+  def __init__(self, timeout: float = 5.0, workers: int = 1):
+    self.timeout = timeout
+    self._pool = cf.ProcessPoolExecutor(max_workers=workers)
+    self.timeouts = 0
+
+  def __call__(self, completion: str, answer: str) -> float:
+    future = self._pool.submit(_math_verify, completion, answer)
+    try:
+      return future.result(timeout=self.timeout)
+    except cf.TimeoutError:
+      self.timeouts += 1
+      future.cancel()
+      self._restart()  # the hung worker would block the next calls
+      return 0.0
+
+  def _restart(self) -> None:
+    old = self._pool
+    self._pool = cf.ProcessPoolExecutor(max_workers=old._max_workers)  # pylint: disable=protected-access
+    for p in list(getattr(old, "_processes", {}).values()):
+      p.kill()
+    old.shutdown(wait=False, cancel_futures=True)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def reward_fn(task: str) -> Callable[[str, str], float]:
+  if task == "arithmetic":
+    return arithmetic_reward
+  return MathReward()
+
+
+class RewardWorker:
+  """Scores ``(item, completion_text, answer)`` on threads; calls ``done(item, reward)`` when scored."""
+
+  def __init__(self, fn: Callable[[str, str], float], done: Callable, threads: int = 2):
+    self._fn, self._done = fn, done
+    self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
+    self._lock = threading.Lock()
+    self.errors = 0
+
+  def submit(self, item, completion: str, answer: str) -> None:
+    self._pool.submit(self._score, item, completion, answer)
+
+  def _score(self, item, completion, answer) -> None:
+    try:
+      r = float(self._fn(completion, answer))
+    except Exception:  # a reward bug must not kill the run; score 0 and count it
+      with self._lock:
+        self.errors += 1
+      r = 0.0
+    self._done(item, r)
+
+  def close(self) -> None:
+    self._pool.shutdown(wait=True)
