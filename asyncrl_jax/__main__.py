@@ -1,13 +1,17 @@
 """``python -m asyncrl_jax <command> [flags]`` (also installed as ``asyncrl-jax``).
 
 Commands:
-  train   the main job (``python -m asyncrl_jax.train`` is the same)
-  info    print the validated config, devices and model size
+  train    the main job: asynchronous RL (``python -m asyncrl_jax.train`` is the same)
+  sft      supervised warm start, exported in Hugging Face format
+  decode   a decode server as its own process (``python -m asyncrl_jax.rollout.main``)
+  serve    JetStream serving of an exported checkpoint
+  info     print the validated config and model size
 """
 
 import sys
 
-COMMANDS = {"train": "asyncrl_jax.train", "info": "asyncrl_jax.info"}
+COMMANDS = {"train": "asyncrl_jax.train", "sft": "asyncrl_jax.sft", "decode": "asyncrl_jax.rollout.main",
+            "serve": "asyncrl_jax.serve", "info": "asyncrl_jax.info"}
 
 
 def main() -> None:

@@ -61,6 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
       num_servers=1, num_slots=32, temperature=1.0, top_p=1.0, top_k=0,
       logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
       host="127.0.0.1", port=0,
+      addresses="",  # "host:port,..." of decode-server processes; "" = decode in this process
   ))
   c.learner = ml_collections.ConfigDict(dict(
       batch_size=32,  # trajectories per policy update (B in the staleness bound)

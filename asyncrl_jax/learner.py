@@ -65,7 +65,9 @@ class Learner:
     self.version = version
     self.optimizer = make_optimizer(config.learner, total_steps)
     self.param_shardings = models.param_shardings(model_config, mesh)
-    self.params = jax.device_put(params, self.param_shardings)
+    # A private copy: updates donate these buffers, and the caller may still hold the ones it passed.
+    self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(
+        jax.device_put(params, self.param_shardings))
     if opt_state is None:
       opt_state = jax.jit(self.optimizer.init)(self.params)
     self.opt_state = opt_state

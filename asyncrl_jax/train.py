@@ -37,7 +37,7 @@ from asyncrl_jax.models.generate import greedy_generate
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rl.staleness import StalenessManager
 from asyncrl_jax.rollout.engine import engine_from_config
-from asyncrl_jax.rollout.server import DecodeServer
+from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
 from asyncrl_jax.transfer import local_transfer
@@ -116,12 +116,19 @@ def run(config, workdir: str) -> dict:
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   prompts_path = os.path.join(workdir, "trained_prompts.jsonl")
 
-  # --- meshes: one per role
-  rollout_devices, learner_devices = sharding.split_devices(jax.devices(), config.mesh.rollout_fraction)
+  # --- meshes: one per role (all local devices learn when decode servers are other processes)
+  remote = [a.strip() for a in config.rollout.addresses.split(",") if a.strip()]
+  if remote:
+    rollout_devices, learner_devices = [], list(jax.devices())
+  else:
+    rollout_devices, learner_devices = sharding.split_devices(jax.devices(),
+                                                              config.mesh.rollout_fraction)
   learner_mesh = sharding.make_mesh(learner_devices, config.mesh.learner.to_dict(), role="mesh.learner")
-  rollout_mesh = sharding.make_mesh(rollout_devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
-  _say(f"{len(jax.devices())} {jax.devices()[0].platform} devices: rollout {sharding.describe(rollout_mesh)}"
-       f", learner {sharding.describe(learner_mesh)}")
+  rollout_mesh = (sharding.make_mesh(rollout_devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
+                  if rollout_devices else None)
+  _say(f"{len(jax.devices())} {jax.devices()[0].platform} devices: learner {sharding.describe(learner_mesh)}"
+       + (f", rollout {sharding.describe(rollout_mesh)}" if rollout_mesh else
+          f"; decode servers at {', '.join(remote)}"))
 
   # --- data
   builder = _data(config, workdir)
@@ -157,13 +164,15 @@ def run(config, workdir: str) -> dict:
       if os.path.exists(path):
         os.remove(path)
 
-  engine = engine_from_config(config, rollout_devices)
-  evaluator = Evaluator(model_config, rollout_mesh, tokenizer, eval_problems,
+  engine = engine_from_config(config, rollout_devices) if rollout_mesh else None
+  eval_mesh = rollout_mesh or learner_mesh
+  eval_shardings = models.param_shardings(model_config, eval_mesh)
+  evaluator = Evaluator(model_config, eval_mesh, tokenizer, eval_problems,
                         max_prompt_len=config.data.max_prompt_len,
                         max_new_tokens=config.data.max_completion_len)
   if latest is None and config.learner.warm_start_steps and not config.model.hf_path:
-    rollout_params, _ = local_transfer(learner.params, engine.param_shardings)
-    meta["untrained_eval_accuracy"] = evaluator.accuracy(rollout_params, reward)
+    eval_params, _ = local_transfer(learner.params, eval_shardings)
+    meta["untrained_eval_accuracy"] = evaluator.accuracy(eval_params, reward)
     t = time.time()
     examples = pipeline.read_split(builder, "train")
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -182,28 +191,32 @@ def run(config, workdir: str) -> dict:
     meta["warm_start_seconds"] = time.time() - t
     meta["warm_start_loss"] = loss
 
-  rollout_params, _ = local_transfer(learner.params, engine.param_shardings)
+  eval_params, _ = local_transfer(learner.params, eval_shardings)
   if "initial_eval_accuracy" not in meta:
-    meta["initial_eval_accuracy"] = evaluator.accuracy(rollout_params, reward)
+    meta["initial_eval_accuracy"] = evaluator.accuracy(eval_params, reward)
   _say(f"model {models.count_params(learner.params):,} params; held-out greedy accuracy "
        f"{meta['initial_eval_accuracy']:.3f} at version {learner.version}")
 
   # --- rollout and controller
   eta, batch_size, group = config.rl.max_staleness, config.learner.batch_size, config.rl.group_size
-  slots_total = engine.num_slots
+  slots_total = config.rollout.num_slots * (len(remote) or 1)
   manager = StalenessManager(batch_size=batch_size, max_staleness=eta,
                              max_concurrent=-(-slots_total // group) * group)
   manager.restore(learner.version)
-  server_box = {}
+  backend_box = {}
   controller = Controller(prompts=prompts, tokenizer=tokenizer,
-                          submit=lambda *r: server_box["server"].submit(*r), manager=manager,
+                          submit=lambda *r: backend_box["backend"].submit(*r), manager=manager,
                           reward=reward, batch_size=batch_size, group_size=group,
                           max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
                           scale_by_std=config.rl.scale_by_std)
-  server = DecodeServer(engine, rollout_params, version=learner.version, server_id="decode-0",
-                        on_trajectory=controller.on_trajectory)
-  server_box["server"] = server
-  server.start()
+  if remote:
+    backend = RemoteRollout(remote, controller.on_trajectory, transfer_host=config.rollout.host)
+    transfer = backend.update_weights(learner.params, learner.version)  # servers start with no weights
+    _say(f"pushed version {learner.version} to {len(remote)} decode servers in {transfer.seconds:.2f}s")
+  else:
+    backend = LocalRollout(engine, learner.params, learner.version, controller.on_trajectory)
+  backend_box["backend"] = backend
+  backend.start()
 
   from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -220,8 +233,8 @@ def run(config, workdir: str) -> dict:
   try:
     controller.pump()
     while learner.version < config.steps:
-      if server.error is not None:
-        raise RuntimeError(f"decode server failed: {server.error!r}")
+      if backend.error is not None:
+        raise RuntimeError(f"rollout failed: {backend.error!r}")
       t = time.time()
       batch = controller.next_batch(learner.version, timeout=5.0)
       wait_total += time.time() - t
@@ -230,8 +243,7 @@ def run(config, workdir: str) -> dict:
       t = time.time()
       m = learner.train(batch.sequences)
       train_total += time.time() - t
-      rollout_params, transfer = local_transfer(learner.params, engine.param_shardings)
-      server.update_weights(rollout_params, learner.version)
+      transfer = backend.update_weights(learner.params, learner.version)
       manager.set_version(learner.version)
       controller.pump()
       tokens = int(sum(s.mask.sum() for s in batch.sequences))
@@ -245,10 +257,12 @@ def run(config, workdir: str) -> dict:
           failed_rollouts=batch.failed, transfer_seconds=transfer.seconds,
           tokens_per_s=rl_tokens_this_run / max(time.time() - t_rl, 1e-9),
           learner_idle_fraction=wait_total / max(wait_total + train_total, 1e-9),
-          interrupted_sequences=server.stats["interrupted_sequences"],
+          interrupted_sequences=backend.stats["interrupted_sequences"],
           **{k: v for k, v in m.items() if k != "version"})
       if learner.version % config.learner.eval_every == 0 or learner.version == config.steps:
-        eval_acc = evaluator.accuracy(rollout_params, reward)
+        eval_params = (backend.rollout_params if not remote else
+                       local_transfer(learner.params, eval_shardings)[0])
+        eval_acc = evaluator.accuracy(eval_params, reward)
         record["eval_accuracy"] = eval_acc
       _append_jsonl(metrics_path, record)
       _append_jsonl(prompts_path, {"version": learner.version - 1, "prompts": batch.prompt_indices})
@@ -265,7 +279,7 @@ def run(config, workdir: str) -> dict:
                   meta=_jsonable(meta))
   finally:
     bar.close()
-    server.stop()
+    backend.stop()
     controller.close()
     ckpt.close()
     writer.close()
@@ -288,7 +302,8 @@ def run(config, workdir: str) -> dict:
       "learner_idle_fraction": wait_total / max(wait_total + train_total, 1e-9),
       "duplicates_dropped": controller.duplicates,
       "failed_rollouts": controller.failed,
-      "devices": {"rollout": dict(rollout_mesh.shape), "learner": dict(learner_mesh.shape)},
+      "devices": {"rollout": dict(rollout_mesh.shape) if rollout_mesh else remote,
+                  "learner": dict(learner_mesh.shape)},
   }
   with open(os.path.join(workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)

@@ -1,24 +1,92 @@
-"""The main entry point runs end to end on the built-in config (tiny sizes) and writes its summary."""
+"""The main job end to end on a tiny configuration: summary, staleness bound, eta=0, kill and resume."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config.learner.warm_start_steps=2", "--config.data.num_train=300", "--config.data.num_test=20",
+        "--config.data.eval_problems=12", "--config.learner.batch_size=16", "--config.rl.group_size=4",
+        "--config.rollout.num_slots=12", "--config.data.max_completion_len=24",
+        "--config.learner.eval_every=2", "--config.checkpoint.every_steps=2",
+        "--config.learner.token_budget=1024"]
 
 
-def test_train_entry_point_runs(tmp_path):
-  cmd = [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/default.py",
-         f"--workdir={tmp_path}", "--num_problems=5", "--config.data.max_completion_len=12"]
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
-  assert out.returncode == 0, out.stderr[-2000:]
+def _cmd(workdir, *overrides):
+  return [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/default.py",
+          f"--workdir={workdir}", *TINY, *overrides]
+
+
+def _env():
+  return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _run(workdir, *overrides, timeout=400):
+  out = subprocess.run(_cmd(workdir, *overrides), capture_output=True, text=True, cwd=ROOT,
+                       timeout=timeout, env=_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  return out
+
+
+def _trained_prompts(workdir):
+  with open(os.path.join(workdir, "trained_prompts.jsonl")) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+def test_async_run_end_to_end(tmp_path):
+  out = _run(tmp_path, "--config.steps=4", "--config.rl.max_staleness=2")
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["devices"] == 4
-  assert summary["learner_mesh"] == {"data": 1, "fsdp": 1, "tensor": 1}
-  assert summary["rollout_mesh"] == {"data": 3, "fsdp": 1, "tensor": 1}
-  assert summary["problems"] == 5 and 0.0 <= summary["greedy_accuracy"] <= 1.0
+  for key in ("initial_eval_accuracy", "final_eval_accuracy", "trained_tokens", "wall_seconds",
+              "effective_tokens_per_s", "max_staleness_seen", "max_staleness"):
+    assert key in summary, key
+  assert summary["steps"] == 4 and summary["trained_tokens"] > 0
+  assert summary["max_staleness_seen"] <= summary["max_staleness"] == 2
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+  assert all(m["max_staleness_seen"] <= 2 for m in metrics)
+  assert any("eval_accuracy" in m for m in metrics)
+  assert (tmp_path / "progress.png").stat().st_size > 1000
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+  assert "held-out accuracy, after RL" in out.stdout
+  prompts = _trained_prompts(tmp_path)
+  flat = [p for r in prompts for p in r["prompts"]]
+  assert len(flat) == len(set(flat)) == 4 * 4  # 4 versions x (16 / 4) prompts, none twice
+
+
+def test_synchronous_run_has_zero_staleness(tmp_path):
+  _run(tmp_path, "--config.steps=3", "--config.rl.max_staleness=0", "--config.rl.loss=ppo")
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["max_staleness_seen"] == 0 and summary["max_staleness"] == 0
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert all(m["mean_staleness"] == 0 for m in metrics)
+
+
+def test_sigkill_and_resume_trains_the_same_prompts(tmp_path):
+  reference = tmp_path / "reference"
+  _run(reference, "--config.steps=6", "--config.rl.max_staleness=1")
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(_cmd(killed, "--config.steps=6", "--config.rl.max_staleness=1"), cwd=ROOT,
+                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not (killed / "checkpoints" / "4").exists():
+    assert proc.poll() is None, "run ended before it could be killed"
+    assert time.time() < deadline
+    time.sleep(0.1)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  done_before = len(_trained_prompts(killed))
+  assert done_before < 6
+  out = _run(killed, "--config.steps=6", "--config.rl.max_staleness=1")
+  assert "resumed from checkpoint at policy version" in out.stdout
+  got, want = _trained_prompts(killed), _trained_prompts(reference)
+  assert [r["version"] for r in got] == list(range(6))  # every version once, none repeated
+  assert sorted(p for r in got for p in r["prompts"]) == sorted(p for r in want for p in r["prompts"])
+  assert json.loads((killed / "summary.json").read_text())["steps"] == 6
 
 
 def test_train_rejects_bad_config(tmp_path):

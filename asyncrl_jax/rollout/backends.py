@@ -1,0 +1,133 @@
+"""Where the controller's rollouts run: decode servers in this process, or in other processes.
+
+Both backends offer the same narrow interface to the main loop:
+``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats``, ``start()``,
+``stop()``, ``error`` and ``stats``. Finished trajectories go to the ``on_trajectory`` callback.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Optional, Sequence
+
+from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.server import DecodeServer
+from asyncrl_jax.rollout.service import RolloutClient
+from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.transfer import TransferStats, WeightSender, local_transfer, uuid_for
+
+log = logging.getLogger(__name__)
+
+
+class LocalRollout:
+  """One decode server on this process's rollout mesh; weights move with ``jax.device_put``."""
+
+  def __init__(self, engine: Engine, learner_params, version: int,
+               on_trajectory: Callable[[Trajectory], None]):
+    self.engine = engine
+    params, _ = local_transfer(learner_params, engine.param_shardings)
+    self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
+                               on_trajectory=on_trajectory)
+    self.rollout_params = params
+
+  def submit(self, *requests: RolloutRequest) -> None:
+    self.server.submit(*requests)
+
+  def update_weights(self, learner_params, version: int) -> TransferStats:
+    self.rollout_params, stats = local_transfer(learner_params, self.engine.param_shardings)
+    self.server.update_weights(self.rollout_params, version)
+    return stats
+
+  @property
+  def error(self):
+    return self.server.error
+
+  @property
+  def stats(self) -> collections.Counter:
+    return self.server.stats
+
+  def start(self) -> None:
+    self.server.start()
+
+  def stop(self) -> None:
+    self.server.stop()
+
+
+class RemoteRollout:
+  """Decode servers in other processes, reached over the rollout gRPC service.
+
+  Requests are spread round-robin; one streaming thread per server delivers trajectories (and
+  reconnects if a stream breaks); new weights are offered once per server on this process's transfer
+  server and pulled by each server in parallel.
+  """
+
+  def __init__(self, addresses: Sequence[str], on_trajectory: Callable[[Trajectory], None], *,
+               transfer_host: str = "127.0.0.1", connect_timeout: float = 120.0):
+    if not addresses:
+      raise ValueError("RemoteRollout needs at least one decode server address")
+    self.clients = [RolloutClient(a) for a in addresses]
+    for c in self.clients:
+      c.wait_ready(connect_timeout)
+    self.sender = WeightSender(f"{transfer_host}:0")
+    self._on_trajectory = on_trajectory
+    self._next = itertools.cycle(range(len(self.clients)))
+    self._stop = threading.Event()
+    self._threads: list[threading.Thread] = []
+    self._pool = futures.ThreadPoolExecutor(max_workers=len(self.clients))
+    self.error: Optional[BaseException] = None
+    self.stats = collections.Counter()
+
+  def submit(self, *requests: RolloutRequest) -> None:
+    by_server = collections.defaultdict(list)
+    for r in requests:
+      by_server[next(self._next)].append(r)
+    for i, rs in by_server.items():
+      self.clients[i].submit(rs)
+
+  def update_weights(self, learner_params, version: int) -> TransferStats:
+    t = time.perf_counter()
+    for i in range(len(self.clients)):
+      self.sender.offer(learner_params, uuid_for(version, i))
+    replies = list(self._pool.map(
+        lambda ic: ic[1].update_weights(version, self.sender.address, uuid_for(version, ic[0])),
+        enumerate(self.clients)))
+    self.stats["weight_updates"] += 1
+    return TransferStats(time.perf_counter() - t, sum(r.bytes for r in replies))
+
+  def _stream(self, client: RolloutClient) -> None:
+    while not self._stop.is_set():
+      try:
+        for t in client.stream(timeout=None):
+          self.stats["tokens"] += len(t.completion_tokens)
+          self.stats["interrupted_sequences"] += t.num_interruptions
+          self._on_trajectory(t)
+          if self._stop.is_set():
+            return
+      except Exception as e:  # pylint: disable=broad-except
+        if self._stop.is_set():
+          return
+        log.warning("stream from %s broke (%r); reconnecting", client.address, e)
+        try:
+          if client.health(timeout=10).status != "serving":
+            raise RuntimeError(f"decode server {client.address} reports an error")
+        except Exception as health_error:  # pylint: disable=broad-except
+          self.error = health_error
+          return
+        time.sleep(0.5)
+
+  def start(self) -> None:
+    for c in self.clients:
+      th = threading.Thread(target=self._stream, args=(c,), daemon=True, name=f"stream-{c.address}")
+      th.start()
+      self._threads.append(th)
+
+  def stop(self) -> None:
+    self._stop.set()
+    for c in self.clients:
+      c.close()
+    self._pool.shutdown(wait=False)
