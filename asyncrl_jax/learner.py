@@ -70,7 +70,11 @@ class Learner:
         jax.device_put(params, self.param_shardings))
     if opt_state is None:
       opt_state = jax.jit(self.optimizer.init)(self.params)
-    self.opt_state = opt_state
+    # Scalars (step counts) are created on the default device; keep every leaf on the learner mesh.
+    replicated = sharding_lib.replicated(mesh)
+    self.opt_state = jax.tree.map(
+        lambda x: x if x.ndim and getattr(x.sharding, "mesh", None) == mesh else
+        jax.device_put(x, replicated), opt_state)
     self._rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
     self._batch_sharding = sharding_lib.batch_sharding(mesh, 2)
     self._grad = jax.jit(self._grad_impl)
