@@ -46,7 +46,7 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("rl.eps_clip", 1.5, r"rl.eps_clip=1.5 is not allowed"),
     ("rl.eps_low", 1.0, r"rl.eps_low=1.0 is not allowed"),
     ("rl.eps_high", 0.0, r"rl.eps_high=0.0 is not allowed"),
-    ("rl.group_size", 5, r"learner.batch_size=32 is not allowed: must be a multiple of rl.group_size"),
+    ("rl.group_size", 5, r"learner.batch_size=128 is not allowed: must be a multiple of rl.group_size"),
     ("model.num_kv_heads", 3, r"model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
     ("model.dtype", "float8", r"model.dtype='float8'"),
     ("rollout.top_p", 0.0, r"rollout.top_p=0.0 is not allowed"),

@@ -95,3 +95,20 @@ def test_train_rejects_bad_config(tmp_path):
   out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
   assert out.returncode == 2
   assert "rl.eps_clip=0" in out.stderr
+
+
+def test_multi_process_topology_over_grpc_and_transfer(tmp_path):
+  env = dict(_env(), PYTHON=sys.executable)
+  out = subprocess.run(["bash", f"{ROOT}/launch/local.sh", str(tmp_path), "2", "--config.steps=3",
+                        "--config.rl.max_staleness=1", *TINY],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "decode servers: 127.0.0.1:" in out.stdout
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 3 and summary["trained_tokens"] > 0
+  assert len(summary["devices"]["rollout"]) == 2  # two decode-server addresses
+  assert summary["max_staleness_seen"] <= 1
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert all(m["transfer_seconds"] > 0 for m in metrics)
+  logs = [(tmp_path / "servers" / f"decode-{i}.log").read_text() for i in range(2)]
+  assert all("pulled weights v" in log or "decode server" in log for log in logs)
