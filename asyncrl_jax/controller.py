@@ -69,7 +69,8 @@ class Controller:
   def __init__(self, *, prompts: PromptStream, tokenizer: Tokenizer, submit: Callable,
                manager: StalenessManager, reward: Callable[[str, str], float], batch_size: int,
                group_size: int, max_new_tokens: int, advantage: str = "group",
-               scale_by_std: bool = False, reward_threads: int = 2):
+               scale_by_std: bool = False, reward_threads: int = 2,
+               reward_source: str = "exact_answer"):
     if advantage != "group":
       raise NotImplementedError("the built-in loop computes group-relative advantages; rl.advantage="
                                 "'value' needs a critic, which the main job does not train yet")
@@ -83,6 +84,7 @@ class Controller:
     self.prompts_per_batch = batch_size // group_size
     self.max_new_tokens = max_new_tokens
     self.scale_by_std = scale_by_std
+    self.reward_source = reward_source
     self._groups: dict[int, _Group] = {}
     self._seen: set[str] = set()
     self._batch_states: dict[int, dict] = {}
@@ -163,7 +165,7 @@ class Controller:
   def _on_reward(self, t: Trajectory, reward: float) -> None:
     with self._cond:
       t.reward = reward
-      t.reward_source = "exact" if reward in (0.0, 1.0) else "verifier"
+      t.reward_source = self.reward_source if t.finish_reason != "error" else "failed_rollout"
       self._groups[t.group_id].rewards[t.trajectory_id] = reward
       self._cond.notify_all()
 

@@ -208,7 +208,9 @@ def run(config, workdir: str) -> dict:
                           submit=lambda *r: backend_box["backend"].submit(*r), manager=manager,
                           reward=reward, batch_size=batch_size, group_size=group,
                           max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
-                          scale_by_std=config.rl.scale_by_std)
+                          scale_by_std=config.rl.scale_by_std,
+                          reward_source="exact_answer" if config.data.task == "arithmetic"
+                          else "math_verify")
   if remote:
     backend = RemoteRollout(remote, controller.on_trajectory, transfer_host=config.rollout.host)
     transfer = backend.update_weights(learner.params, learner.version)  # servers start with no weights

@@ -109,7 +109,7 @@ def main(argv=None):
   parser.add_argument("--slots", type=int, default=32)
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--steps_per_call", type=int, default=4, help="decode server chunk size")
+  parser.add_argument("--steps_per_call", type=int, default=16, help="decode server chunk size")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   if args.quick:
