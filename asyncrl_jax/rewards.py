@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import multiprocessing
 import threading
 from typing import Callable
 
@@ -32,8 +33,14 @@ class MathReward:
 
   def __init__(self, timeout: float = 5.0, workers: int = 1):
     self.timeout = timeout
-    self._pool = cf.ProcessPoolExecutor(max_workers=workers)
+    self._workers = workers
+    self._pool = self._new_pool()
     self.timeouts = 0
+
+  def _new_pool(self) -> cf.ProcessPoolExecutor:
+    # "spawn", not fork: forking a process that runs JAX threads can deadlock the child.
+    return cf.ProcessPoolExecutor(max_workers=self._workers,
+                                  mp_context=multiprocessing.get_context("spawn"))
 
   def __call__(self, completion: str, answer: str) -> float:
     future = self._pool.submit(_math_verify, completion, answer)
@@ -47,8 +54,8 @@ class MathReward:
 
   def _restart(self) -> None:
     old = self._pool
-    self._pool = cf.ProcessPoolExecutor(max_workers=old._max_workers)  # pylint: disable=protected-access
-    for p in list(getattr(old, "_processes", {}).values()):
+    self._pool = self._new_pool()
+    for p in list((getattr(old, "_processes", None) or {}).values()):
       p.kill()
     old.shutdown(wait=False, cancel_futures=True)
 
