@@ -75,16 +75,17 @@ def test_group_advantage_values():
   ctl._rewards._fn = lambda text, answer: 1.0 if text.endswith("#" + answer) else 0.0
   for r in submitted:
     t = _finish(r, 0, True)
-    t.completion_tokens = np.asarray(TOK.encode("#" + ("5" if answers[r.request_id] else "x"[:0] + "9")),
-                                     np.int32)
+    right = answers[r.request_id]
+    answer = ctl._groups[r.group_id].prompt.answer  # pylint: disable=protected-access
+    t.completion_tokens = np.asarray(TOK.encode("#" + (answer if right else answer + "1")), np.int32)
     t.logprobs = np.zeros(len(t.completion_tokens), np.float32)
     t.versions = np.zeros(len(t.completion_tokens), np.int32)
     ctl.on_trajectory(t)
   b = ctl.next_batch(version=0, timeout=10)
   adv = sorted(float(s.advantages[s.mask > 0][0]) for s in b.sequences)
-  # each group has one right (1) and one wrong (0) or both equal: advantages are +-0.5 or 0
-  assert set(adv) <= {-0.5, 0.0, 0.5}
-  assert abs(sum(adv)) < 1e-6
+  # every group of two holds one right (reward 1) and one wrong (0) answer: advantages +-0.5
+  assert adv == [-0.5, -0.5, 0.5, 0.5]
+  assert sorted(b.rewards.tolist()) == [0.0, 0.0, 1.0, 1.0]
   ctl.close()
 
 
