@@ -15,6 +15,9 @@ COMMANDS = {"train": "asyncrl_jax.train", "sft": "asyncrl_jax.sft", "decode": "a
 
 
 def main() -> None:
+  if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help", "help"):
+    print(__doc__.strip())
+    return
   if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
     print(__doc__.strip(), file=sys.stderr)
     sys.exit(2)
