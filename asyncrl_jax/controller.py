@@ -171,12 +171,6 @@ class Controller:
 
   # ------------------------------------------------------------------ batches
 
-  def batch_ready(self) -> bool:
-    first = self.next_batch_index * self.prompts_per_batch
-    with self._cond:
-      return all(i in self._groups and self._groups[i].complete
-                 for i in range(first, first + self.prompts_per_batch))
-
   def next_batch(self, version: int, timeout: Optional[float] = None) -> Optional[TrainingBatch]:
     """Blocks until batch ``next_batch_index`` is complete; ``None`` on timeout."""
     first = self.next_batch_index * self.prompts_per_batch

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from asyncrl_jax import models
 from asyncrl_jax import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.rl import batching
+from asyncrl_jax.rl import batching, losses
 from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 
@@ -39,17 +39,6 @@ def make_optimizer(learner_config, total_steps: int) -> optax.GradientTransforma
       optax.clip_by_global_norm(learner_config.grad_clip),
       optax.adamw(schedule, b1=learner_config.b1, b2=learner_config.b2,
                   weight_decay=learner_config.weight_decay))
-
-
-def pad_rows(batch: batching.TokenBatch, multiple: int) -> batching.TokenBatch:
-  """Adds empty rows so the row count divides over the mesh's batch axes."""
-  rows = batch.tokens.shape[0]
-  extra = -rows % multiple
-  if not extra:
-    return batch
-  return batching.TokenBatch(*[np.concatenate([x, np.full((extra,) + x.shape[1:], -1 if name == "versions"
-                                                          else 0, x.dtype)])
-                               for name, x in zip(batching.TokenBatch._fields, batch)])
 
 
 class Learner:
@@ -97,35 +86,40 @@ class Learner:
     return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
 
   def _device_batch(self, b: batching.TokenBatch):
-    return jax.device_put(pad_rows(b, self._rows_multiple), self._batch_sharding)
+    return jax.device_put(batching.pad_rows(b, self._rows_multiple), self._batch_sharding)
 
   def train(self, sequences: Sequence[batching.SequenceData]) -> dict:
-    """One policy version from a global batch; returns metrics (host floats)."""
+    """One policy version from a global batch; returns metrics (host floats).
+
+    Nothing is read back from the device until the last update has been dispatched, so the host
+    never stalls the micro-batch pipeline.
+    """
     t0 = time.perf_counter()
     chunks = np.array_split(np.arange(len(sequences)), min(self.minibatches, len(sequences)))
-    needs_prox = self.settings.loss == "decoupled_ppo"
-    plans = []
+    plans, normalizers = [], []
     for idx in chunks:
-      mbs = [self._device_batch(b) for b in
-             batching.pack_sequences([sequences[i] for i in idx], self.token_budget)]
-      plans.append(mbs)
+      host_mbs = batching.pack_sequences([sequences[i] for i in idx], self.token_budget)
+      normalizers.append(jnp.float32(max(batching.total_policy_tokens(host_mbs), 1.0)))
+      plans.append([self._device_batch(b) for b in host_mbs])
     # Prox log-probs under the weights before this version's first update.
-    prox = [[self._prox(self.params, b) if needs_prox else None for b in mbs] for mbs in plans]
-    totals, grad_norms = {}, []
-    for mbs, prox_mbs in zip(plans, prox):
-      normalizer = jnp.float32(max(sum(float(np.sum(np.asarray(b.mask))) for b in mbs), 1.0))
+    prox = [[self._prox(self.params, b) if losses.needs_prox(self.settings.loss) else None
+             for b in mbs] for mbs in plans]
+    per_mb, grad_norms = [], []
+    for mbs, prox_mbs, normalizer in zip(plans, prox, normalizers):
       grads = None
       for b, p in zip(mbs, prox_mbs):
         loss, metrics, g = self._grad(self.params, b, p, normalizer)
         grads = g if grads is None else self._add(grads, g)
-        weight = float(metrics["policy_tokens"])
-        for k, v in dict(metrics, loss=loss).items():
-          if k == "policy_tokens":
-            continue
-          # loss is already globally normalised per micro-batch: sum it; others: token-weighted mean
-          totals.setdefault(k, []).append((float(v), 1.0 if k == "loss" else weight))
+        per_mb.append(dict(metrics, loss=loss))
       self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, grads)
-      grad_norms.append(float(gnorm))
+      grad_norms.append(gnorm)
+    per_mb, grad_norms = jax.device_get((per_mb, grad_norms))
+    totals = {}
+    for metrics in per_mb:
+      weight = float(metrics.pop("policy_tokens"))
+      for k, v in metrics.items():
+        # loss is already globally normalised per micro-batch: sum it; others: token-weighted mean
+        totals.setdefault(k, []).append((float(v), 1.0 if k == "loss" else weight))
     self.version += 1
     out = {}
     for k, vals in totals.items():

@@ -64,7 +64,6 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     updates, s = optimizer.update(grads, s, p)
     return optax.apply_updates(p, updates), s, loss
 
-  from asyncrl_jax.learner import pad_rows  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   batch_sharding = sharding_lib.batch_sharding(mesh, 2)
   loss = float("nan")
@@ -73,7 +72,7 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     seqs = [demonstration(tokenizer, examples[j]["question"], examples[j]["solution"]) for j in idx]
     mbs = batching.pack_sequences(seqs, token_budget)
     normalizer = jnp.float32(batching.total_policy_tokens(mbs))
-    device_mbs = tuple(jax.device_put(pad_rows(b, rows_multiple), batch_sharding) for b in mbs)
+    device_mbs = tuple(jax.device_put(batching.pad_rows(b, rows_multiple), batch_sharding) for b in mbs)
     params, opt_state, loss_arr = step(params, opt_state, device_mbs, normalizer)
     if progress is not None and (i % 10 == 0 or i == steps - 1):
       loss = float(loss_arr)

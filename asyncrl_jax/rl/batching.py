@@ -188,6 +188,17 @@ def padded_micro_batches(sequences: Sequence[SequenceData], batch_rows: int, *,
   return out
 
 
+def pad_rows(batch: TokenBatch, multiple: int) -> TokenBatch:
+  """Adds empty rows so the row count divides over the mesh's batch axes."""
+  rows = batch.tokens.shape[0]
+  extra = -rows % multiple
+  if not extra:
+    return batch
+  return TokenBatch(*[np.concatenate([x, np.full((extra,) + x.shape[1:], -1 if name == "versions"
+                                                  else 0, x.dtype)])
+                       for name, x in zip(TokenBatch._fields, batch)])
+
+
 def total_policy_tokens(batches: Sequence[TokenBatch]) -> float:
   """The global normalizer: policy tokens over all micro-batches of one global batch."""
   return float(sum(np.sum(b.mask) for b in batches))

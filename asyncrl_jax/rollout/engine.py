@@ -25,10 +25,12 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from asyncrl_jax import config as config_lib
 from asyncrl_jax import models
 from asyncrl_jax import sharding as sharding_lib
 from asyncrl_jax.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.hf import read_hf_config
 from asyncrl_jax.rollout.sampling import SamplingSettings, sample
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
 
@@ -398,8 +400,6 @@ class Engine(engine_api.Engine):
 def engine_from_config(config, devices, *, params=None) -> "Engine":
   """The engine an experiment config describes, on ``devices``."""
   mesh = sharding_lib.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
-  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.models.hf import read_hf_config  # pylint: disable=import-outside-toplevel
   model_config = (models.config_from_hf(read_hf_config(config.model.hf_path),
                                         config.model.hf_path, dtype=config.model.param_dtype)
                   if config.model.hf_path else config_lib.model_config(config))
