@@ -73,7 +73,7 @@ def test_hf_tokenizer_matches_transformers_chat_template(hf_dir):
   assert "<|im_start|>" not in ours.decode(ours.encode_prompt("what is 1+2?"))
   with_system = HFTokenizer(str(hf_dir), system_prompt="be brief")
   assert with_system.encode_prompt("what")[:3] == [0, 5, 12]
-  assert ours.identity != with_system.identity or ours.identity.startswith("hf:")
+  assert ours.identity.startswith("hf:") and len(ours.identity) > len("hf::")
 
 
 def test_hf_tokenizer_errors(tmp_path, hf_dir):

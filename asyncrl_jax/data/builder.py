@@ -18,20 +18,35 @@ import tensorflow_datasets as tfds
 
 from asyncrl_jax.data import arithmetic
 
-FEATURES = dict(question="text", answer="text", solution="text", num_terms="int32")
-
-
 def _features():
   return tfds.features.FeaturesDict({
       "question": tfds.features.Text(), "answer": tfds.features.Text(),
       "solution": tfds.features.Text(), "num_terms": tfds.features.Scalar(dtype=np.int32)})
 
 
-class ArithmeticReasoning(tfds.core.GeneratorBasedBuilder):
-  """Chain-of-thought addition with lognormal reasoning length (train / test)."""
+class _QABuilder(tfds.core.GeneratorBasedBuilder):
+  """Shared shape of our builders: one feature schema, one generator per split name."""
 
   VERSION = tfds.core.Version("1.0.0")
   RELEASE_NOTES = {"1.0.0": "Initial release."}
+  DESCRIPTION = ""
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # Built directly: dataset_info_from_configs() needs the builder to live in a TFDS-style package.
+    return tfds.core.DatasetInfo(builder=self, features=_features(), description=self.DESCRIPTION)
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {split: self._generate_examples(split) for split in self._split_names()}
+
+  def _split_names(self) -> Iterable[str]:
+    raise NotImplementedError
+
+
+class ArithmeticReasoning(_QABuilder):
+  """Chain-of-thought addition with lognormal reasoning length (train / test)."""
+
+  DESCRIPTION = "Chain-of-thought addition, heavy-tailed length."
 
   def __init__(self, *, num_train: int = 20000, num_test: int = 500, seed: int = 0, min_terms: int = 2,
                max_terms: int = 16, **kwargs):
@@ -39,14 +54,8 @@ class ArithmeticReasoning(tfds.core.GeneratorBasedBuilder):
     self._seed, self._min, self._max = seed, min_terms, max_terms
     super().__init__(**kwargs)
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    # Built directly: dataset_info_from_configs() needs the builder to live in a TFDS-style package.
-    return tfds.core.DatasetInfo(builder=self, features=_features(),
-                                 description="Chain-of-thought addition, heavy-tailed length.")
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {split: self._generate_examples(split) for split in self._sizes}
+  def _split_names(self):
+    return self._sizes
 
   def _generate_examples(self, split: str) -> Iterator:
     rng = np.random.default_rng([self._seed, 0 if split == "train" else 1])
@@ -56,11 +65,10 @@ class ArithmeticReasoning(tfds.core.GeneratorBasedBuilder):
                              "num_terms": p.num_terms}
 
 
-class MathQA(tfds.core.GeneratorBasedBuilder):
+class MathQA(_QABuilder):
   """Question / answer records imported from local JSONL or Parquet files."""
 
-  VERSION = tfds.core.Version("1.0.0")
-  RELEASE_NOTES = {"1.0.0": "Initial release."}
+  DESCRIPTION = "Imported math question/answer data."
 
   def __init__(self, *, files: Optional[dict] = None, question_key: str = "question",
                answer_key: str = "answer", **kwargs):
@@ -68,13 +76,8 @@ class MathQA(tfds.core.GeneratorBasedBuilder):
     self._qk, self._ak = question_key, answer_key
     super().__init__(**kwargs)
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(builder=self, features=_features(),
-                                 description="Imported math question/answer data.")
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {split: self._generate_examples(split) for split in self._files}
+  def _split_names(self):
+    return self._files
 
   def _generate_examples(self, split: str) -> Iterator:
     for i, record in enumerate(read_records(self._files[split])):

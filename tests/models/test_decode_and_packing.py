@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import sharp_params
 from asyncrl_jax import models
 
 CFG = models.ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -12,9 +13,7 @@ CFG = models.ModelConfig(vocab_size=50, hidden_size=64, intermediate_size=128, n
 
 @pytest.fixture(scope="module")
 def params():
-  p = models.init_params(CFG, jax.random.key(0))
-  # Larger weights than the init so that attention patterns are far from uniform.
-  return jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, p)
+  return sharp_params(CFG, 0, scale=4.0)
 
 
 def _rand_tokens(shape, seed=0):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
@@ -71,8 +72,7 @@ CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, nu
 
 @pytest.fixture(scope="module")
 def params():
-  p = models.init_params(CFG, jax.random.key(1))
-  return jax.tree.map(lambda x: x * 3.0 if x.ndim > 1 else x, p)
+  return sharp_params(CFG, 1)
 
 
 def test_prox_logprobs_equal_log_softmax_of_full_forward(params):

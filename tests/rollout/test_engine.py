@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from tests.helpers import sharp_params
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import Engine, SamplingSettings
@@ -16,8 +17,7 @@ CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, n
 
 @pytest.fixture(scope="module")
 def params():
-  p = models.init_params(CFG, jax.random.key(0))
-  return jax.tree.map(lambda x: x * 3.0 if x.ndim > 1 else x, p)
+  return sharp_params(CFG, 0)
 
 
 def _engine(params, sampling, slots=4, devices=2, seed=0):

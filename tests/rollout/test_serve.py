@@ -4,6 +4,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.models.generate import greedy_generate
@@ -17,7 +18,7 @@ CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, n
 def served(tmp_path_factory):
   import grpc
   path = str(tmp_path_factory.mktemp("export"))
-  params = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, models.init_params(CFG, jax.random.key(4)))
+  params = sharp_params(CFG, 4)
   # EOS (id 2) gets a logit near 0 while the max over the other 16 random logits is positive, so greedy
   # decoding runs for a while instead of stopping at once.
   params["lm_head"] = params["lm_head"].at[:, 2].multiply(1e-3)

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import sharp_params
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
@@ -16,8 +17,7 @@ CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, n
 
 
 def _params(seed, scale=3.0):
-  p = models.init_params(CFG, jax.random.key(seed))
-  return jax.tree.map(lambda x: x * scale if x.ndim > 1 else x, p)
+  return sharp_params(CFG, seed, scale)
 
 
 @pytest.fixture(scope="module")

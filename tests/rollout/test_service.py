@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.helpers import sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
@@ -32,7 +33,7 @@ def _greedy_reference(config, params, prompt, n, stop=2):
 
 @pytest.fixture()
 def local_service():
-  params = jax.tree.map(lambda x: x * 3 if x.ndim > 1 else x, models.init_params(CFG, jax.random.key(0)))
+  params = sharp_params(CFG, 0)
   mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
   engine = Engine(CFG, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
                   sampling=SamplingSettings(temperature=0.0), params=params)
@@ -104,8 +105,7 @@ def test_decode_server_process_pulls_weights_from_another_process(tmp_path):
     model = config_lib.model_config(get_config())
     learner_mesh = sharding.make_mesh(jax.devices()[:2], dict(data=1, fsdp=-1, tensor=1))
     # Sharded on a learner mesh, and not the server's seed-11 init.
-    new_params = models.init_params(model, jax.random.key(12345), mesh=learner_mesh)
-    new_params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, new_params)
+    new_params = sharp_params(model, 12345, scale=4.0, mesh=learner_mesh)
     sender = WeightSender("127.0.0.1:0")
     sender.offer(new_params, uuid_for(1, 0))
     reply = client.update_weights(version=1, address=sender.address, uuid=uuid_for(1, 0), timeout=120)
