@@ -25,6 +25,7 @@ from ml_collections import config_dict
 
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 
+AGGREGATIONS = ("token_mean", "sequence_mean")
 LOSSES = ("ppo", "decoupled_ppo", "dis")
 ADVANTAGES = ("group", "value")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,6 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
       behav_weight_cap=config_dict.placeholder(float),  # decoupled PPO: drop tokens with w > cap
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
+      # token_mean: every policy token of the batch weighs the same (long completions weigh more);
+      # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)
+      aggregation="token_mean",
   ))
   c.mesh = ml_collections.ConfigDict(dict(
       rollout_fraction=0.75,  # share of devices for decode servers (3:1 as in AReaL)
@@ -183,6 +187,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.rl.behav_weight_cap is not None:
     _number(config, "rl.behav_weight_cap", lambda v: v > 1, "None or a number > 1")
   _one_of(config, "rl.advantage", ADVANTAGES)
+  _one_of(config, "rl.aggregation", AGGREGATIONS)
   _number(config, "rl.group_size", lambda v: v >= 1, "an integer >= 1", integer=True)
   if config.rl.advantage == "group":
     _check(config.rl.group_size >= 2, "rl.group_size", config.rl.group_size,

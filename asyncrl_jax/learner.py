@@ -3,7 +3,8 @@
 One ``train(sequences)`` call is one policy version: the global batch is packed into fixed-shape
 micro-batches under ``learner.token_budget``; for decoupled PPO the prox log-probs are computed once,
 under the weights before the update; then ``learner.ppo_minibatches`` optimizer updates each sum the
-gradients of their micro-batches (normalised by the global policy-token count of that minibatch).
+gradients of their micro-batches (normalised by the global policy-token count of that minibatch, so
+each token weighs the same; ``rl.aggregation='sequence_mean'`` makes each trajectory weigh the same).
 Everything on device is jitted with explicit shardings; params and optimizer state are donated.
 """
 
@@ -51,6 +52,7 @@ class Learner:
     self.settings = LossSettings.from_config(config)
     self.token_budget = config.learner.token_budget
     self.minibatches = config.learner.ppo_minibatches
+    self.aggregation = config.rl.aggregation
     self.version = version
     self.optimizer = make_optimizer(config.learner, total_steps)
     self.param_shardings = models.param_shardings(model_config, mesh)
@@ -98,7 +100,10 @@ class Learner:
     chunks = np.array_split(np.arange(len(sequences)), min(self.minibatches, len(sequences)))
     plans, normalizers = [], []
     for idx in chunks:
-      host_mbs = batching.pack_sequences([sequences[i] for i in idx], self.token_budget)
+      chunk = [sequences[i] for i in idx]
+      if self.aggregation == "sequence_mean":
+        chunk = batching.weight_sequences_equally(chunk)
+      host_mbs = batching.pack_sequences(chunk, self.token_budget)
       normalizers.append(jnp.float32(max(batching.total_policy_tokens(host_mbs), 1.0)))
       plans.append([self._device_batch(b) for b in host_mbs])
     # Prox log-probs under the weights before this version's first update.

@@ -267,7 +267,9 @@ def run(config, workdir: str) -> dict:
         eval_acc = evaluator.accuracy(eval_params, reward)
         record["eval_accuracy"] = eval_acc
       _append_jsonl(metrics_path, record)
-      _append_jsonl(prompts_path, {"version": learner.version - 1, "prompts": batch.prompt_indices})
+      _append_jsonl(prompts_path, {"version": learner.version - 1, "prompts": batch.prompt_indices,
+                                   "completion_lengths": [len(t.completion_tokens)
+                                                          for t in batch.trajectories]})
       for k, v in record.items():
         if isinstance(v, (int, float)):
           writer.add_scalar(k, v, learner.version)

@@ -202,3 +202,20 @@ def pad_rows(batch: TokenBatch, multiple: int) -> TokenBatch:
 def total_policy_tokens(batches: Sequence[TokenBatch]) -> float:
   """The global normalizer: policy tokens over all micro-batches of one global batch."""
   return float(sum(np.sum(b.mask) for b in batches))
+
+
+def weight_sequences_equally(sequences: Sequence[SequenceData]) -> list[SequenceData]:
+  """Rescales advantages so that the token-mean loss becomes a mean over sequences.
+
+  Sequence ``i`` with ``n_i`` policy tokens gets its advantages multiplied by ``(T / N) / n_i``, where
+  ``T`` is the policy-token total and ``N`` the number of sequences with policy tokens. Divided by the
+  usual normaliser ``T``, token ``t`` of sequence ``i`` then weighs ``A_t / (N n_i)``: each sequence
+  contributes the mean of its tokens, and sequences count equally whatever their length.
+  """
+  counts = [float(np.sum(s.mask)) for s in sequences]
+  live = [n for n in counts if n > 0]
+  if not live:
+    return list(sequences)
+  per_sequence = sum(live) / len(live)
+  return [s._replace(advantages=(s.advantages * (per_sequence / n)).astype(np.float32)) if n > 0 else s
+          for s, n in zip(sequences, counts)]

@@ -1,0 +1,1 @@
+"""Scheduling simulators: what synchronous RL loses to stragglers, and what decoupling wins back."""

@@ -1,0 +1,235 @@
+"""Straggler simulator: synchronous batches versus continuous asynchronous generation.
+
+Time is measured in decode steps: a slot produces one token per step, so a trace of ``L`` tokens holds
+its slot for ``L`` steps.
+
+* **Synchronous** (the seed's experiment): each epoch draws ``batch`` lengths, packs them onto ``slots``
+  by longest-processing-time first (which needs the lengths in advance, so it flatters the baseline),
+  and lasts as long as the fullest slot; then the learner trains on the batch while every slot idles.
+  Slot utilization is ``sum(lengths) / (slots * longest_slot)``; the headroom from decoupling is its
+  inverse.
+* **Asynchronous**: every slot takes the next trajectory as soon as it finishes one, subject to the
+  AReaL admission bound ``floor(n / batch) <= version + eta`` for the ``n``-th trajectory (0-based); the
+  learner trains batch after batch while generation continues. Batches are either blocks in admission
+  order (what ``asyncrl_jax.controller`` does: the count bound is then a hard staleness bound) or the
+  oldest ``batch`` finished trajectories (AReaL's buffer; staleness of a straggler is then unbounded).
+  An interrupt (weight update) may cost every in-flight slot ``interrupt_cost`` steps of re-prefill.
+
+The learner's time per batch is ``batch_tokens / train_rate`` steps (``train_rate`` = trained tokens
+per decode step; ``inf`` = free, as in the seed).
+
+Run ``python -m asyncrl_jax.sim.straggler --json`` for the seed's configuration; its last line is one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import json
+import math
+import sys
+from typing import Optional
+
+import numpy as np
+
+from asyncrl_jax.sim.lengths import LengthModel
+
+ORDERS = ("admission", "completion")
+
+
+@dataclasses.dataclass
+class SyncResult:
+  slot_utilization: float  # generated tokens / (slots * decode steps), over all epochs
+  headroom: float  # 1 / slot_utilization
+  median_len: float
+  mean_len: float
+  mean_longest: float  # mean over epochs of the longest trace
+  p_cap: float  # fraction of epochs with at least one trace at the cap
+  tokens_per_step: float  # trained tokens per step including the learner's time
+  steps: float  # total simulated steps
+
+
+@dataclasses.dataclass
+class AsyncResult:
+  eta: int
+  order: str
+  slot_utilization: float  # useful decode tokens / (slots * steps) until the last trained version
+  tokens_per_step: float  # trained tokens per step
+  learner_idle_fraction: float
+  max_staleness: int  # oldest data trained, in versions (admission version to trained version)
+  mean_staleness: float
+  steps: float
+
+
+def lpt_makespan(lengths: np.ndarray, slots: int) -> int:
+  """Longest-processing-time-first packing onto ``slots``; returns the fullest slot's load."""
+  heap = [0] * min(slots, len(lengths))
+  for n in np.sort(lengths)[::-1]:
+    heapq.heapreplace(heap, heap[0] + int(n))
+  return max(heap)
+
+
+def simulate_sync(model: LengthModel, *, epochs: int, batch: int, slots: int, seed: int = 0,
+                  train_rate: float = math.inf) -> SyncResult:
+  """The synchronous baseline: LPT-packed epochs, each as long as its fullest slot, then training."""
+  _check_sizes(epochs=epochs, batch=batch, slots=slots)
+  rng = np.random.default_rng(seed)
+  lens = model.draw(rng, epochs * batch).reshape(epochs, batch)
+  makespans = np.array([lpt_makespan(row, slots) for row in lens], np.float64)
+  tokens = lens.sum(axis=1).astype(np.float64)
+  util = float(tokens.sum() / (slots * makespans.sum()))
+  train_steps = tokens / train_rate if math.isfinite(train_rate) else np.zeros_like(tokens)
+  steps = float(makespans.sum() + train_steps.sum())
+  return SyncResult(slot_utilization=util, headroom=1.0 / util, median_len=float(np.median(lens)),
+                    mean_len=float(lens.mean()), mean_longest=float(lens.max(axis=1).mean()),
+                    p_cap=float(np.mean(lens.max(axis=1) >= model.cap)),
+                    tokens_per_step=float(tokens.sum() / steps), steps=steps)
+
+
+def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, eta: int, seed: int = 0,
+                   train_rate: float = math.inf, order: str = "admission",
+                   interrupt_cost: float = 0.0) -> AsyncResult:
+  """Continuous generation under the staleness bound until ``epochs`` batches have been trained."""
+  _check_sizes(epochs=epochs, batch=batch, slots=slots)
+  if eta < 0:
+    raise ValueError(f"eta={eta} must be >= 0")
+  if order not in ORDERS:
+    raise ValueError(f"order={order!r} must be one of {ORDERS}")
+  rng = np.random.default_rng(seed)
+  # Enough trajectories for the trained batches plus everything the bound lets run ahead.
+  lens = model.draw(rng, (epochs + eta + 1) * batch)
+  start = np.full(lens.size, np.nan)
+  admit_version = np.zeros(lens.size, np.int64)
+  finish = np.full(slots, math.inf)
+  running = np.full(slots, -1)
+  gen = np.zeros(slots, np.int64)  # invalidates heap entries when a slot's finish time moves
+  events: list = []  # (time, kind, slot or -1, generation); kind 0 = trace done, 1 = training done
+  done = np.zeros(lens.size, bool)
+  pool: list = []  # completion order: finished trajectory indices (heap: oldest first)
+  version, next_traj, t = 0, 0, 0.0
+  learner_busy, learner_busy_steps, trained_tokens = False, 0.0, 0.0
+  staleness = []
+  stale_of_batch: list = []
+
+  def admit(now):
+    nonlocal next_traj
+    for s in np.flatnonzero(running < 0):
+      if next_traj // batch > version + eta or next_traj >= lens.size:
+        return
+      running[s], start[next_traj], admit_version[next_traj] = next_traj, now, version
+      finish[s] = now + lens[next_traj]
+      heapq.heappush(events, (finish[s], 0, int(s), int(gen[s])))
+      next_traj += 1
+
+  def try_train(now):
+    nonlocal learner_busy, learner_busy_steps, trained_tokens, stale_of_batch
+    if learner_busy:
+      return
+    if order == "admission":
+      members = np.arange(version * batch, (version + 1) * batch)
+      if not done[members].all():
+        return
+    else:
+      if len(pool) < batch:
+        return
+      members = np.array([heapq.heappop(pool) for _ in range(batch)])
+    tokens = float(lens[members].sum())
+    dur = tokens / train_rate if math.isfinite(train_rate) else 0.0
+    learner_busy, learner_busy_steps = True, learner_busy_steps + dur
+    trained_tokens += tokens
+    stale_of_batch = list(version - admit_version[members])
+    heapq.heappush(events, (now + dur, 1, -1, 0))
+
+  admit(0.0)
+  while version < epochs:
+    t, kind, s, g = heapq.heappop(events)
+    if kind == 0:
+      if g != gen[s]:
+        continue
+      n = running[s]
+      done[n], running[s], finish[s] = True, -1, math.inf
+      if order == "completion":
+        heapq.heappush(pool, int(n))
+      try_train(t)
+      admit(t)
+    else:
+      learner_busy = False
+      version += 1
+      staleness.extend(stale_of_batch)
+      if interrupt_cost:
+        for s2 in np.flatnonzero(running >= 0):
+          finish[s2] += interrupt_cost
+          gen[s2] += 1
+          heapq.heappush(events, (finish[s2], 0, int(s2), int(gen[s2])))
+      if version < epochs:
+        try_train(t)
+      admit(t)
+  # Useful decode work inside [0, t]: every admitted trace's tokens, cut at t.
+  started = ~np.isnan(start)
+  useful = np.minimum(lens[started], np.maximum(t - start[started], 0.0)).sum()
+  return AsyncResult(eta=eta, order=order, slot_utilization=float(useful / (slots * t)),
+                     tokens_per_step=trained_tokens / t,
+                     learner_idle_fraction=1.0 - learner_busy_steps / t,
+                     max_staleness=int(max(staleness)), mean_staleness=float(np.mean(staleness)), steps=t)
+
+
+def _check_sizes(**sizes) -> None:
+  for name, v in sizes.items():
+    if int(v) != v or v < 1:
+      raise ValueError(f"{name}={v} must be an integer >= 1")
+
+
+def main(argv: Optional[list] = None) -> int:
+  p = argparse.ArgumentParser(prog="python -m asyncrl_jax.sim.straggler", description=__doc__.split("\n")[0])
+  p.add_argument("--epochs", type=int, default=400, help="batches (policy versions) to simulate")
+  p.add_argument("--batch", type=int, default=512, help="trajectories per batch")
+  p.add_argument("--slots", type=int, default=128, help="decode slots")
+  p.add_argument("--mu", type=float, default=7.4, help="lognormal mu of trace length")
+  p.add_argument("--sigma", type=float, default=1.15, help="lognormal sigma of trace length")
+  p.add_argument("--cap", type=int, default=32768, help="length cap (tokens)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--eta", type=int, nargs="*", default=[0, 1, 2, 4, 8, 16],
+                 help="staleness bounds for the asynchronous runs")
+  p.add_argument("--order", choices=ORDERS, default="admission", help="asynchronous batch order")
+  p.add_argument("--train-rate", type=float, default=math.inf,
+                 help="trained tokens per decode step (default: training is free, as in the seed)")
+  p.add_argument("--interrupt-cost", type=float, default=0.0,
+                 help="decode steps each in-flight trace loses per weight update")
+  p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+  args = p.parse_args(argv)
+  try:
+    model = LengthModel(mu=args.mu, sigma=args.sigma, cap=args.cap)
+    sync = simulate_sync(model, epochs=args.epochs, batch=args.batch, slots=args.slots, seed=args.seed,
+                         train_rate=args.train_rate)
+    runs = [simulate_async(model, epochs=args.epochs, batch=args.batch, slots=args.slots, eta=e,
+                           seed=args.seed, train_rate=args.train_rate, order=args.order,
+                           interrupt_cost=args.interrupt_cost) for e in args.eta]
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"{args.epochs} epochs x {args.batch} rollouts on {args.slots} slots, {model.describe()}")
+  print(f"median trace length      : {sync.median_len:8.0f} tok")
+  print(f"mean longest-in-batch    : {sync.mean_longest:8.0f} tok  ({sync.mean_longest / sync.median_len:.1f}x "
+        "the median)")
+  print(f"P(batch has a capped trace) = {sync.p_cap:.0%}")
+  print(f"synchronous slot utilization: {sync.slot_utilization:.1%}  (idle {1 - sync.slot_utilization:.1%})")
+  print(f"headroom from decoupling : {sync.headroom:8.2f}x")
+  print(f"asynchronous ({args.order} order): eta  utilization  speedup  learner idle  max/mean staleness")
+  for r in runs:
+    print(f"  {r.eta:>40d}  {r.slot_utilization:10.1%}  {r.tokens_per_step / sync.tokens_per_step:6.2f}x  "
+          f"{r.learner_idle_fraction:11.1%}  {r.max_staleness:>4d} / {r.mean_staleness:.2f}")
+  if args.json:
+    out = dict(dataclasses.asdict(sync), config=vars(args),
+               asynchronous=[dataclasses.asdict(r) for r in runs])
+    pick = next((r for r in runs if r.eta == 2), runs[-1] if runs else None)
+    if pick is not None:
+      out.update(async_slot_utilization=pick.slot_utilization, async_eta=pick.eta,
+                 async_speedup=pick.tokens_per_step / sync.tokens_per_step)
+    print(json.dumps(out))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

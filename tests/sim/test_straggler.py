@@ -1,0 +1,115 @@
+"""Straggler simulator: hand-computed schedules, invariants, the seed's numbers, the CLI."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from asyncrl_jax.sim import straggler
+from asyncrl_jax.sim.lengths import LengthModel, fit_lognormal
+
+
+def test_lpt_makespan_hand_computed():
+  # LPT on 2 slots: 5 | 4, then 3 -> 4+3, 3 -> 5+3, 3 -> 7+3: makespan 10 (the optimum is 9).
+  assert straggler.lpt_makespan(np.array([3, 5, 3, 4, 3]), 2) == 10
+  assert straggler.lpt_makespan(np.array([7]), 4) == 7
+
+
+def test_sync_constant_lengths():
+  # 10 traces of 6 tokens on 4 slots: 3 rounds -> 18 steps, 60 tokens of 72 slot-steps.
+  r = straggler.simulate_sync(LengthModel(samples=(6,), cap=100), epochs=3, batch=10, slots=4)
+  assert r.slot_utilization == pytest.approx(60 / 72)
+  assert r.headroom == pytest.approx(72 / 60)
+  assert r.steps == 54 and r.p_cap == 0.0 and r.mean_longest == 6
+  # Training at 10 tokens per step adds 6 steps per epoch.
+  r = straggler.simulate_sync(LengthModel(samples=(6,), cap=100), epochs=3, batch=10, slots=4,
+                              train_rate=10.0)
+  assert r.steps == 3 * (18 + 6)
+  assert r.tokens_per_step == pytest.approx(180 / 72)
+
+
+def test_async_constant_lengths_is_fully_busy():
+  m = LengthModel(samples=(5,), cap=100)
+  r = straggler.simulate_async(m, epochs=4, batch=8, slots=8, eta=0)
+  # eta 0: each batch is exactly one round of 5 steps; training is free.
+  assert r.steps == 20 and r.slot_utilization == 1.0 and r.max_staleness == 0
+  assert r.tokens_per_step == pytest.approx(8.0)
+
+
+def test_async_eta0_waits_for_training():
+  # batch 4 on 4 slots, 5 steps of decode, then 20 tokens / 2 per step = 10 steps of training
+  # during which eta 0 admits nothing: 15 steps per version.
+  m = LengthModel(samples=(5,), cap=100)
+  r = straggler.simulate_async(m, epochs=3, batch=4, slots=4, eta=0, train_rate=2.0)
+  assert r.steps == 45
+  assert r.learner_idle_fraction == pytest.approx(1 / 3)
+  # eta 1: decode of batch k+1 overlaps training of batch k; the learner becomes the bottleneck.
+  r1 = straggler.simulate_async(m, epochs=3, batch=4, slots=4, eta=1, train_rate=2.0)
+  assert r1.steps == 5 + 3 * 10
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+def test_admission_order_bounds_staleness(eta):
+  m = LengthModel(mu=3.0, sigma=1.2, cap=400)
+  r = straggler.simulate_async(m, epochs=40, batch=16, slots=8, eta=eta, seed=3, train_rate=20.0)
+  assert r.max_staleness <= eta
+  assert 0 < r.slot_utilization <= 1
+
+
+def test_completion_order_lets_stragglers_exceed_the_count_bound():
+  m = LengthModel(mu=3.0, sigma=1.5, cap=2000)
+  r = straggler.simulate_async(m, epochs=60, batch=16, slots=16, eta=1, seed=0, order="completion")
+  assert r.max_staleness > 1
+
+
+def test_async_beats_sync_on_heavy_tails():
+  m = LengthModel(mu=5.0, sigma=1.15, cap=2048)
+  sync = straggler.simulate_sync(m, epochs=60, batch=64, slots=16, seed=1)
+  asyn = straggler.simulate_async(m, epochs=60, batch=64, slots=16, eta=4, seed=1)
+  assert asyn.slot_utilization > 0.9 > sync.slot_utilization
+  assert asyn.tokens_per_step > 1.5 * sync.tokens_per_step
+
+
+def test_seed_experiment_statistics():
+  # The seed: 400 epochs x 512 on 128 slots gives 38.1% and 2.62x; 100 epochs agree within noise.
+  r = straggler.simulate_sync(LengthModel(), epochs=100, batch=512, slots=128, seed=0)
+  assert r.slot_utilization == pytest.approx(0.381, abs=0.006)
+  assert r.headroom == pytest.approx(2.62, abs=0.05)
+  assert r.median_len == pytest.approx(1636, rel=0.03)  # exp(7.4) = 1636
+  assert r.p_cap > 0.8
+
+
+def test_fit_lognormal_recovers_parameters_under_censoring():
+  rng = np.random.default_rng(0)
+  true = LengthModel(mu=6.0, sigma=1.0, cap=2000)
+  x = true.draw(rng, 20000)
+  assert np.mean(x >= true.cap) > 0.05  # the cap censors a real share
+  fit = fit_lognormal(x, true.cap)
+  # floor() shifts lengths down by < 1 token: a small bias in mu at this scale
+  assert fit.mu == pytest.approx(6.0, abs=0.03) and fit.sigma == pytest.approx(1.0, abs=0.03)
+  with pytest.raises(ValueError, match="below the cap"):
+    fit_lognormal([2000, 2000, 5], 2000)
+  with pytest.raises(ValueError, match=r"\[1, cap"):
+    fit_lognormal([0, 4, 5], 2000)
+
+
+def test_bad_sizes_are_named():
+  with pytest.raises(ValueError, match="slots=0"):
+    straggler.simulate_sync(LengthModel(), epochs=1, batch=4, slots=0)
+  with pytest.raises(ValueError, match="eta=-1"):
+    straggler.simulate_async(LengthModel(), epochs=1, batch=4, slots=2, eta=-1)
+  with pytest.raises(ValueError, match="sigma"):
+    LengthModel(sigma=0.0)
+
+
+def test_cli_json_last_line(capsys):
+  rc = straggler.main(["--epochs", "20", "--batch", "64", "--slots", "16", "--mu", "5", "--cap", "4096",
+                       "--eta", "0", "2", "--json"])
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  for key in ("slot_utilization", "headroom", "median_len", "mean_longest", "p_cap",
+              "async_slot_utilization"):
+    assert key in out and math.isfinite(out[key])
+  assert out["headroom"] == pytest.approx(1 / out["slot_utilization"])
+  assert straggler.main(["--slots", "0"]) == 2
