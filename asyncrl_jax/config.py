@@ -56,7 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
       max_prompt_len=48, max_completion_len=160, shuffle_buffer=1024,
       min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
       num_train=20000, num_test=500,  # built-in task: problems per split
+      seed=0,  # built-in task: generator seed of the problems (the run's seed drives everything else)
       eval_problems=256,  # held-out problems per evaluation
+      eval_samples=4,  # sampled completions per held-out problem (pass@1); 0 = greedy accuracy only
   ))
   c.rollout = ml_collections.ConfigDict(dict(
       num_servers=1, num_slots=32, temperature=1.0, top_p=1.0, top_k=0,
@@ -139,6 +141,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for f in ("data.max_prompt_len", "data.max_completion_len", "data.shuffle_buffer", "data.num_train",
             "data.num_test", "data.eval_problems"):
     _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "data.eval_samples", lambda v: v >= 0, "an integer >= 0 (0: greedy only)", integer=True)
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
   _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,
           f"an integer >= data.min_terms ({config.data.min_terms})", integer=True)

@@ -39,14 +39,24 @@ def demonstration(tokenizer: Tokenizer, question: str, solution: str) -> batchin
 
 def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence[dict],
                tokenizer: Tokenizer, *, steps: int, batch_size: int, learning_rate: float, seed: int,
-               token_budget: int, progress: Optional[Callable[[int, float], None]] = None):
-  """Runs ``steps`` AdamW steps of teacher forcing on ``examples`` (dicts with question, solution)."""
+               token_budget: int, progress: Optional[Callable[[int, float], None]] = None,
+               schedule: str = "cosine", max_seconds: Optional[float] = None):
+  """Runs up to ``steps`` AdamW steps of teacher forcing on ``examples`` (dicts with question, solution).
+
+  ``schedule``: ``cosine`` decays ``learning_rate`` to 10% over ``steps``; ``constant`` keeps it (for
+  continuing a finished warm start at its final rate). ``max_seconds`` stops early at a wall-time budget
+  (each step is then waited for, so the budget is measured, not dispatched).
+  Returns ``(params, last loss)``; the number of steps run is passed to ``progress`` last.
+  """
   if not examples:
     raise ValueError("warm start needs at least one example")
+  if schedule not in ("cosine", "constant"):
+    raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
   shardings = models.param_shardings(model_config, mesh)
   params = jax.device_put(params, shardings)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                          optax.adamw(optax.cosine_decay_schedule(learning_rate, max(steps, 1), 0.1)))
+                          optax.adamw(optax.cosine_decay_schedule(learning_rate, max(steps, 1), 0.1)
+                                      if schedule == "cosine" else learning_rate))
   opt_state = jax.jit(optimizer.init)(params)
   rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
 
@@ -67,6 +77,7 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   rng = np.random.default_rng(seed)
   batch_sharding = sharding_lib.batch_sharding(mesh, 2)
   loss = float("nan")
+  t0 = time.time()
   for i in range(steps):
     idx = rng.integers(0, len(examples), batch_size)
     seqs = [demonstration(tokenizer, examples[j]["question"], examples[j]["solution"]) for j in idx]
@@ -74,46 +85,95 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     normalizer = jnp.float32(batching.total_policy_tokens(mbs))
     device_mbs = tuple(jax.device_put(batching.pad_rows(b, rows_multiple), batch_sharding) for b in mbs)
     params, opt_state, loss_arr = step(params, opt_state, device_mbs, normalizer)
-    if progress is not None and (i % 10 == 0 or i == steps - 1):
+    out_of_time = False
+    if max_seconds is not None:
+      jax.block_until_ready(loss_arr)
+      out_of_time = time.time() - t0 >= max_seconds
+    if progress is not None and (i % 10 == 0 or i == steps - 1 or out_of_time):
       loss = float(loss_arr)
       progress(i + 1, loss)
-  return params, float(loss)
+    if out_of_time:
+      break
+  return params, float(loss_arr)
 
 
 def main(argv=None) -> None:
   from asyncrl_jax import cli  # pylint: disable=import-outside-toplevel
   cli.ensure_cpu_devices(4)
+  import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rollout.engine import sampling_settings  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
   config_flag = cli.define_config_flag()
   workdir = flags.DEFINE_string("workdir", None, "Output directory.")
+  max_seconds = flags.DEFINE_float("max_seconds", None, "Stop after this much training wall time.")
+  schedule = flags.DEFINE_enum("schedule", "cosine", ["cosine", "constant"],
+                               "Learning-rate schedule (constant: continue a warm start at 10% of "
+                               "learner.warm_start_lr, its final rate).")
+  evaluate = flags.DEFINE_bool("evaluate", False, "Held-out accuracy before and after (as the main job "
+                               "measures it); written to WORKDIR/sft_summary.json.")
 
   def _main(args):
     del args
     config = cli.validated(config_flag.value)
     if not workdir.value:
       raise app.UsageError("--workdir is required")
-    model_config = config_lib.model_config(config)
+    if config.data.task != "arithmetic":
+      raise app.UsageError("sft makes demonstrations for the built-in task (data.task='arithmetic') only")
     mesh = sharding_lib.make_mesh(jax.devices(), dict(data=1, fsdp=-1, tensor=1))
-    b = builder_lib.build_arithmetic(os.path.join(workdir.value, "data"), num_train=config.data.num_train,
-                                     num_test=config.data.num_test, seed=config.seed,
+    b = builder_lib.build_arithmetic(config.data.path or os.path.join(workdir.value, "data"),
+                                     num_train=config.data.num_train,
+                                     num_test=config.data.num_test, seed=config.data.seed,
                                      min_terms=config.data.min_terms, max_terms=config.data.max_terms)
-    examples = pipeline.read_split(b, "train")
-    params = models.init_params(model_config, jax.random.key(config.seed), mesh=mesh)
+    tokenizer = load_tokenizer(config.data.tokenizer_path)
+    if config.model.hf_path:  # continue from a checkpoint
+      model_config, params = models.load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.param_dtype)
+    else:
+      model_config = config_lib.model_config(config)
+      params = models.init_params(model_config, jax.random.key(config.seed), mesh=mesh)
+    lr = config.learner.warm_start_lr * (0.1 if schedule.value == "constant" else 1.0)
+    summary = dict(schedule=schedule.value, learning_rate=lr, init=config.model.hf_path or "random")
+    evaluator = None
+    if evaluate.value:
+      evaluator = Evaluator(model_config, mesh, tokenizer,
+                            pipeline.read_split(b, "test", config.data.eval_problems),
+                            max_prompt_len=config.data.max_prompt_len,
+                            max_new_tokens=config.data.max_completion_len,
+                            samples=config.data.eval_samples, sampling=sampling_settings(config),
+                            seed=config.seed)
+      before = evaluator.evaluate(params, reward_fn(config.data.task))
+      summary.update(eval_metric=eval_kind(evaluator), initial_eval_accuracy=primary(before),
+                     initial_eval_greedy_accuracy=before["greedy"])
+    steps_run = [0]
+
+    def progress(i, loss):
+      steps_run[0] = i
+      print(f"[sft] step {i} loss {loss:.3f}", flush=True)
+
     t = time.time()
     params, loss = warm_start(
-        model_config, params, mesh, examples, load_tokenizer(config.data.tokenizer_path),
-        steps=max(config.learner.warm_start_steps, 1), batch_size=config.learner.warm_start_batch,
-        learning_rate=config.learner.warm_start_lr, seed=config.seed,
-        token_budget=config.learner.token_budget,
-        progress=lambda i, l: print(f"[sft] step {i} loss {l:.3f}", flush=True))
+        model_config, params, mesh, pipeline.read_split(b, "train"), tokenizer,
+        steps=max(config.learner.warm_start_steps, 1) if max_seconds.value is None else 10**9,
+        batch_size=config.learner.warm_start_batch, learning_rate=lr, seed=config.seed,
+        token_budget=config.learner.token_budget, progress=progress, schedule=schedule.value,
+        max_seconds=max_seconds.value)
+    summary.update(seconds=time.time() - t, steps=steps_run[0], final_loss=loss)
     out = os.path.join(workdir.value, "warm_start")
     models.export_hf(model_config, params, out)
-    print(f"[sft] {time.time() - t:.0f}s, final loss {loss:.3f}; exported to {out}")
+    if evaluator is not None:
+      after = evaluator.evaluate(params, reward_fn(config.data.task))
+      summary.update(final_eval_accuracy=primary(after), final_eval_greedy_accuracy=after["greedy"])
+    with open(os.path.join(workdir.value, "sft_summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    print(f"[sft] {summary['seconds']:.0f}s, {summary['steps']} steps, final loss {loss:.3f}; exported "
+          f"to {out}" + (f"; held-out accuracy {summary['initial_eval_accuracy']:.3f} -> "
+                         f"{summary['final_eval_accuracy']:.3f}" if evaluator is not None else ""))
 
   app.run(_main, argv=argv)
 

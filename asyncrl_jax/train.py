@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import jax
 import numpy as np
@@ -33,10 +34,10 @@ from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
 from asyncrl_jax.learner import Learner
-from asyncrl_jax.models.generate import greedy_generate
+from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rl.staleness import StalenessManager
-from asyncrl_jax.rollout.engine import engine_from_config
+from asyncrl_jax.rollout.engine import engine_from_config, sampling_settings
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
@@ -50,41 +51,11 @@ def _say(msg: str) -> None:
   print(f"[asyncrl_jax] {msg}", flush=True)
 
 
-class Evaluator:
-  """Greedy accuracy on held-out problems, decoded on the rollout mesh."""
-
-  def __init__(self, model_config, mesh, tokenizer, problems, *, max_prompt_len: int, max_new_tokens: int):
-    self.model_config, self.mesh, self.tokenizer = model_config, mesh, tokenizer
-    self.problems = problems
-    self.max_new_tokens = max_new_tokens
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = -(-len(problems) // ways) * ways
-    self.prompts = np.full((rows, max_prompt_len), tokenizer.pad_id, np.int32)
-    self.lengths = np.ones(rows, np.int32)
-    for i, p in enumerate(problems):
-      ids = tokenizer.encode_prompt(p["question"])
-      if len(ids) > max_prompt_len:
-        raise ValueError(f"eval problem {i} has {len(ids)} prompt tokens > data.max_prompt_len")
-      self.prompts[i, :len(ids)] = ids
-      self.lengths[i] = len(ids)
-    self._prompts = jax.device_put(self.prompts, sharding.batch_sharding(mesh, 2))
-    self._lengths = jax.device_put(self.lengths, sharding.batch_sharding(mesh, 1))
-
-  def accuracy(self, params, reward) -> float:
-    tokens, lengths = greedy_generate(self.model_config, params, self._prompts, self._lengths,
-                                      max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id,
-                                      mesh=self.mesh)
-    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-    scores = [reward(self.tokenizer.decode(tokens[i, :lengths[i]]), p["answer"])
-              for i, p in enumerate(self.problems)]
-    return float(np.mean(scores))
-
-
 def _data(config, workdir):
   if config.data.task == "arithmetic":
     return builder_lib.build_arithmetic(
         config.data.path or os.path.join(workdir, "data"), num_train=config.data.num_train,
-        num_test=config.data.num_test, seed=config.seed, min_terms=config.data.min_terms,
+        num_test=config.data.num_test, seed=config.data.seed, min_terms=config.data.min_terms,
         max_terms=config.data.max_terms)
   if config.data.task == "jsonl":
     files = {"train": config.data.path}
@@ -169,10 +140,12 @@ def run(config, workdir: str) -> dict:
   eval_shardings = models.param_shardings(model_config, eval_mesh)
   evaluator = Evaluator(model_config, eval_mesh, tokenizer, eval_problems,
                         max_prompt_len=config.data.max_prompt_len,
-                        max_new_tokens=config.data.max_completion_len)
+                        max_new_tokens=config.data.max_completion_len,
+                        samples=config.data.eval_samples, sampling=sampling_settings(config),
+                        seed=config.seed)
   if latest is None and config.learner.warm_start_steps and not config.model.hf_path:
     eval_params, _ = local_transfer(learner.params, eval_shardings)
-    meta["untrained_eval_accuracy"] = evaluator.accuracy(eval_params, reward)
+    meta["untrained_eval_accuracy"] = primary(evaluator.evaluate(eval_params, reward))
     t = time.time()
     examples = pipeline.read_split(builder, "train")
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
@@ -193,9 +166,11 @@ def run(config, workdir: str) -> dict:
 
   eval_params, _ = local_transfer(learner.params, eval_shardings)
   if "initial_eval_accuracy" not in meta:
-    meta["initial_eval_accuracy"] = evaluator.accuracy(eval_params, reward)
-  _say(f"model {models.count_params(learner.params):,} params; held-out greedy accuracy "
-       f"{meta['initial_eval_accuracy']:.3f} at version {learner.version}")
+    initial = evaluator.evaluate(eval_params, reward)
+    meta.update(initial_eval_accuracy=primary(initial), initial_eval_greedy_accuracy=initial["greedy"])
+  _say(f"model {models.count_params(learner.params):,} params; held-out accuracy "
+       f"{meta['initial_eval_accuracy']:.3f} ({eval_kind(evaluator)}), greedy "
+       f"{meta['initial_eval_greedy_accuracy']:.3f} at version {learner.version}")
 
   # --- rollout and controller
   eta, batch_size, group = config.rl.max_staleness, config.learner.batch_size, config.rl.group_size
@@ -227,6 +202,7 @@ def run(config, workdir: str) -> dict:
   trained_tokens = sum(h.get("trained_tokens", 0) for h in history)
   max_staleness_seen = max((h.get("max_staleness_seen", 0) for h in history), default=0)
   eval_acc = meta.get("last_eval_accuracy", meta["initial_eval_accuracy"])
+  eval_greedy = meta.get("last_eval_greedy_accuracy", meta["initial_eval_greedy_accuracy"])
   bar = tqdm(total=config.steps, initial=learner.version, desc=f"async RL (eta={eta}, {config.rl.loss})",
              unit="step", file=sys.stdout, dynamic_ncols=True)
   t_rl = time.time()
@@ -260,12 +236,16 @@ def run(config, workdir: str) -> dict:
           tokens_per_s=rl_tokens_this_run / max(time.time() - t_rl, 1e-9),
           learner_idle_fraction=wait_total / max(wait_total + train_total, 1e-9),
           interrupted_sequences=backend.stats["interrupted_sequences"],
+          # cumulative decode counters (this process's decode server; tokens only when remote)
+          decode_tokens=backend.stats["tokens"], decode_slot_steps=backend.stats["slot_steps"],
+          decode_idle_seconds=backend.stats["idle_seconds"],
           **{k: v for k, v in m.items() if k != "version"})
       if learner.version % config.learner.eval_every == 0 or learner.version == config.steps:
         eval_params = (backend.rollout_params if not remote else
                        local_transfer(learner.params, eval_shardings)[0])
-        eval_acc = evaluator.accuracy(eval_params, reward)
-        record["eval_accuracy"] = eval_acc
+        result = evaluator.evaluate(eval_params, reward)
+        eval_acc, eval_greedy = primary(result), result["greedy"]
+        record.update(eval_accuracy=eval_acc, eval_greedy_accuracy=eval_greedy)
       _append_jsonl(metrics_path, record)
       _append_jsonl(prompts_path, {"version": learner.version - 1, "prompts": batch.prompt_indices,
                                    "completion_lengths": [len(t.completion_tokens)
@@ -278,7 +258,8 @@ def run(config, workdir: str) -> dict:
                       stale=batch.max_staleness_seen, tok_s=f"{record['tokens_per_s']:.0f}")
       if learner.version % config.checkpoint.every_steps == 0 or learner.version == config.steps:
         meta.update(version=learner.version, data_state=controller.data_state_for(learner.version),
-                    staleness=manager.state_dict(), last_eval_accuracy=eval_acc)
+                    staleness=manager.state_dict(), last_eval_accuracy=eval_acc,
+                    last_eval_greedy_accuracy=eval_greedy)
         ckpt.save(learner.version, params=learner.params, opt_state=learner.opt_state,
                   meta=_jsonable(meta))
   finally:
@@ -294,6 +275,9 @@ def run(config, workdir: str) -> dict:
       "initial_eval_accuracy": meta["initial_eval_accuracy"],
       "untrained_eval_accuracy": meta.get("untrained_eval_accuracy"),
       "final_eval_accuracy": eval_acc,
+      "eval_metric": eval_kind(evaluator),
+      "initial_eval_greedy_accuracy": meta["initial_eval_greedy_accuracy"],
+      "final_eval_greedy_accuracy": eval_greedy,
       "trained_tokens": trained_tokens,
       "wall_seconds": wall,
       "rl_seconds_this_run": time.time() - t_rl,
@@ -304,6 +288,7 @@ def run(config, workdir: str) -> dict:
       "steps": learner.version,
       "warm_start_seconds": meta.get("warm_start_seconds"),
       "learner_idle_fraction": wait_total / max(wait_total + train_total, 1e-9),
+      "decode_slot_utilization": _slot_utilization(backend.stats, time.time() - t_rl),
       "duplicates_dropped": controller.duplicates,
       "failed_rollouts": controller.failed,
       "devices": {"rollout": dict(rollout_mesh.shape) if rollout_mesh else remote,
@@ -314,6 +299,14 @@ def run(config, workdir: str) -> dict:
   _plot(history, summary, os.path.join(workdir, "progress.png"))
   _print_summary(summary)
   return summary
+
+
+def _slot_utilization(stats, seconds: float) -> Optional[float]:
+  """Share of decode-slot capacity that produced tokens: occupancy of the decode steps run, times the
+  share of time the decode server was not waiting for work. ``None`` without local decode counters."""
+  if not stats.get("slot_steps"):
+    return None
+  return stats["tokens"] / stats["slot_steps"] * max(0.0, 1.0 - stats["idle_seconds"] / max(seconds, 1e-9))
 
 
 def _jsonable(d: dict) -> dict:
@@ -330,16 +323,20 @@ def _load_history(path: str) -> list[dict]:
 def _print_summary(summary: dict) -> None:
   rows = [("held-out accuracy, before RL", summary["initial_eval_accuracy"]),
           ("held-out accuracy, after RL", summary["final_eval_accuracy"]),
+          ("  (metric)", summary["eval_metric"]),
+          ("held-out greedy accuracy, before RL", summary["initial_eval_greedy_accuracy"]),
+          ("held-out greedy accuracy, after RL", summary["final_eval_greedy_accuracy"]),
           ("policy versions trained", summary["steps"]),
           ("trained tokens", summary["trained_tokens"]),
           ("effective tokens/s", summary["effective_tokens_per_s"]),
           ("max staleness seen / allowed", f"{summary['max_staleness_seen']} / {summary['max_staleness']}"),
           ("learner idle fraction", summary["learner_idle_fraction"]),
+          ("decode slot utilization", summary["decode_slot_utilization"]),
           ("wall seconds", summary["wall_seconds"])]
   width = max(len(r[0]) for r in rows)
   print("\n" + "-" * (width + 16))
   for name, value in rows:
-    value = f"{value:.3f}" if isinstance(value, float) else str(value)
+    value = f"{value:.3f}" if isinstance(value, float) else "n/a" if value is None else str(value)
     print(f"{name:<{width}}  {value:>12}")
   print("-" * (width + 16), flush=True)
 
@@ -353,9 +350,13 @@ def _plot(history, summary, path) -> None:
   fig, ax = plt.subplots(figsize=(7, 4))
   t = [h["time"] for h in history]
   ax.plot(t, [h["reward"] for h in history], alpha=0.5, label="batch reward (sampled)")
-  ev = [(h["time"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
-  ax.plot([history[0]["time"]] + [e[0] for e in ev], [summary["initial_eval_accuracy"]] +
-          [e[1] for e in ev], "o-", label="held-out greedy accuracy")
+  ev = [h for h in history if "eval_accuracy" in h]
+  t_ev = [history[0]["time"]] + [h["time"] for h in ev]
+  ax.plot(t_ev, [summary["initial_eval_accuracy"]] + [h["eval_accuracy"] for h in ev], "o-",
+          label=f"held-out accuracy ({summary['eval_metric']})")
+  if summary["eval_metric"] != "greedy":
+    ax.plot(t_ev, [summary["initial_eval_greedy_accuracy"]] +
+            [h.get("eval_greedy_accuracy", np.nan) for h in ev], "s--", label="held-out greedy accuracy")
   ax.set_xlabel("seconds")
   ax.set_ylim(0, 1)
   ax.set_title(f"{summary['loss']}, eta={summary['max_staleness']}")

@@ -30,10 +30,11 @@ cli.ensure_cpu_devices(1)
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
-from asyncrl_jax import models, sharding  # noqa: E402
+from asyncrl_jax import sharding  # noqa: E402
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings  # noqa: E402
 from asyncrl_jax.tokenization import ArithmeticTokenizer  # noqa: E402
 from benchmarks.common import machine, write_result  # noqa: E402
+from benchmarks.shapes import SHAPES, model_config  # noqa: E402
 
 
 class _NoStop(ArithmeticTokenizer):
@@ -110,13 +111,15 @@ def main(argv=None):
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--steps_per_call", type=int, default=16, help="decode server chunk size")
+  parser.add_argument("--model", default="demo", choices=sorted(SHAPES), help="model shape (random weights)")
+  parser.add_argument("--dtype", default="float32", help="activation and parameter dtype")
+  parser.add_argument("--name", default="engine_throughput", help="result file name")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)
   if args.quick:
     args.new_tokens, args.repeats = 96, 2
 
-  config = models.ModelConfig(vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2,
-                              num_heads=4, num_kv_heads=2, max_seq_len=256)
+  config = model_config(args.model, dtype=args.dtype, param_dtype=args.dtype)
   mesh = sharding.make_mesh(jax.devices()[:1], dict(data=1, fsdp=1, tensor=1))
   max_target = 8 + args.new_tokens
   max_target = 1 << (max_target - 1).bit_length()
@@ -148,7 +151,7 @@ def main(argv=None):
       "reference_runs_tok_s": reference_runs,
       "machine": machine(),
       "config": {k: v for k, v in vars(args).items() if k != "out"} | {
-          "model": "2 layers, d=128, 4 heads / 2 kv, F=512, V=17", "cache_len": max_target,
+          "model": f"{args.model}: {SHAPES[args.model]}", "cache_len": max_target,
           "sampling": "temperature 1", "interrupt_context": 8 + args.new_tokens // 2},
   }
   notes = (f"Decode server (continuous batching, per-token log-probs and versions) vs a fused jitted "
@@ -158,8 +161,8 @@ def main(argv=None):
   table = [["engine (DecodeServer)", engine_tok_s], ["reference (fused loop)", reference_tok_s],
            ["ratio", result["ratio"]], ["interrupt / decode step", result["interrupt_cost_in_steps"]]]
   out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-  write_result("engine_throughput", result, ["measure", "value"], table, notes, out_dir)
-  _plot(result, os.path.join(out_dir, "engine_throughput.png"))
+  write_result(args.name, result, ["measure", "value"], table, notes, out_dir)
+  _plot(result, os.path.join(out_dir, f"{args.name}.png"))
   print(json.dumps({k: result[k] for k in ("engine_tok_s", "reference_tok_s", "ratio",
                                            "interrupt_cost_in_steps", "slot_utilization")}))
   return result

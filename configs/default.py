@@ -16,14 +16,15 @@ from asyncrl_jax.config import base_config
 
 def get_config():
   c = base_config()
-  c.steps = 80
+  c.steps = 200
   c.model.update(vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
                  num_kv_heads=2, max_seq_len=256)
   c.data.update(task="arithmetic", max_prompt_len=48, max_completion_len=96)
   c.rollout.update(num_slots=96, temperature=1.0)  # 32 per rollout device
-  c.learner.update(batch_size=256, token_budget=4096, learning_rate=2e-5, warmup_steps=5,
-                   grad_clip=1.0, ppo_minibatches=2, eval_every=10, warm_start_steps=150,
+  c.learner.update(batch_size=256, token_budget=4096, learning_rate=1e-4, warmup_steps=20,
+                   grad_clip=1.0, ppo_minibatches=1, eval_every=20, warm_start_steps=150,
                    warm_start_batch=128, warm_start_lr=1e-3)
-  c.rl.update(loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, advantage="group", group_size=8)
+  c.rl.update(loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, advantage="group", group_size=8,
+              aggregation="sequence_mean")
   c.checkpoint.update(every_steps=20)
   return c

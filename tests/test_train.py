@@ -56,6 +56,18 @@ def test_async_run_end_to_end(tmp_path):
   prompts = _trained_prompts(tmp_path)
   flat = [p for r in prompts for p in r["prompts"]]
   assert len(flat) == len(set(flat)) == 4 * 4  # 4 versions x (16 / 4) prompts, none twice
+  # every trajectory's completion length is logged (the planner fits its length model to these)
+  assert all(len(r["completion_lengths"]) == 16 for r in prompts)
+  assert all(0 < n <= 24 for r in prompts for n in r["completion_lengths"])
+  assert sum(m["trained_tokens"] for m in metrics) == sum(sum(r["completion_lengths"]) for r in prompts)
+  # held-out accuracy: pass@1 over sampled completions, with greedy beside it
+  assert summary["eval_metric"] == "pass@1 (4 samples, T=1)"
+  for key in ("initial_eval_accuracy", "final_eval_accuracy", "initial_eval_greedy_accuracy",
+              "final_eval_greedy_accuracy"):
+    assert 0.0 <= summary[key] <= 1.0, key
+  assert all("eval_greedy_accuracy" in m for m in metrics if "eval_accuracy" in m)
+  assert 0.0 < summary["decode_slot_utilization"] <= 1.0
+  assert all(m["decode_tokens"] >= m["trained_tokens"] for m in metrics)
 
 
 def test_synchronous_run_has_zero_staleness(tmp_path):
@@ -111,3 +123,25 @@ def test_multi_process_topology_over_grpc_and_transfer(tmp_path):
   metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert all(m["transfer_seconds"] > 0 for m in metrics)
   assert all((tmp_path / "servers" / f"port-{i}").exists() for i in range(2))
+
+
+def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
+  sft = [sys.executable, "-m", "asyncrl_jax.sft", f"--config={ROOT}/configs/default.py", *TINY[1:4]]
+  out = subprocess.run(sft + [f"--workdir={tmp_path / 'a'}", "--config.learner.warm_start_steps=3"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=_env())
+  assert out.returncode == 0, out.stderr[-3000:]
+  first = json.loads((tmp_path / "a" / "sft_summary.json").read_text())
+  assert first["steps"] == 3 and first["init"] == "random" and "initial_eval_accuracy" not in first
+  ws = tmp_path / "a" / "warm_start"
+  out = subprocess.run(sft + [f"--workdir={tmp_path / 'b'}", f"--config.model.hf_path={ws}",
+                              "--schedule=constant", "--max_seconds=3", "--evaluate"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=_env())
+  assert out.returncode == 0, out.stderr[-3000:]
+  second = json.loads((tmp_path / "b" / "sft_summary.json").read_text())
+  assert second["init"] == str(ws) and second["schedule"] == "constant"
+  assert second["learning_rate"] == pytest.approx(1e-4)  # 10% of warm_start_lr, where the cosine ended
+  assert second["steps"] >= 1 and 3.0 <= second["seconds"] < 60
+  for key in ("initial_eval_accuracy", "final_eval_accuracy", "initial_eval_greedy_accuracy",
+              "final_eval_greedy_accuracy"):
+    assert 0.0 <= second[key] <= 1.0, key
+  assert (tmp_path / "b" / "warm_start" / "model.safetensors").exists()

@@ -1,4 +1,5 @@
-"""A fused, jitted greedy decode loop: the reference that engines are checked and timed against."""
+"""Fused, jitted decode loops (greedy or sampled): the reference engines are checked and timed against,
+and the held-out evaluation."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from asyncrl_jax.models import api
 from asyncrl_jax.models.config import ModelConfig
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "eos_id", "mesh"))
 def greedy_generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: jax.Array, *,
                     max_new_tokens: int, eos_id: int, mesh: Optional[Mesh] = None):
   """Greedy completion of right-padded prompts, in one XLA program.
@@ -28,12 +28,31 @@ def greedy_generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_le
     (tokens [B, N], lengths [B]): completion tokens and the number up to and including the first EOS
     (N if none).
   """
+  return generate(config, params, prompt_bp, prompt_len_b, max_new_tokens=max_new_tokens,
+                  eos_id=eos_id, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "eos_id", "mesh", "settings"))
+def generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: jax.Array, key=None, *,
+             max_new_tokens: int, eos_id: int, mesh: Optional[Mesh] = None, settings=None):
+  """Like ``greedy_generate``; with ``settings`` (a ``rollout.SamplingSettings`` with temperature > 0)
+  and a PRNG ``key``, tokens are sampled from the same transformed distribution the engine samples."""
+  if settings is None or settings.temperature == 0:
+    pick = lambda logits, k: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
+  else:
+    from asyncrl_jax.rollout.sampling import sampling_logits  # pylint: disable=import-outside-toplevel
+    if key is None:
+      raise ValueError("sampling needs a PRNG key")
+    pick = lambda logits, k: jax.random.categorical(  # noqa: E731
+        k, sampling_logits(logits, settings), axis=-1).astype(jnp.int32)
+  keys = (jax.random.split(key, max_new_tokens) if key is not None else
+          jnp.zeros((max_new_tokens,), jnp.uint32))
   b, p = prompt_bp.shape
   cache = api.init_cache(config, b, p + max_new_tokens)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
   logits, cache = api.apply_decode(config, params, prompt_bp, positions, cache, mesh)
   last = jnp.take_along_axis(logits, (prompt_len_b - 1)[:, None, None], axis=1)[:, 0]
-  first = jnp.argmax(last, axis=-1).astype(jnp.int32)
+  first = pick(last, keys[0])
 
   def step(i, carry):
     tokens, cache, done = carry
@@ -41,7 +60,7 @@ def greedy_generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_le
     done = done | (tok == eos_id)
     logits, cache = api.apply_decode(config, params, tok[:, None], (prompt_len_b + i - 1)[:, None],
                                      cache, mesh)
-    nxt = jnp.where(done, eos_id, jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32))
+    nxt = jnp.where(done, eos_id, pick(logits[:, 0], keys[i]))
     return tokens.at[:, i].set(nxt), cache, done
 
   tokens = jnp.full((b, max_new_tokens), eos_id, jnp.int32).at[:, 0].set(first)

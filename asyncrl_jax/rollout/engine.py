@@ -397,16 +397,20 @@ class Engine(engine_api.Engine):
                          positions=jnp.where(active, lengths_s, state.positions))
 
 
+def sampling_settings(config) -> SamplingSettings:
+  """The decode servers' sampling, from the ``rollout`` config section."""
+  return SamplingSettings(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
+                          top_p=config.rollout.top_p, logprob_source=config.rollout.logprob_source)
+
+
 def engine_from_config(config, devices, *, params=None) -> "Engine":
   """The engine an experiment config describes, on ``devices``."""
   mesh = sharding_lib.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
   model_config = (models.config_from_hf(read_hf_config(config.model.hf_path),
                                         config.model.hf_path, dtype=config.model.param_dtype)
                   if config.model.hf_path else config_lib.model_config(config))
-  sampling = SamplingSettings(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
-                              top_p=config.rollout.top_p, logprob_source=config.rollout.logprob_source)
   return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
-                sampling=sampling, tokenizer_path=config.data.tokenizer_path, params=params,
+                sampling=sampling_settings(config), tokenizer_path=config.data.tokenizer_path, params=params,
                 hf_path=config.model.hf_path, seed=config.seed)

@@ -162,7 +162,9 @@ class DecodeServer:
     with self._wake:
       if block and not self._requests and self._pending is None and not self._aborts \
           and self.num_active == 0 and self._inflight is None and not self._stop.is_set():
+        t = time.perf_counter()
         self._wake.wait(timeout=0.5)
+        self.stats["idle_seconds"] += time.perf_counter() - t
       pending, self._pending = self._pending, None
       aborts, self._aborts = self._aborts, set()
     if pending is not None or aborts:

@@ -114,3 +114,27 @@ def test_fused_greedy_generate_matches_full_forward_argmax(params):
     want = seq[len(p):]
     assert lengths[i] == len(want)
     assert tokens[i, :lengths[i]].tolist() == want
+
+
+def test_sampled_generate_follows_the_model_distribution(params):
+  from asyncrl_jax.models.generate import generate
+  from asyncrl_jax.rollout.sampling import SamplingSettings
+  prompt = _rand_tokens((1, 5), seed=3)
+  rows = 4000
+  prompt_bp = np.repeat(prompt, rows, axis=0)
+  lengths = np.full(rows, 5, np.int32)
+  tokens, _ = generate(CFG, params, prompt_bp, lengths, jax.random.key(0), max_new_tokens=2, eos_id=-1,
+                       settings=SamplingSettings(temperature=1.0))
+  first = np.asarray(tokens)[:, 0]
+  probs = np.asarray(jax.nn.softmax(models.logits(CFG, params, prompt)[0, -1]))
+  freq = np.bincount(first, minlength=probs.size) / rows
+  # 4000 draws: each frequency within 4.5 binomial standard deviations of its probability
+  assert np.all(np.abs(freq - probs) <= 4.5 * np.sqrt(probs * (1 - probs) / rows) + 1e-3)
+  # a near-zero temperature is greedy
+  cold, _ = generate(CFG, params, prompt_bp[:4], lengths[:4], jax.random.key(1), max_new_tokens=6, eos_id=-1,
+                     settings=SamplingSettings(temperature=1e-4))
+  greedy, _ = generate(CFG, params, prompt_bp[:4], lengths[:4], max_new_tokens=6, eos_id=-1)
+  np.testing.assert_array_equal(np.asarray(cold), np.asarray(greedy))
+  with pytest.raises(ValueError, match="PRNG key"):
+    generate(CFG, params, prompt_bp[:1], lengths[:1], max_new_tokens=2, eos_id=-1,
+             settings=SamplingSettings(temperature=1.0))

@@ -136,3 +136,23 @@ def test_packed_micro_batches_equal_padded_batch(params, loss):
   assert loss_pack == pytest.approx(loss_pad, rel=1e-5, abs=1e-6)
   for a, b in zip(jax.tree.leaves(grad_pad), jax.tree.leaves(grad_pack)):
     np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def _seq(n_prompt, n_completion, adv):
+  n = n_prompt + n_completion
+  mask = np.r_[np.zeros(n_prompt), np.ones(n_completion)].astype(np.float32)
+  return batching.SequenceData(np.ones(n, np.int32), mask, np.zeros(n, np.float32),
+                               (mask * adv).astype(np.float32), np.zeros(n, np.int32))
+
+
+def test_weight_sequences_equally_hand_values():
+  # Policy tokens 2 and 6 (T = 8, N = 2): factors (8/2)/2 = 2 and (8/2)/6 = 2/3.
+  seqs = [_seq(3, 2, 1.0), _seq(1, 6, -0.5), _seq(4, 0, 0.0)]
+  out = batching.weight_sequences_equally(seqs)
+  np.testing.assert_allclose(out[0].advantages, [0, 0, 0, 2, 2])
+  np.testing.assert_allclose(out[1].advantages, [0] + [-0.5 * 2 / 3] * 6, rtol=1e-6)
+  np.testing.assert_array_equal(out[2].advantages, seqs[2].advantages)  # no policy tokens: untouched
+  # Token-mean of the rescaled advantages == sequence-mean of the originals: (1 + (-0.5)) / 2.
+  total = sum(float(np.sum(s.advantages * s.mask)) for s in out)
+  assert total / 8 == pytest.approx((1.0 - 0.5) / 2)
+  assert batching.weight_sequences_equally([]) == []

@@ -1,0 +1,75 @@
+"""Held-out evaluation: greedy accuracy and pass@1 of sampled completions, decoded in one XLA program."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from asyncrl_jax import sharding
+from asyncrl_jax.models.generate import generate
+
+
+class Evaluator:
+  """Held-out accuracy, decoded on the rollout mesh: greedy, and pass@1 over sampled completions.
+
+  The sampled accuracy is the mean reward of ``samples`` completions per problem drawn as the decode
+  servers draw them (``sampling``: temperature, top-k, top-p), i.e. the quantity RL maximises. The PRNG
+  key is the same at every evaluation, so successive evaluations differ by the weights only.
+  """
+
+  def __init__(self, model_config, mesh, tokenizer, problems, *, max_prompt_len: int, max_new_tokens: int,
+               samples: int = 0, sampling=None, seed: int = 0):
+    self.model_config, self.mesh, self.tokenizer = model_config, mesh, tokenizer
+    self.problems = problems
+    self.max_new_tokens = max_new_tokens
+    self.samples = samples if sampling is not None and sampling.temperature > 0 else 0
+    self.sampling, self.seed = sampling, seed
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    ids = []
+    for i, p in enumerate(problems):
+      ids.append(tokenizer.encode_prompt(p["question"]))
+      if len(ids[-1]) > max_prompt_len:
+        raise ValueError(f"eval problem {i} has {len(ids[-1])} prompt tokens > data.max_prompt_len")
+
+    def put(rows_ids):
+      rows = -(-len(rows_ids) // ways) * ways
+      prompts = np.full((rows, max_prompt_len), tokenizer.pad_id, np.int32)
+      lengths = np.ones(rows, np.int32)
+      for r, x in enumerate(rows_ids):
+        prompts[r, :len(x)] = x
+        lengths[r] = len(x)
+      return (jax.device_put(prompts, sharding.batch_sharding(mesh, 2)),
+              jax.device_put(lengths, sharding.batch_sharding(mesh, 1)))
+
+    self._greedy = put(ids)
+    self._sampled = put([x for x in ids for _ in range(self.samples)]) if self.samples else None
+
+  def _scores(self, tokens, lengths, answers, reward) -> np.ndarray:
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    return np.array([reward(self.tokenizer.decode(tokens[i, :lengths[i]]), a)
+                     for i, a in enumerate(answers)], np.float32)
+
+  def evaluate(self, params, reward) -> dict:
+    """``{"greedy": acc, "sampled": pass@1 or None}`` on the held-out problems."""
+    answers = [p["answer"] for p in self.problems]
+    out = generate(self.model_config, params, *self._greedy, max_new_tokens=self.max_new_tokens,
+                   eos_id=self.tokenizer.eos_id, mesh=self.mesh)
+    result = {"greedy": float(self._scores(*out, answers, reward).mean()), "sampled": None}
+    if self.samples:
+      out = generate(self.model_config, params, *self._sampled, jax.random.key(self.seed),
+                     max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id, mesh=self.mesh,
+                     settings=self.sampling)
+      result["sampled"] = float(self._scores(*out, [a for a in answers for _ in range(self.samples)],
+                                             reward).mean())
+    return result
+
+
+def eval_kind(evaluator: Evaluator) -> str:
+  if evaluator.samples:
+    return f"pass@1 ({evaluator.samples} samples, T={evaluator.sampling.temperature:g})"
+  return "greedy"
+
+
+def primary(result: dict) -> float:
+  """The headline held-out accuracy: sampled pass@1 when sampling is evaluated, else greedy."""
+  return result["sampled"] if result["sampled"] is not None else result["greedy"]

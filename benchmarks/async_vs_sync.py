@@ -1,0 +1,215 @@
+"""Synchronous (eta 0) versus asynchronous (eta 1, 2, 4, 8) RL: the real system, side by side.
+
+  .venv/bin/python benchmarks/async_vs_sync.py --quick
+
+One supervised warm start is made first (``python -m asyncrl_jax.sft``), so every arm starts from the same
+policy and generates the task's heavy-tailed chains of thought. Then each arm is the main job
+(``python -m asyncrl_jax.train``, its own process, same config, devices, model and seed) for the same
+number of policy versions, differing only in ``rl.max_staleness``. Per arm, over the steps after
+``--skip`` (compilation and pipeline fill excluded):
+
+* effective trained tokens/s (policy tokens trained / wall seconds),
+* decode-slot utilization (tokens / slot-steps of the decode steps run x share of time the decode
+  server was not waiting for work),
+* learner idle fraction (1 - learner seconds / wall seconds),
+* the planner's prediction (``asyncrl_jax.sim``): the completion lengths the sync arm logged,
+  resampled, with the decode step time and training rate measured in the sync arm; once for separate
+  rollout and learner devices (the planner's model) and once for decode and training sharing one
+  machine's cores (the CPU case: seconds per token = step / (slots x utilization) + 1 / train rate).
+
+``predicted_headroom`` is the simulator's ``1 / utilization`` of synchronous LPT-packed batches on the
+same lengths, slots and batch size (the seed's definition: free training, lengths known in advance).
+Prints one JSON object (last line); writes benchmarks/results/async_vs_sync.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
+
+cli.ensure_cpu_devices(4)
+
+from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
+from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
+from benchmarks.common import machine, write_result  # noqa: E402
+
+CONFIG = os.path.join(ROOT, "configs", "default.py")
+
+
+def _run(cmd: list, log_path: str) -> None:
+  with open(log_path, "w") as log:
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
+  if proc.returncode:
+    with open(log_path) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}; log {log_path}:\n{tail}")
+
+
+def _records(path: str) -> list:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def window_metrics(records: list, skip: int) -> dict:
+  """Throughput, utilization and idle share over the records after the first ``skip``."""
+  if len(records) <= skip + 1:
+    raise ValueError(f"need more than {skip + 1} policy versions to measure, got {len(records)}")
+  a, rest = records[skip], records[skip + 1:]
+  b = rest[-1]
+  seconds = b["time"] - a["time"]
+  tokens = sum(r["trained_tokens"] for r in rest)
+  slot_steps = b["decode_slot_steps"] - a["decode_slot_steps"]
+  idle = b["decode_idle_seconds"] - a["decode_idle_seconds"]
+  decoded = b["decode_tokens"] - a["decode_tokens"]
+  return dict(
+      tokens_per_s=tokens / seconds, seconds=seconds, trained_tokens=tokens,
+      slot_utilization=decoded / max(slot_steps, 1) * max(0.0, 1.0 - idle / seconds),
+      slot_occupancy=decoded / max(slot_steps, 1),
+      decode_busy_seconds=seconds - idle, slot_steps=slot_steps,
+      learner_idle_fraction=1.0 - sum(r["learner_seconds"] for r in rest) / seconds,
+      learner_tokens_per_s=tokens / max(sum(r["learner_seconds"] for r in rest), 1e-9),
+      max_staleness_seen=max(r["max_staleness_seen"] for r in records),
+      mean_staleness=sum(r["mean_staleness"] for r in rest) / len(rest))
+
+
+def _lengths(workdir: str) -> list:
+  return planner.lengths_from_log(os.path.join(workdir, "trained_prompts.jsonl"))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true", help="eta 0 and 2 only, fewer steps (a few minutes)")
+  p.add_argument("--etas", type=int, nargs="*", default=None, help="default: 0 1 2 4 8 (quick: 0 2)")
+  p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 40; quick 14)")
+  p.add_argument("--skip", type=int, default=None, help="versions excluded from timing (default 4)")
+  p.add_argument("--warm-start-steps", type=int, default=120)
+  p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
+  p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+  p.add_argument("--override", action="append", default=[],
+                 help="extra --config.x=y for every arm (repeatable)")
+  args = p.parse_args(argv)
+  etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
+  if 0 not in etas or (2 not in etas):
+    p.error("--etas must include 0 (the synchronous baseline) and 2 (the reported asynchronous arm)")
+  steps = args.steps or (14 if args.quick else 40)
+  skip = args.skip if args.skip is not None else 4
+  work = args.workdir or tempfile.mkdtemp(prefix="async_vs_sync_")
+  os.makedirs(work, exist_ok=True)
+  py = sys.executable
+  t0 = time.time()
+  print(f"[async_vs_sync] warm start ({args.warm_start_steps} steps) in {work}", flush=True)
+  _run([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
+        f"--config.learner.warm_start_steps={args.warm_start_steps}"], os.path.join(work, "sft.log"))
+  common = [f"--config.model.hf_path={os.path.join(work, 'warm_start')}", f"--config.steps={steps}",
+            f"--config.learner.eval_every={10 * steps}", f"--config.checkpoint.every_steps={10 * steps}",
+            *args.override]
+  arms = {}
+  for eta in etas:
+    wd = os.path.join(work, f"eta{eta}")
+    print(f"[async_vs_sync] eta={eta}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
+    _run([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
+          f"--config.rl.max_staleness={eta}", *common], os.path.join(work, f"eta{eta}.log"))
+    arms[eta] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
+    with open(os.path.join(wd, "summary.json")) as f:
+      summary = json.load(f)
+    arms[eta]["summary_max_staleness_seen"] = summary["max_staleness_seen"]
+
+  # --- the simulator and planner on the same lengths, slots and batch, with the sync arm's rates
+  config = runpy.run_path(CONFIG)["get_config"]()
+  slots, batch = config.rollout.num_slots, config.learner.batch_size
+  lengths = _lengths(os.path.join(work, "eta0"))
+  model = LengthModel(samples=tuple(lengths), cap=config.data.max_completion_len)
+  sync_lpt = straggler.simulate_sync(model, epochs=200, batch=batch, slots=slots)
+  s = arms[0]
+  step_seconds = s["decode_busy_seconds"] / max(s["slot_steps"] / slots, 1)
+  rates = planner.Throughputs(decode_tok_s=slots / step_seconds, train_tok_s=s["learner_tokens_per_s"],
+                              slots_per_device=slots)
+  for eta, arm in arms.items():
+    c = planner.predict(model, rates, rollout_devices=1, learner_devices=1, eta=eta, batch=batch,
+                        epochs=100)
+    # Shared compute (one CPU): decode and training take turns on the same cores, so only the slot
+    # utilization gained from decoupling helps: seconds per token = step / (slots * util) + 1 / train.
+    u = straggler.simulate_async(model, epochs=100, batch=batch, slots=slots, eta=eta).slot_utilization
+    shared = 1.0 / (step_seconds / (slots * u) + 1.0 / rates.train_tok_s)
+    arm.update(predicted_tokens_per_s=c.tokens_per_s, predicted_slot_utilization=c.slot_utilization,
+               predicted_shared_tokens_per_s=shared)
+    arm["ratio_vs_sync"] = arm["tokens_per_s"] / s["tokens_per_s"]
+
+  result = dict(
+      machine=machine(), config=dict(config=CONFIG, steps=steps, skip=skip, etas=etas, slots=slots,
+                                      batch=batch, warm_start_steps=args.warm_start_steps,
+                                      overrides=args.override),
+      arms={str(k): v for k, v in arms.items()},
+      sync_tokens_per_s=s["tokens_per_s"], async_tokens_per_s=arms[2]["tokens_per_s"],
+      ratio=arms[2]["tokens_per_s"] / s["tokens_per_s"],
+      predicted_headroom=sync_lpt.headroom,
+      predicted_ratio=arms[2]["predicted_tokens_per_s"] / s["predicted_tokens_per_s"],
+      predicted_shared_ratio=arms[2]["predicted_shared_tokens_per_s"] / s["predicted_shared_tokens_per_s"],
+      async_slot_utilization=arms[2]["slot_utilization"],
+      lengths=dict(n=len(lengths), median=sync_lpt.median_len, mean=sync_lpt.mean_len,
+                   mean_longest=sync_lpt.mean_longest, p_cap=sync_lpt.p_cap),
+      seconds=time.time() - t0)
+  header = ["eta", "trained tok/s", "vs sync", "slot util.", "learner idle", "max staleness",
+            "planner tok/s (separate devices)", "planner util.", "planner tok/s (shared cores)"]
+  rows = [[eta, a["tokens_per_s"], f"{a['ratio_vs_sync']:.2f}x", f"{a['slot_utilization']:.1%}",
+           f"{a['learner_idle_fraction']:.1%}", a["max_staleness_seen"], a["predicted_tokens_per_s"],
+           f"{a['predicted_slot_utilization']:.1%}", a["predicted_shared_tokens_per_s"]]
+          for eta, a in arms.items()]
+  notes = (f"The main job (configs/default.py, warm start {args.warm_start_steps} supervised steps, "
+           f"{steps} policy versions per arm, the first {skip} excluded from timing). "
+           f"Completion lengths: median {sync_lpt.median_len:.0f}, mean {sync_lpt.mean_len:.1f}, cap "
+           f"{config.data.max_completion_len}; {slots} decode slots, batch {batch}. Simulator on these "
+           f"lengths: synchronous LPT slot utilization {sync_lpt.slot_utilization:.1%}, headroom "
+           f"{sync_lpt.headroom:.2f}x. Measured eta 2 / eta 0: {result['ratio']:.2f}x "
+           f"(planner: {result['predicted_ratio']:.2f}x if rollout and learner devices were "
+           f"independent, {result['predicted_shared_ratio']:.2f}x if they share compute). On this "
+           "CPU machine the virtual devices share the same cores, so running decode and training at "
+           "the same time does not add compute: only the slot utilization gained from decoupling can "
+           "show up, which is what the shared-cores prediction models.")
+  out_dir = args.out
+  md = write_result("async_vs_sync", result, header, rows, notes, **({"out_dir": out_dir} if out_dir else {}))
+  _plot(arms, os.path.join(os.path.dirname(md), "async_vs_sync.png"))
+  print(f"[async_vs_sync] wrote {md}")
+  print(json.dumps(dict(sync_tokens_per_s=result["sync_tokens_per_s"],
+                        async_tokens_per_s=result["async_tokens_per_s"], ratio=result["ratio"],
+                        predicted_headroom=result["predicted_headroom"],
+                        predicted_ratio=result["predicted_ratio"],
+                        predicted_shared_ratio=result["predicted_shared_ratio"],
+                        async_slot_utilization=result["async_slot_utilization"])))
+  return 0
+
+
+def _plot(arms: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  etas = list(arms)
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+  ax1.plot(etas, [arms[e]["tokens_per_s"] for e in etas], "o-", label="measured")
+  ax1.plot(etas, [arms[e]["predicted_tokens_per_s"] for e in etas], "s--", label="planner")
+  ax1.set_xlabel("max staleness eta")
+  ax1.set_ylabel("trained tokens/s")
+  ax1.legend()
+  ax2.plot(etas, [arms[e]["slot_utilization"] for e in etas], "o-", label="decode slot utilization")
+  ax2.plot(etas, [arms[e]["learner_idle_fraction"] for e in etas], "s-", label="learner idle")
+  ax2.set_xlabel("max staleness eta")
+  ax2.set_ylim(0, 1)
+  ax2.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,107 @@
+"""Learner throughput: trained tokens/s of one policy update (prox pass + packed micro-batches + AdamW).
+
+  .venv/bin/python benchmarks/learner_throughput.py --quick
+  python benchmarks/learner_throughput.py --model qwen2.5-0.5b --dtype bfloat16 --batch 256   # accelerator
+
+A global batch of ``--batch`` sequences (prompt 32 tokens + completion drawn from a capped lognormal) goes
+through ``Learner.train`` exactly as in the main job (decoupled PPO, dynamic micro-batches under
+``--token_budget``). Reported: policy tokens trained per second, all tokens (prompt included) per second,
+and the achieved model FLOP/s (6 x params x tokens for the update + 2 x params x tokens for the prox pass;
+attention FLOPs left out). Median of ``--repeats`` updates after one warm-up (compilation).
+Writes benchmarks/results/<name>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
+
+cli.ensure_cpu_devices(1)
+
+import jax  # noqa: E402  pylint: disable=wrong-import-position
+import numpy as np  # noqa: E402
+
+from asyncrl_jax import models, sharding  # noqa: E402
+from asyncrl_jax.config import base_config  # noqa: E402
+from asyncrl_jax.learner import Learner  # noqa: E402
+from asyncrl_jax.rl.batching import SequenceData  # noqa: E402
+from benchmarks.common import machine, write_result  # noqa: E402
+from benchmarks.shapes import SHAPES, model_config  # noqa: E402
+
+
+def _sequences(n, vocab, prompt_len, median, sigma, cap, rng):
+  out = []
+  for _ in range(n):
+    c = int(min(cap, max(1, rng.lognormal(np.log(median), sigma))))
+    t = prompt_len + c
+    mask = np.r_[np.zeros(prompt_len), np.ones(c)].astype(np.float32)
+    out.append(SequenceData(tokens=rng.integers(3, vocab, t).astype(np.int32), mask=mask,
+                            behav_logp=(mask * -1.0).astype(np.float32),
+                            advantages=(mask * rng.normal()).astype(np.float32),
+                            versions=np.where(mask > 0, 0, -1).astype(np.int32)))
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--model", default="demo", choices=sorted(SHAPES))
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--token_budget", type=int, default=4096)
+  p.add_argument("--median", type=float, default=24.0, help="median completion length")
+  p.add_argument("--sigma", type=float, default=0.8)
+  p.add_argument("--cap", type=int, default=96)
+  p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--name", default="learner_throughput")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  if args.quick:
+    args.repeats = 3
+  mc = model_config(args.model, dtype=args.dtype, param_dtype=args.dtype)
+  mesh = sharding.make_mesh(jax.devices()[:1], dict(data=1, fsdp=1, tensor=1))
+  config = base_config()
+  config.learner.update(batch_size=args.batch, token_budget=args.token_budget, learning_rate=1e-5)
+  params = models.init_params(mc, jax.random.key(0), mesh=mesh)
+  n_params = models.count_params(params)
+  learner = Learner(mc, params, mesh, config, total_steps=args.repeats + 1)
+  del params
+  rng = np.random.default_rng(0)
+  batches = [_sequences(args.batch, mc.vocab_size, 32, args.median, args.sigma, args.cap, rng)
+             for _ in range(args.repeats + 1)]
+  learner.train(batches[0])  # compile
+  times, policy_tokens, all_tokens = [], [], []
+  for b in batches[1:]:
+    t = time.perf_counter()
+    learner.train(b)  # reads metrics back at the end, so the update has finished
+    times.append(time.perf_counter() - t)
+    policy_tokens.append(sum(float(s.mask.sum()) for s in b))
+    all_tokens.append(sum(len(s.tokens) for s in b))
+  i = int(np.argsort(times)[len(times) // 2])
+  sec = times[i]
+  flops = (6 + 2) * n_params * all_tokens[i] / sec
+  result = dict(machine=machine(), config=vars(args) | {"params": n_params},
+                policy_tokens_per_s=policy_tokens[i] / sec, tokens_per_s=all_tokens[i] / sec,
+                update_seconds=sec, model_flops_per_s=flops, times=times)
+  rows = [["model", f"{args.model} ({n_params / 1e6:.1f}M params, {args.dtype})"],
+          ["policy tokens / s", result["policy_tokens_per_s"]], ["all tokens / s", result["tokens_per_s"]],
+          ["seconds per update", sec], ["model TFLOP/s (8 x params x tokens)", flops / 1e12]]
+  notes = (f"One policy update of {args.batch} sequences (decoupled PPO: prox pass + loss + AdamW) on one "
+           f"device, packed under a {args.token_budget}-token budget.")
+  write_result(args.name, result, ["measure", "value"], rows, notes,
+               **({"out_dir": args.out} if args.out else {}))
+  print(json.dumps({k: result[k] for k in ("policy_tokens_per_s", "tokens_per_s", "update_seconds",
+                                           "model_flops_per_s")}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
