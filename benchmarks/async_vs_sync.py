@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import runpy
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,18 +41,9 @@ cli.ensure_cpu_devices(4)
 
 from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
-from benchmarks.common import machine, write_result  # noqa: E402
+from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
-
-
-def _run(cmd: list, log_path: str) -> None:
-  with open(log_path, "w") as log:
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
-  if proc.returncode:
-    with open(log_path) as f:
-      tail = f.read()[-3000:]
-    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}; log {log_path}:\n{tail}")
 
 
 def _records(path: str) -> list:
@@ -109,7 +99,7 @@ def main(argv=None) -> int:
   py = sys.executable
   t0 = time.time()
   print(f"[async_vs_sync] warm start ({args.warm_start_steps} steps) in {work}", flush=True)
-  _run([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
+  run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
         f"--config.learner.warm_start_steps={args.warm_start_steps}"], os.path.join(work, "sft.log"))
   common = [f"--config.model.hf_path={os.path.join(work, 'warm_start')}", f"--config.steps={steps}",
             f"--config.learner.eval_every={10 * steps}", f"--config.checkpoint.every_steps={10 * steps}",
@@ -118,7 +108,7 @@ def main(argv=None) -> int:
   for eta in etas:
     wd = os.path.join(work, f"eta{eta}")
     print(f"[async_vs_sync] eta={eta}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
-    _run([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
+    run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
           f"--config.rl.max_staleness={eta}", *common], os.path.join(work, f"eta{eta}.log"))
     arms[eta] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
     with open(os.path.join(wd, "summary.json")) as f:
@@ -191,9 +181,7 @@ def main(argv=None) -> int:
 
 
 def _plot(arms: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
   etas = list(arms)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
   ax1.plot(etas, [arms[e]["tokens_per_s"] for e in etas], "o-", label="measured")

@@ -48,3 +48,23 @@ def _fmt(x) -> str:
   if isinstance(x, float):
     return f"{x:,.3g}" if abs(x) < 1000 else f"{x:,.0f}"
   return str(x)
+
+
+def run_logged(cmd: Sequence[str], log_path: str) -> None:
+  """Runs ``cmd`` in the repository root with its output in ``log_path``; on failure raises with the
+  log's tail."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  with open(log_path, "w") as log:
+    proc = subprocess.run(list(cmd), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log, stderr=subprocess.STDOUT, check=False)
+  if proc.returncode:
+    with open(log_path) as f:
+      tail = f.read()[-3000:]
+    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}; log {log_path}:\n{tail}")
+
+
+def pyplot():
+  """matplotlib's pyplot on the non-interactive Agg backend (benchmarks only write files)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt

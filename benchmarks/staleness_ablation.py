@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,22 +33,13 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
-from benchmarks.common import machine, write_result  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
 LOSSES = ("ppo", "decoupled_ppo", "dis")
 # The seed's ablation (AReaL, 1.5B on math, AIME24): eta -> (naive PPO, decoupled PPO).
 SEED_TABLE = {0: (42.0, 42.0), 1: (41.8, 42.1), 2: (40.0, 41.8), 4: (23.3, 42.2), 8: (35.7, 41.0),
               16: (35.8, 38.7)}
-
-
-def _run(cmd: list, log_path: str) -> None:
-  with open(log_path, "w") as log:
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
-  if proc.returncode:
-    with open(log_path) as f:
-      tail = f.read()[-3000:]
-    raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {proc.returncode}; log {log_path}:\n{tail}")
 
 
 def _json(path: str) -> dict:
@@ -68,18 +58,18 @@ def _cell(values) -> str:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--quick", action="store_true", help="eta 0, 2, 8; one seed; 60 versions per arm")
+  p.add_argument("--quick", action="store_true", help="eta 0, 2, 8; one seed; 100 versions per arm")
   p.add_argument("--etas", type=int, nargs="*", default=None, help="default 0 1 2 4 8 (quick: 0 2 8)")
   p.add_argument("--losses", nargs="*", default=list(LOSSES), choices=LOSSES)
   p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2; quick 1)")
-  p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 200; quick 60)")
+  p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 200; quick 100)")
   p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm")
   args = p.parse_args(argv)
   etas = args.etas if args.etas is not None else ([0, 2, 8] if args.quick else [0, 1, 2, 4, 8])
   seeds = list(range(args.seeds or (1 if args.quick else 2)))
-  steps = args.steps or (60 if args.quick else 200)
+  steps = args.steps or (100 if args.quick else 200)
   work = args.workdir or tempfile.mkdtemp(prefix="staleness_ablation_")
   os.makedirs(work, exist_ok=True)
   py, t0 = sys.executable, time.time()
@@ -87,7 +77,7 @@ def main(argv=None) -> int:
 
   print(f"[ablation] warm start in {work}", flush=True)
   ws_dir = os.path.join(work, "ws")
-  _run([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
+  run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
         f"--config.data.path={data}", *args.override],
        os.path.join(work, "ws.log"))
   ws = os.path.join(ws_dir, "warm_start")
@@ -103,7 +93,7 @@ def main(argv=None) -> int:
         wd = os.path.join(work, name)
         print(f"[ablation] {done + 1}/{n_arms} {name} ({time.time() - t0:.0f}s so far)", flush=True)
         if not os.path.exists(os.path.join(wd, "summary.json")):  # rerunning resumes finished arms
-          _run([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
+          run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
                 f"--config.rl.loss={loss}", f"--config.rl.max_staleness={eta}", f"--config.seed={seed}",
                 *common], os.path.join(work, f"{name}.log"))
         s = _json(os.path.join(wd, "summary.json"))
@@ -117,7 +107,7 @@ def main(argv=None) -> int:
     budget = float(np.mean(seconds))
     cd = os.path.join(work, f"sft_control_seed{seed}")
     print(f"[ablation] supervised control, seed {seed}: {budget:.0f}s", flush=True)
-    _run([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={cd}",
+    run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={cd}",
           f"--config.model.hf_path={ws}", f"--config.seed={seed}", f"--config.data.path={data}",
           "--schedule=constant",
           f"--max_seconds={budget}", "--evaluate", *args.override], os.path.join(work, f"control{seed}.log"))
@@ -160,9 +150,7 @@ def main(argv=None) -> int:
 
 
 def _plot(runs, control, initial, etas, losses, path) -> None:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6.5, 4))
   for loss in losses:
     vals = [[r["final"] for r in runs if r["loss"] == loss and r["eta"] == e] for e in etas]

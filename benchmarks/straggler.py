@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 from asyncrl_jax.sim import straggler  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
-from benchmarks.common import RESULTS_DIR, write_result  # noqa: E402
+from benchmarks.common import RESULTS_DIR, pyplot, write_result  # noqa: E402
 
 SEED_SYNC = dict(median_len=1638, mean_longest=32437, p_cap=0.92, slot_utilization=0.381, headroom=2.62)
 AREAL_SPEEDUP = {1: 269.3 / 128.7, 2: 356.6 / 128.7, 16: 382.4 / 128.7}  # effective throughput vs eta 0
@@ -96,9 +96,7 @@ def _ms(mean_sd, fmt):
 
 
 def _plot(asyn, sync, path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
   fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
   etas = list(asyn)
   a.plot([str(e) for e in etas], [np.mean([r.slot_utilization for r in asyn[e]]) for e in etas], "o-",

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from asyncrl_jax import models, sharding  # noqa: E402
 from asyncrl_jax.models.config import ModelConfig  # noqa: E402
 from asyncrl_jax.transfer import WeightReceiver, local_transfer, tree_bytes  # noqa: E402
-from benchmarks.common import machine, write_result  # noqa: E402
+from benchmarks.common import machine, pyplot, write_result  # noqa: E402
 
 SIZES = {  # name -> (hidden, layers, intermediate, vocab)
     "0.5M (default demo)": (128, 2, 512, 17),
@@ -177,9 +177,7 @@ def main(argv=None) -> int:
 
 
 def _plot(out, path):
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = pyplot()
   mb = [v["bytes"] / 1e6 for v in out.values()]
   fig, ax = plt.subplots(figsize=(6, 4))
   for key, label in (("local_seconds", "in-process device_put"), ("raw_copy_seconds", "np.copyto"),

@@ -1,0 +1,29 @@
+"""Benchmark arithmetic that turns logged metrics into the reported figures."""
+
+import pytest
+
+from benchmarks.async_vs_sync import window_metrics
+
+
+def _rec(t, tokens, decoded, slot_steps, idle, learner_s, stale=1):
+  return dict(time=t, trained_tokens=tokens, decode_tokens=decoded, decode_slot_steps=slot_steps,
+              decode_idle_seconds=idle, learner_seconds=learner_s, max_staleness_seen=stale,
+              mean_staleness=stale)
+
+
+def test_window_metrics_hand_computed():
+  records = [_rec(10.0, 999, 900, 1000, 5.0, 3.0),  # skipped (compilation)
+             _rec(12.0, 100, 1000, 1200, 5.5, 1.0),  # start of the window
+             _rec(14.0, 200, 1300, 1600, 6.0, 0.5),
+             _rec(16.0, 300, 1500, 2000, 6.5, 0.5, stale=2)]
+  m = window_metrics(records, skip=1)
+  assert m["seconds"] == 4.0 and m["trained_tokens"] == 500
+  assert m["tokens_per_s"] == pytest.approx(125.0)
+  # 500 tokens decoded over 800 slot-steps, decode server idle 1 s of 4
+  assert m["slot_occupancy"] == pytest.approx(500 / 800)
+  assert m["slot_utilization"] == pytest.approx(500 / 800 * 0.75)
+  assert m["learner_idle_fraction"] == pytest.approx(1 - 1.0 / 4)
+  assert m["learner_tokens_per_s"] == pytest.approx(500.0)
+  assert m["max_staleness_seen"] == 2
+  with pytest.raises(ValueError, match="more than 3"):
+    window_metrics(records[:3], skip=2)
