@@ -35,6 +35,7 @@ BENCHMARKS = {
                 "AReaL chose a 3:1 rollout:learner split by hand; the seed reports 2.77x at eta 2 over eta 0."),
     "packing": ("packing.py", ["--quick"], [], "Seed: dynamic micro-batching +33.7% mean (17-43%)."),
     "engine_throughput": ("engine_throughput.py", ["--quick"], [], "Goal: >= 0.9 of a fused decode loop."),
+    "learner_throughput": ("learner_throughput.py", ["--quick"], [], "No seed figure."),
     "transfer": ("transfer.py", ["--quick"], [], "No seed figure."),
     "async_vs_sync": ("async_vs_sync.py", ["--quick"], [],
                       "Seed (AReaL, 1.5B): 2.77x effective throughput at eta 2 over eta 0."),

@@ -58,7 +58,7 @@ params = models.init_params(cfg, jax.random.key(0))
 sender = WeightSender("127.0.0.1:0")
 for uuid in range(1, {n} + 1):
   sender.offer(params, uuid)
-print(sender.address(), flush=True)
+print(sender.address, flush=True)
 sys.stdin.read()  # until the parent closes stdin
 """
 
