@@ -99,6 +99,9 @@ def assemble() -> str:
     if os.path.exists(os.path.join(RESULTS, f"{name}.png")):
       out += ["", f"![{name}](results/{name}.png)"]
     out.append("")
+  if not any(n.startswith("gpu_") for n in names):
+    out += ["## gpu", "", "Not run yet: `benchmarks/gpu/run.sh` needs an accelerator (none was available "
+            "where these results were made).", ""]
   path = os.path.join(HERE, "RESULTS.md")
   with open(path, "w") as f:
     f.write("\n".join(out))
