@@ -216,10 +216,11 @@ def main(argv: Optional[list] = None) -> int:
   print(f"P(batch has a capped trace) = {sync.p_cap:.0%}")
   print(f"synchronous slot utilization: {sync.slot_utilization:.1%}  (idle {1 - sync.slot_utilization:.1%})")
   print(f"headroom from decoupling : {sync.headroom:8.2f}x")
-  print(f"asynchronous ({args.order} order): eta  utilization  speedup  learner idle  max/mean staleness")
+  print(f"asynchronous, batches in {args.order} order:")
+  print(f"  {'eta':>4}  {'utilization':>11}  {'speedup':>7}  {'learner idle':>12}  max/mean staleness")
   for r in runs:
-    print(f"  {r.eta:>40d}  {r.slot_utilization:10.1%}  {r.tokens_per_step / sync.tokens_per_step:6.2f}x  "
-          f"{r.learner_idle_fraction:11.1%}  {r.max_staleness:>4d} / {r.mean_staleness:.2f}")
+    print(f"  {r.eta:>4d}  {r.slot_utilization:11.1%}  {r.tokens_per_step / sync.tokens_per_step:6.2f}x  "
+          f"{r.learner_idle_fraction:12.1%}  {r.max_staleness:>4d} / {r.mean_staleness:.2f}")
   if args.json:
     out = dict(dataclasses.asdict(sync), config=vars(args),
                asynchronous=[dataclasses.asdict(r) for r in runs])
