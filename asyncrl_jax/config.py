@@ -141,6 +141,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   for f in ("data.max_prompt_len", "data.max_completion_len", "data.shuffle_buffer", "data.num_train",
             "data.num_test", "data.eval_problems"):
     _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "data.seed", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "data.eval_samples", lambda v: v >= 0, "an integer >= 0 (0: greedy only)", integer=True)
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
   _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,

@@ -52,6 +52,10 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     raise ValueError("warm start needs at least one example")
   if schedule not in ("cosine", "constant"):
     raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
+  if steps < 1:
+    raise ValueError(f"steps={steps} must be >= 1")
+  if max_seconds is not None and not 0 < max_seconds < float("inf"):
+    raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
   shardings = models.param_shardings(model_config, mesh)
   params = jax.device_put(params, shardings)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
@@ -112,7 +116,8 @@ def main(argv=None) -> None:
 
   config_flag = cli.define_config_flag()
   workdir = flags.DEFINE_string("workdir", None, "Output directory.")
-  max_seconds = flags.DEFINE_float("max_seconds", None, "Stop after this much training wall time.")
+  max_seconds = flags.DEFINE_float("max_seconds", None, "Also stop after this much training wall time "
+                                    "(whichever comes first: learner.warm_start_steps or this).")
   schedule = flags.DEFINE_enum("schedule", "cosine", ["cosine", "constant"],
                                "Learning-rate schedule (constant: continue a warm start at 10% of "
                                "learner.warm_start_lr, its final rate).")
@@ -159,7 +164,7 @@ def main(argv=None) -> None:
     t = time.time()
     params, loss = warm_start(
         model_config, params, mesh, pipeline.read_split(b, "train"), tokenizer,
-        steps=max(config.learner.warm_start_steps, 1) if max_seconds.value is None else 10**9,
+        steps=max(config.learner.warm_start_steps, 1),
         batch_size=config.learner.warm_start_batch, learning_rate=lr, seed=config.seed,
         token_budget=config.learner.token_budget, progress=progress, schedule=schedule.value,
         max_seconds=max_seconds.value)

@@ -165,6 +165,10 @@ def run(config, workdir: str) -> dict:
     meta["warm_start_loss"] = loss
 
   eval_params, _ = local_transfer(learner.params, eval_shardings)
+  if "initial_eval_accuracy" in meta and "initial_eval_greedy_accuracy" not in meta:
+    # a checkpoint written before pass@1 existed: its accuracies were greedy; measure both again
+    meta.pop("initial_eval_accuracy")
+    meta.pop("last_eval_accuracy", None)
   if "initial_eval_accuracy" not in meta:
     initial = evaluator.evaluate(eval_params, reward)
     meta.update(initial_eval_accuracy=primary(initial), initial_eval_greedy_accuracy=initial["greedy"])

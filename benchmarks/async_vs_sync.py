@@ -12,6 +12,7 @@ number of policy versions, differing only in ``rl.max_staleness``. Per arm, over
 * decode-slot utilization (tokens / slot-steps of the decode steps run x share of time the decode
   server was not waiting for work),
 * learner idle fraction (1 - learner seconds / wall seconds),
+* the largest staleness seen (over every version, the excluded ones too),
 * the planner's prediction (``asyncrl_jax.sim``): the completion lengths the sync arm logged,
   resampled, with the decode step time and training rate measured in the sync arm; once for separate
   rollout and learner devices (the planner's model) and once for decode and training sharing one

@@ -7,7 +7,8 @@ supervised warm start, for the same number of policy versions, differing only in
 (``ppo``, ``decoupled_ppo``, ``dis``), ``rl.max_staleness`` (eta) and ``seed``. The control a sceptical
 reader asks for first: the same warm start trained on with *supervised* data instead
 (``python -m asyncrl_jax.sft --schedule=constant``: its final learning rate, carried on) for the mean
-wall time the RL arms of that seed took, evaluated the same way. The table is shaped like the seed's
+wall time the RL arms of that seed took (their RL phase including its final evaluation, so the control
+gets slightly more training time than RL did), evaluated the same way. The table is shaped like the seed's
 ablation (rows eta, columns the losses); cells are mean +- standard deviation over seeds.
 
 Accuracy is the main job's held-out metric (pass@1 over sampled completions, see
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     print(f"[ablation] supervised control, seed {seed}: {budget:.0f}s", flush=True)
     run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={cd}",
           f"--config.model.hf_path={ws}", f"--config.seed={seed}", f"--config.data.path={data}",
-          "--schedule=constant",
+          "--config.learner.warm_start_steps=1000000", "--schedule=constant",
           f"--max_seconds={budget}", "--evaluate", *args.override], os.path.join(work, f"control{seed}.log"))
     c = _json(os.path.join(cd, "sft_summary.json"))
     control.append(dict(seed=seed, seconds=c["seconds"], steps=c["steps"], initial=c["initial_eval_accuracy"],

@@ -109,12 +109,15 @@ def lengths_from_log(path: str) -> list[int]:
       if not line.strip():
         continue
       rec = json.loads(line)
-      if "completion_lengths" in rec:
-        lengths.extend(int(n) for n in rec["completion_lengths"])
-      elif "length" in rec:
-        lengths.append(int(rec["length"]))
-      else:
-        raise ValueError(f"{path}:{line_no}: no 'completion_lengths' or 'length' field")
+      try:
+        if "completion_lengths" in rec:
+          lengths.extend(int(n) for n in rec["completion_lengths"])
+        elif "length" in rec:
+          lengths.append(int(rec["length"]))
+        else:
+          raise ValueError(f"{path}:{line_no}: no 'completion_lengths' or 'length' field")
+      except TypeError as e:
+        raise ValueError(f"{path}:{line_no}: lengths must be integers ({e})") from e
   lengths = [n for n in lengths if n > 0]
   if not lengths:
     raise ValueError(f"{path}: no positive lengths found")
@@ -131,7 +134,8 @@ def main(argv: Optional[list] = None) -> int:
   p.add_argument("--eta", type=int, nargs="*", default=[0, 1, 2, 4, 8])
   p.add_argument("--mu", type=float, default=7.4)
   p.add_argument("--sigma", type=float, default=1.15)
-  p.add_argument("--cap", type=int, default=32768)
+  p.add_argument("--cap", type=int, default=32768,
+                 help="length cap; with --lengths-from give the run's data.max_completion_len")
   p.add_argument("--lengths-from", default="", help="trained_prompts.jsonl of a run (overrides mu/sigma)")
   p.add_argument("--fit", choices=("lognormal", "resample"), default="resample",
                  help="with --lengths-from: fit a censored lognormal or resample the logged lengths")
@@ -141,6 +145,8 @@ def main(argv: Optional[list] = None) -> int:
   p.add_argument("--top", type=int, default=10, help="candidates to print")
   p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
   args = p.parse_args(argv)
+  if args.top < 1:
+    p.error(f"--top={args.top} must be >= 1")
   try:
     if args.lengths_from:
       lengths = lengths_from_log(args.lengths_from)

@@ -75,6 +75,7 @@ def simulate_sync(model: LengthModel, *, epochs: int, batch: int, slots: int, se
                   train_rate: float = math.inf) -> SyncResult:
   """The synchronous baseline: LPT-packed epochs, each as long as its fullest slot, then training."""
   _check_sizes(epochs=epochs, batch=batch, slots=slots)
+  _check_train_rate(train_rate)
   rng = np.random.default_rng(seed)
   lens = model.draw(rng, epochs * batch).reshape(epochs, batch)
   makespans = np.array([lpt_makespan(row, slots) for row in lens], np.float64)
@@ -97,10 +98,14 @@ def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, e
     raise ValueError(f"eta={eta} must be >= 0")
   if order not in ORDERS:
     raise ValueError(f"order={order!r} must be one of {ORDERS}")
+  _check_train_rate(train_rate)
+  if not 0 <= interrupt_cost < math.inf:
+    raise ValueError(f"interrupt_cost={interrupt_cost} must be a finite number >= 0")
   rng = np.random.default_rng(seed)
   # Enough trajectories for the trained batches plus everything the bound lets run ahead.
   lens = model.draw(rng, (epochs + eta + 1) * batch)
   start = np.full(lens.size, np.nan)
+  redone = np.zeros(lens.size)  # re-prefill steps each trace spent after interrupts
   admit_version = np.zeros(lens.size, np.int64)
   finish = np.full(slots, math.inf)
   running = np.full(slots, -1)
@@ -161,6 +166,7 @@ def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, e
       if interrupt_cost:
         for s2 in np.flatnonzero(running >= 0):
           finish[s2] += interrupt_cost
+          redone[running[s2]] += interrupt_cost
           gen[s2] += 1
           heapq.heappush(events, (finish[s2], 0, int(s2), int(gen[s2])))
       if version < epochs:
@@ -168,11 +174,16 @@ def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, e
       admit(t)
   # Useful decode work inside [0, t]: every admitted trace's tokens, cut at t.
   started = ~np.isnan(start)
-  useful = np.minimum(lens[started], np.maximum(t - start[started], 0.0)).sum()
+  useful = np.minimum(lens[started], np.maximum(t - start[started] - redone[started], 0.0)).sum()
   return AsyncResult(eta=eta, order=order, slot_utilization=float(useful / (slots * t)),
                      tokens_per_step=trained_tokens / t,
                      learner_idle_fraction=1.0 - learner_busy_steps / t,
                      max_staleness=int(max(staleness)), mean_staleness=float(np.mean(staleness)), steps=t)
+
+
+def _check_train_rate(train_rate: float) -> None:
+  if not train_rate > 0:
+    raise ValueError(f"train_rate={train_rate} must be > 0 (trained tokens per decode step; inf = free)")
 
 
 def _check_sizes(**sizes) -> None:
@@ -222,7 +233,8 @@ def main(argv: Optional[list] = None) -> int:
     print(f"  {r.eta:>4d}  {r.slot_utilization:11.1%}  {r.tokens_per_step / sync.tokens_per_step:6.2f}x  "
           f"{r.learner_idle_fraction:12.1%}  {r.max_staleness:>4d} / {r.mean_staleness:.2f}")
   if args.json:
-    out = dict(dataclasses.asdict(sync), config=vars(args),
+    config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()}
+    out = dict(dataclasses.asdict(sync), config=config,
                asynchronous=[dataclasses.asdict(r) for r in runs])
     pick = next((r for r in runs if r.eta == 2), runs[-1] if runs else None)
     if pick is not None:

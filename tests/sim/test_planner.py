@@ -67,7 +67,9 @@ def test_cli_from_logged_lengths(tmp_path, capsys):
                      "--epochs", "10", "--lengths-from", str(log), "--json"])
   assert rc == 0
   out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  assert out["best"]["tokens_per_s"] >= out["colocated_sync"]["tokens_per_s"]
   assert len(out["candidates"]) == 1 + 2 * 2
+  assert {(c["rollout_devices"], c["learner_devices"], c["eta"]) for c in out["candidates"]} == {
+      (3, 3, -1), (1, 2, 0), (1, 2, 2), (2, 1, 0), (2, 1, 2)}
+  assert all(c["max_staleness"] <= max(c["eta"], 0) for c in out["candidates"])
   assert "20 logged lengths" in out["lengths"]
   assert planner.main(["--devices", "1", "--decode-tok-s", "1", "--train-tok-s", "1"]) == 2

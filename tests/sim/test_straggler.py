@@ -94,6 +94,18 @@ def test_fit_lognormal_recovers_parameters_under_censoring():
     fit_lognormal([0, 4, 5], 2000)
 
 
+def test_interrupts_cost_time_not_tokens():
+  # 4 slots, batch 4, 10-token traces, eta 1, training 40 tokens per step (1 step per batch):
+  # every version interrupts the next batch's traces, each interrupt costs 3 steps.
+  m = LengthModel(samples=(10,), cap=100)
+  free = straggler.simulate_async(m, epochs=5, batch=4, slots=4, eta=1, train_rate=40.0)
+  slow = straggler.simulate_async(m, epochs=5, batch=4, slots=4, eta=1, train_rate=40.0, interrupt_cost=3)
+  assert slow.steps > free.steps
+  # the same tokens were decoded in more time: utilization drops by the ratio of the times
+  assert slow.tokens_per_step == pytest.approx(free.tokens_per_step * free.steps / slow.steps)
+  assert slow.slot_utilization <= free.slot_utilization * free.steps / slow.steps + 1e-9
+
+
 def test_bad_sizes_are_named():
   with pytest.raises(ValueError, match="slots=0"):
     straggler.simulate_sync(LengthModel(), epochs=1, batch=4, slots=0)
@@ -111,5 +123,8 @@ def test_cli_json_last_line(capsys):
   for key in ("slot_utilization", "headroom", "median_len", "mean_longest", "p_cap",
               "async_slot_utilization"):
     assert key in out and math.isfinite(out[key])
-  assert out["headroom"] == pytest.approx(1 / out["slot_utilization"])
+  assert out["config"]["train_rate"] is None  # "free" training, written as JSON null, not Infinity
+  assert 0 < out["slot_utilization"] < out["async_slot_utilization"] <= 1
   assert straggler.main(["--slots", "0"]) == 2
+  assert straggler.main(["--train-rate", "0"]) == 2
+  assert straggler.main(["--interrupt-cost", "-1", "--epochs", "2"]) == 2
