@@ -27,3 +27,16 @@ def test_window_metrics_hand_computed():
   assert m["max_staleness_seen"] == 2
   with pytest.raises(ValueError, match="more than 3"):
     window_metrics(records[:3], skip=2)
+
+
+def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
+  import json
+  from benchmarks import straggler as bench
+  assert bench.main(["--seeds", "2", "--epochs", "4", "--out", str(tmp_path)]) == 0
+  last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert 0 < last["slot_utilization"] < last["async_slot_utilization_eta2"] <= 1
+  result = json.loads((tmp_path / "straggler.json").read_text())
+  assert len(result["sync"]) == 2 and set(result["asynchronous"]) == {"0", "1", "2", "4", "8", "16"}
+  md = (tmp_path / "straggler.md").read_text()
+  assert "38.1%" in md and "2.62x" in md  # the seed's figures sit beside ours
+  assert (tmp_path / "straggler.png").stat().st_size > 1000
