@@ -27,8 +27,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
-from asyncrl_jax.rl import batching
-from asyncrl_jax.rl.staleness import StalenessManager
+from asyncrl_jax.rl import advantages, batching
+from asyncrl_jax.rl.staleness import StalenessManager, within_bound
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.tokenization import Tokenizer
 
@@ -92,7 +92,7 @@ class Controller:
     self.duplicates = 0
     self.failed = 0
     from asyncrl_jax.rewards import RewardWorker  # pylint: disable=import-outside-toplevel
-    self._rewards = RewardWorker(reward, self._on_reward, threads=reward_threads)
+    self._rewards = RewardWorker(reward, self._on_reward, threads=reward_threads, decode=tokenizer.decode)
     self.next_batch_index = manager.state.version
 
   # ------------------------------------------------------------------ admission
@@ -159,8 +159,7 @@ class Controller:
       log.warning("rollout %s failed: %s", t.trajectory_id, t.error)
       self._on_reward(t, 0.0)
       return
-    completion = self.tokenizer.decode(t.completion_tokens)
-    self._rewards.submit(t, completion, self._groups[t.group_id].prompt.answer)
+    self._rewards.submit(t, t.completion_tokens, self._groups[t.group_id].prompt.answer)
 
   def _on_reward(self, t: Trajectory, reward: float) -> None:
     with self._cond:
@@ -188,40 +187,31 @@ class Controller:
     return self._assemble(groups, version)
 
   def _assemble(self, groups, version: int) -> TrainingBatch:
-    sequences, trajectories, rewards, staleness, failed = [], [], [], [], 0
-    for g in groups:
-      ids = sorted(g.requests)
-      r = np.array([g.rewards[i] for i in ids], np.float32)
-      adv = r - r.mean()
-      if self.scale_by_std:
-        adv = adv / (r.std() + 1e-6)
-      for i, a in zip(ids, adv):
-        t = g.trajectories[i]
-        trajectories.append(t)
-        rewards.append(g.rewards[i])
-        if t.finish_reason == "error" or not len(t.completion_tokens):
-          failed += 1
-          continue
-        staleness.append(version - int(t.versions.min()))
-        sequences.append(_sequence(t, float(a)))
+    trajectories = [g.trajectories[i] for g in groups for i in sorted(g.requests)]
+    rewards = np.array([g.rewards[i] for g in groups for i in sorted(g.requests)], np.float32)
+    group_ids = np.repeat(np.arange(len(groups)), self.group_size)
+    adv, _ = advantages.group_advantages(rewards, group_ids, num_groups=len(groups),
+                                         scale_by_std=self.scale_by_std)
+    sequences, staleness, failed = [], [], 0
+    for t, a in zip(trajectories, np.asarray(adv)):
+      if t.finish_reason == "error" or not len(t.completion_tokens):
+        failed += 1
+        continue
+      oldest = int(t.versions.min())
+      if not within_bound(version=version, oldest_token_version=oldest,
+                          max_staleness=self.manager.max_staleness):
+        raise StalenessError(f"batch for version {version} holds data {version - oldest} versions old > "
+                             f"rl.max_staleness={self.manager.max_staleness} (a token of "
+                             f"{t.trajectory_id} was sampled at version {oldest})")
+      staleness.append(version - oldest)
+      sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
+                                              versions=t.versions, advantage=float(a)))
     max_seen = max(staleness, default=0)
-    if max_seen > self.manager.max_staleness:
-      raise StalenessError(f"batch for version {version} holds data {max_seen} versions old > "
-                           f"rl.max_staleness={self.manager.max_staleness}")
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
-                         rewards=np.asarray(rewards, np.float32),
+                         rewards=rewards,
                          prompt_indices=[g.prompt.index for g in groups], max_staleness_seen=max_seen,
                          mean_staleness=float(np.mean(staleness)) if staleness else 0.0, failed=failed)
 
   def close(self) -> None:
     self._rewards.close()
 
-
-def _sequence(t: Trajectory, advantage: float) -> batching.SequenceData:
-  p, c = len(t.prompt_tokens), len(t.completion_tokens)
-  mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
-  return batching.SequenceData(
-      tokens=np.concatenate([t.prompt_tokens, t.completion_tokens]).astype(np.int32), mask=mask,
-      behav_logp=np.r_[np.zeros(p), t.logprobs].astype(np.float32),
-      advantages=(mask * advantage).astype(np.float32),
-      versions=np.r_[np.full(p, -1), t.versions].astype(np.int32))

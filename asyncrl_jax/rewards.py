@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 from asyncrl_jax.data import arithmetic
 
@@ -70,10 +70,15 @@ def reward_fn(task: str) -> Callable[[str, str], float]:
 
 
 class RewardWorker:
-  """Scores ``(item, completion_text, answer)`` on threads; calls ``done(item, reward)`` when scored."""
+  """Scores ``(item, completion, answer)`` on threads; calls ``done(item, reward)`` when scored.
 
-  def __init__(self, fn: Callable[[str, str], float], done: Callable, threads: int = 2):
-    self._fn, self._done = fn, done
+  ``decode`` (e.g. a tokenizer's) turns the completion into text on the worker thread, so the caller
+  (the decode server's loop, via the controller) only enqueues.
+  """
+
+  def __init__(self, fn: Callable[[str, str], float], done: Callable, threads: int = 2,
+               decode: Optional[Callable] = None):
+    self._fn, self._done, self._decode = fn, done, decode
     self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reward")
     self._lock = threading.Lock()
     self.errors = 0
@@ -83,6 +88,8 @@ class RewardWorker:
 
   def _score(self, item, completion, answer) -> None:
     try:
+      if self._decode is not None:
+        completion = self._decode(completion)
       r = float(self._fn(completion, answer))
     except Exception:  # a reward bug must not kill the run; score 0 and count it
       with self._lock:

@@ -29,12 +29,8 @@ from asyncrl_jax.tokenization import Tokenizer
 
 def demonstration(tokenizer: Tokenizer, question: str, solution: str) -> batching.SequenceData:
   """Prompt + solution + EOS; loss on the solution and EOS tokens only."""
-  prompt = tokenizer.encode_prompt(question)
-  completion = tokenizer.encode(solution) + [tokenizer.eos_id]
-  n = len(prompt) + len(completion)
-  mask = np.r_[np.zeros(len(prompt)), np.ones(len(completion))].astype(np.float32)
-  return batching.SequenceData(np.asarray(prompt + completion, np.int32), mask,
-                               np.zeros(n, np.float32), np.zeros(n, np.float32), np.full(n, -1, np.int32))
+  return batching.make_sequence(tokenizer.encode_prompt(question),
+                                tokenizer.encode(solution) + [tokenizer.eos_id])
 
 
 def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence[dict],

@@ -160,7 +160,7 @@ def run(config, workdir: str) -> dict:
                               learning_rate=config.learner.warm_start_lr, seed=config.seed,
                               token_budget=config.learner.token_budget, progress=progress)
     bar.close()
-    learner = Learner(model_config, params, learner_mesh, config, total_steps=config.steps)
+    learner.params = params  # same shardings; the optimizer state is still the untouched initial one
     meta["warm_start_seconds"] = time.time() - t
     meta["warm_start_loss"] = loss
 
@@ -251,6 +251,7 @@ def run(config, workdir: str) -> dict:
         eval_acc, eval_greedy = primary(result), result["greedy"]
         record.update(eval_accuracy=eval_acc, eval_greedy_accuracy=eval_greedy)
       _append_jsonl(metrics_path, record)
+      history.append(record)
       _append_jsonl(prompts_path, {"version": learner.version - 1, "prompts": batch.prompt_indices,
                                    "completion_lengths": [len(t.completion_tokens)
                                                           for t in batch.trajectories]})
@@ -273,7 +274,6 @@ def run(config, workdir: str) -> dict:
     ckpt.close()
     writer.close()
 
-  history = _load_history(metrics_path)
   wall = time.time() - t_start
   summary = {
       "initial_eval_accuracy": meta["initial_eval_accuracy"],

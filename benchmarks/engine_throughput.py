@@ -129,7 +129,6 @@ def main(argv=None):
   params = engine.load_params()
 
   _engine_arm(engine, params, args.slots, 8, seed=99, steps_per_call=args.steps_per_call)  # compile prefill buckets, insert, step
-  _reference_arm(engine, params, args.new_tokens, 1, seed=0)
   engine_runs, reference_runs = [], []
   for r in range(args.repeats):  # interleaved so both arms see the same machine state
     tok_s, stats = _engine_arm(engine, params, 2 * args.slots, args.new_tokens, seed=r,

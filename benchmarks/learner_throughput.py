@@ -32,22 +32,9 @@ import numpy as np  # noqa: E402
 from asyncrl_jax import models, sharding  # noqa: E402
 from asyncrl_jax.config import base_config  # noqa: E402
 from asyncrl_jax.learner import Learner  # noqa: E402
-from asyncrl_jax.rl.batching import SequenceData  # noqa: E402
 from benchmarks.common import machine, write_result  # noqa: E402
+from benchmarks.packing import heavy_tailed_lengths, make_sequences  # noqa: E402
 from benchmarks.shapes import SHAPES, model_config  # noqa: E402
-
-
-def _sequences(n, vocab, prompt_len, median, sigma, cap, rng):
-  out = []
-  for _ in range(n):
-    c = int(min(cap, max(1, rng.lognormal(np.log(median), sigma))))
-    t = prompt_len + c
-    mask = np.r_[np.zeros(prompt_len), np.ones(c)].astype(np.float32)
-    out.append(SequenceData(tokens=rng.integers(3, vocab, t).astype(np.int32), mask=mask,
-                            behav_logp=(mask * -1.0).astype(np.float32),
-                            advantages=(mask * rng.normal()).astype(np.float32),
-                            versions=np.where(mask > 0, 0, -1).astype(np.int32)))
-  return out
 
 
 def main(argv=None) -> int:
@@ -75,7 +62,8 @@ def main(argv=None) -> int:
   learner = Learner(mc, params, mesh, config, total_steps=args.repeats + 1)
   del params
   rng = np.random.default_rng(0)
-  batches = [_sequences(args.batch, mc.vocab_size, 32, args.median, args.sigma, args.cap, rng)
+  batches = [make_sequences(rng, 32 + heavy_tailed_lengths(rng, args.batch, args.median, args.sigma,
+                                                           args.cap, minimum=1), mc.vocab_size, prompt_len=32)
              for _ in range(args.repeats + 1)]
   learner.train(batches[0])  # compile
   times, policy_tokens, all_tokens = [], [], []

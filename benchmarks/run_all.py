@@ -70,7 +70,8 @@ def _planner_md(stdout: str, args: list) -> None:
   text = ["# planner", "",
           "A prediction, not a measurement: the planner's ranking for an 8-device budget with illustrative "
           "per-device rates (4000 decode tok/s at 32 slots, 20000 trained tok/s) on the seed's length "
-          "distribution. Its prediction is checked against measured runs in async_vs_sync.", "",
+          "distribution. async_vs_sync compares its predictions with measured runs (with rates taken from "
+          "the eta 0 run, so only the asynchronous arms test it: see the error column there).", "",
           "```", *lines, "```", "", f"Command: `python -m asyncrl_jax.sim.planner {' '.join(args)}` ({date})", ""]
   os.makedirs(RESULTS, exist_ok=True)
   with open(os.path.join(RESULTS, "planner.md"), "w") as f:

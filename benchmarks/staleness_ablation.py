@@ -78,10 +78,10 @@ def main(argv=None) -> int:
 
   print(f"[ablation] warm start in {work}", flush=True)
   ws_dir = os.path.join(work, "ws")
-  run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
-        f"--config.data.path={data}", *args.override],
-       os.path.join(work, "ws.log"))
   ws = os.path.join(ws_dir, "warm_start")
+  if not os.path.exists(os.path.join(ws, "model.safetensors")):  # a rerun keeps the arms' warm start
+    run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
+                f"--config.data.path={data}", *args.override], os.path.join(work, "ws.log"))
   common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}", f"--config.data.path={data}",
             f"--config.learner.eval_every={steps}", f"--config.checkpoint.every_steps={steps}", *args.override]
   runs, control = [], []

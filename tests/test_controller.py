@@ -99,6 +99,34 @@ def test_too_stale_batch_is_an_error():
   ctl.close()
 
 
+def _deliver_mixed(ctl, submitted, versions):
+  for r in submitted:
+    t = _finish(r, 0, True)
+    t.versions = np.asarray(versions, np.int32)  # an interrupted generation: tokens of two versions
+    ctl.on_trajectory(t)
+
+
+def test_staleness_counts_the_oldest_token_of_an_interrupted_trajectory():
+  # Tokens from versions 0 and 1 trained at version 2 with eta 1: the last token is fresh enough,
+  # the first two are not, so the batch must be refused.
+  ctl, _, submitted = _make(eta=1, batch=4, group=2)
+  ctl.pump()
+  _deliver_mixed(ctl, submitted[:4], [0, 0, 1, 1, 1, 1])
+  with pytest.raises(StalenessError, match="2 versions old > rl.max_staleness=1"):
+    ctl.next_batch(version=2, timeout=10)
+  ctl.close()
+  # The same data at version 1 is within the bound; the per-token versions reach the learner intact.
+  ctl, _, submitted = _make(eta=1, batch=4, group=2)
+  ctl.pump()
+  _deliver_mixed(ctl, submitted[:4], [0, 0, 1, 1, 1, 1])
+  b = ctl.next_batch(version=1, timeout=10)
+  assert b.max_staleness_seen == 1
+  for s in b.sequences:
+    assert s.versions[s.mask > 0].tolist() == [0, 0, 1, 1, 1, 1]
+    assert np.all(s.versions[s.mask == 0] == -1)
+  ctl.close()
+
+
 def test_aborted_is_resubmitted_and_error_keeps_its_place():
   ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()

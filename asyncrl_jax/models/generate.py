@@ -37,14 +37,12 @@ def generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: ja
              max_new_tokens: int, eos_id: int, mesh: Optional[Mesh] = None, settings=None):
   """Like ``greedy_generate``; with ``settings`` (a ``rollout.SamplingSettings`` with temperature > 0)
   and a PRNG ``key``, tokens are sampled from the same transformed distribution the engine samples."""
-  if settings is None or settings.temperature == 0:
-    pick = lambda logits, k: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
-  else:
-    from asyncrl_jax.rollout.sampling import sampling_logits  # pylint: disable=import-outside-toplevel
-    if key is None:
-      raise ValueError("sampling needs a PRNG key")
-    pick = lambda logits, k: jax.random.categorical(  # noqa: E731
-        k, sampling_logits(logits, settings), axis=-1).astype(jnp.int32)
+  # the engine's own token choice (argmax at temperature 0); imported here: rollout imports models
+  from asyncrl_jax.rollout.sampling import SamplingSettings, sample  # pylint: disable=import-outside-toplevel
+  settings = settings or SamplingSettings(temperature=0.0)
+  if settings.temperature > 0 and key is None:
+    raise ValueError("sampling needs a PRNG key")
+  pick = lambda logits, k: sample(logits, k, settings)[0]  # noqa: E731
   keys = (jax.random.split(key, max_new_tokens) if key is not None else
           jnp.zeros((max_new_tokens,), jnp.uint32))
   b, p = prompt_bp.shape

@@ -112,6 +112,22 @@ class SequenceData(NamedTuple):
   versions: np.ndarray  # int32 [n]: policy version that sampled the token (-1 off policy tokens)
 
 
+def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0
+                  ) -> SequenceData:
+  """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
+
+  ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
+  ``advantage`` is broadcast over the completion.
+  """
+  p, c = len(prompt), len(completion)
+  mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
+  return SequenceData(
+      tokens=np.r_[np.asarray(prompt), np.asarray(completion)].astype(np.int32), mask=mask,
+      behav_logp=np.r_[np.zeros(p), np.zeros(c) if logprobs is None else logprobs].astype(np.float32),
+      advantages=(mask * advantage).astype(np.float32),
+      versions=np.r_[np.full(p, -1), np.full(c, -1) if versions is None else versions].astype(np.int32))
+
+
 class TokenBatch(NamedTuple):
   """Packed arrays, all ``[R, L]``; segment id 0 marks padding."""
   tokens: np.ndarray

@@ -77,7 +77,6 @@ class RemoteRollout:
     self._on_trajectory = on_trajectory
     self._next = itertools.cycle(range(len(self.clients)))
     self._stop = threading.Event()
-    self._threads: list[threading.Thread] = []
     self._pool = futures.ThreadPoolExecutor(max_workers=len(self.clients))
     self.error: Optional[BaseException] = None
     self.stats = collections.Counter()
@@ -91,11 +90,10 @@ class RemoteRollout:
 
   def update_weights(self, learner_params, version: int) -> TransferStats:
     t = time.perf_counter()
-    for i in range(len(self.clients)):
-      self.sender.offer(learner_params, uuid_for(version, i))
+    uuids = [uuid_for(version, i) for i in range(len(self.clients))]
+    self.sender.offer(learner_params, *uuids)
     replies = list(self._pool.map(
-        lambda ic: ic[1].update_weights(version, self.sender.address, uuid_for(version, ic[0])),
-        enumerate(self.clients)))
+        lambda cu: cu[0].update_weights(version, self.sender.address, cu[1]), zip(self.clients, uuids)))
     self.stats["weight_updates"] += 1
     return TransferStats(time.perf_counter() - t, sum(r.bytes for r in replies))
 
@@ -124,7 +122,6 @@ class RemoteRollout:
     for c in self.clients:
       th = threading.Thread(target=self._stream, args=(c,), daemon=True, name=f"stream-{c.address}")
       th.start()
-      self._threads.append(th)
 
   def stop(self) -> None:
     self._stop.set()

@@ -71,10 +71,12 @@ class WeightSender:
   def address(self) -> str:
     return self._server.address()
 
-  def offer(self, params: Any, uuid: int) -> None:
-    """Makes ``params`` pullable once under ``uuid`` (one uuid per receiver and version)."""
+  def offer(self, params: Any, *uuids: int) -> None:
+    """Makes ``params`` pullable once under each ``uuid`` (one per receiver and version); the staging
+    copy onto one device is made once for all of them."""
     staged = jax.device_put(params, jax.local_devices()[0])
-    self._server.await_pull(int(uuid), staged)
+    for uuid in uuids:
+      self._server.await_pull(int(uuid), staged)
 
 
 class WeightReceiver:
