@@ -1,8 +1,11 @@
 """The learner: sharded params and optimizer state, prox pass, chosen loss, dynamic micro-batches.
 
 One ``train(sequences)`` call is one policy version: the global batch is packed into fixed-shape
-micro-batches under ``learner.token_budget``; for decoupled PPO the prox log-probs are computed once,
-under the weights before the update; then ``learner.ppo_minibatches`` optimizer updates each sum the
+micro-batches under ``learner.token_budget``; for decoupled PPO the prox log-probs are those of the
+weights before the version's first update: the first minibatch reads them off its own forward pass
+(held constant), and only later minibatches need a separate prox pass, run before any update (so with
+the default single minibatch there is no prox pass at all); then ``learner.ppo_minibatches`` optimizer
+updates each sum the
 gradients of their micro-batches (normalised by the global policy-token count of that minibatch, so
 each token weighs the same; ``rl.aggregation='sequence_mean'`` makes each trajectory weigh the same).
 Everything on device is jitted with explicit shardings; params and optimizer state are donated.
@@ -68,7 +71,7 @@ class Learner:
         jax.device_put(x, replicated), opt_state)
     self._rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
     self._batch_sharding = sharding_lib.batch_sharding(mesh, 2)
-    self._grad = jax.jit(self._grad_impl)
+    self._grad = jax.jit(self._grad_impl, static_argnames=("prox_is_current",))
     self._prox = jax.jit(self._prox_impl)
     self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1))
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
@@ -77,9 +80,10 @@ class Learner:
     return token_logprobs(self.model_config, params, batch.tokens, batch.positions, batch.segment_ids,
                           temperature=self.settings.temperature, mesh=self.mesh)
 
-  def _grad_impl(self, params, batch, prox, normalizer):
+  def _grad_impl(self, params, batch, prox, normalizer, prox_is_current=False):
     fn = functools.partial(micro_batch_loss, batch=batch, prox_logp=prox, normalizer=normalizer,
-                           model=self.model_config, settings=self.settings, mesh=self.mesh)
+                           model=self.model_config, settings=self.settings, mesh=self.mesh,
+                           prox_is_current=prox_is_current)
     (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params)
     return loss, metrics, grads
 
@@ -106,14 +110,16 @@ class Learner:
       host_mbs = batching.pack_sequences(chunk, self.token_budget)
       normalizers.append(jnp.float32(max(batching.total_policy_tokens(host_mbs), 1.0)))
       plans.append([self._device_batch(b) for b in host_mbs])
-    # Prox log-probs under the weights before this version's first update.
-    prox = [[self._prox(self.params, b) if losses.needs_prox(self.settings.loss) else None
-             for b in mbs] for mbs in plans]
+    # Prox log-probs under the weights before this version's first update: the first minibatch's come
+    # from its own forward pass (prox_is_current), the others' from a prox pass run now.
+    needs_prox = losses.needs_prox(self.settings.loss)
+    prox = [[self._prox(self.params, b) if needs_prox and i else None for b in mbs]
+            for i, mbs in enumerate(plans)]
     per_mb, grad_norms = [], []
-    for mbs, prox_mbs, normalizer in zip(plans, prox, normalizers):
+    for i, (mbs, prox_mbs, normalizer) in enumerate(zip(plans, prox, normalizers)):
       grads = None
       for b, p in zip(mbs, prox_mbs):
-        loss, metrics, g = self._grad(self.params, b, p, normalizer)
+        loss, metrics, g = self._grad(self.params, b, p, normalizer, prox_is_current=needs_prox and not i)
         grads = g if grads is None else self._add(grads, g)
         per_mb.append(dict(metrics, loss=loss))
       self.params, self.opt_state, gnorm = self._apply(self.params, self.opt_state, grads)

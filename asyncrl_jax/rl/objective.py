@@ -32,15 +32,22 @@ class LossSettings:
 
 
 def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model: ModelConfig,
-                     settings: LossSettings, mesh: Optional[Mesh] = None):
+                     settings: LossSettings, mesh: Optional[Mesh] = None, prox_is_current: bool = False):
   """Loss of one micro-batch, normalised by the *global* policy-token count ``normalizer``.
 
   Summing this over the micro-batches of a global batch (and their gradients) gives exactly the token
   mean over the global batch. ``prox_logp`` ([R, L], or None unless the loss is decoupled PPO) comes
-  from ``compute_logprobs`` under the weights before the update.
+  from ``compute_logprobs`` under the weights before the update. ``prox_is_current=True`` says that
+  ``params`` *are* those weights (the first optimizer update of a version): the prox log-probs are then
+  this forward pass's own, held constant, and no separate prox pass is needed (``prox_logp`` must be
+  None).
   """
   logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
                                  temperature=settings.temperature, mesh=mesh, with_entropy=True)
+  if prox_is_current:
+    if prox_logp is not None:
+      raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
+    prox_logp = jax.lax.stop_gradient(logp) if losses.needs_prox(settings.loss) else None
   return losses.policy_loss(
       settings.loss, logp=logp, behav_logp=batch.behav_logp, prox_logp=prox_logp,
       advantages=batch.advantages, mask=batch.mask, eps_clip=settings.eps_clip,
