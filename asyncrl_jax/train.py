@@ -68,12 +68,31 @@ def _data(config, workdir):
 
 
 def _truncate_jsonl(path: str, keep) -> None:
+  """Keeps the records of ``path`` that ``keep`` accepts (those up to the checkpoint resumed from).
+
+  A last line without its newline is a record cut short by a kill. Records are written before the
+  checkpoint of their version, so it is always one the resume drops anyway; any other unreadable line
+  is an error.
+  """
   if not os.path.exists(path):
     return
   with open(path) as f:
-    lines = [l for l in f if l.strip() and keep(json.loads(l))]
+    lines = f.readlines()
+  kept = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    if i == len(lines) - 1 and not line.endswith("\n"):
+      _say(f"dropping a record cut short at the end of {path}")
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}); the log is damaged") from e
+    if keep(record):
+      kept.append(line)
   with open(path, "w") as f:
-    f.writelines(lines)
+    f.writelines(kept)
 
 
 def _append_jsonl(path: str, record: dict) -> None:

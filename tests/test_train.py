@@ -33,6 +33,13 @@ def _run(workdir, *overrides, timeout=400):
   return out
 
 
+def _complete_lines(path):
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    return sum(1 for l in f if l.endswith("\n") and l.strip())
+
+
 def _trained_prompts(workdir):
   with open(os.path.join(workdir, "trained_prompts.jsonl")) as f:
     return [json.loads(l) for l in f if l.strip()]
@@ -81,27 +88,41 @@ def test_synchronous_run_has_zero_staleness(tmp_path):
   assert all(m["mean_staleness"] == 0 for m in metrics)
 
 
+def _latest_checkpoint(workdir):
+  root = workdir / "checkpoints"
+  steps = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.exists() else []
+  return max(steps, default=None)
+
+
 def test_sigkill_and_resume_trains_the_same_prompts(tmp_path):
+  steps = ["--config.steps=10", "--config.rl.max_staleness=1"]
   reference = tmp_path / "reference"
-  _run(reference, "--config.steps=6", "--config.rl.max_staleness=1")
+  _run(reference, *steps)
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(_cmd(killed, "--config.steps=6", "--config.rl.max_staleness=1"), cwd=ROOT,
-                          env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(_cmd(killed, *steps), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  # Kill once versions past the latest checkpoint are logged, so that resuming has to drop them.
   deadline = time.time() + 300
-  while not (killed / "checkpoints" / "4").exists():
+  while True:
     assert proc.poll() is None, "run ended before it could be killed"
     assert time.time() < deadline
-    time.sleep(0.1)
+    ckpt = _latest_checkpoint(killed)
+    logged = _complete_lines(killed / "trained_prompts.jsonl")
+    if ckpt is not None and logged > ckpt:
+      break
+    time.sleep(0.02)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  done_before = len(_trained_prompts(killed))
-  assert done_before < 6
-  out = _run(killed, "--config.steps=6", "--config.rl.max_staleness=1")
-  assert "resumed from checkpoint at policy version" in out.stdout
+  ckpt = _latest_checkpoint(killed)
+  assert _complete_lines(killed / "trained_prompts.jsonl") > ckpt  # records the resume must drop
+  with open(killed / "trained_prompts.jsonl", "a") as f:
+    f.write('{"version": 99, "prom')  # and a record cut short by the kill
+  out = _run(killed, *steps)
+  assert f"resumed from checkpoint at policy version {ckpt}" in out.stdout
   got, want = _trained_prompts(killed), _trained_prompts(reference)
-  assert [r["version"] for r in got] == list(range(6))  # every version once, none repeated
+  assert [r["version"] for r in got] == list(range(10))  # every version once, none repeated
   assert sorted(p for r in got for p in r["prompts"]) == sorted(p for r in want for p in r["prompts"])
-  assert json.loads((killed / "summary.json").read_text())["steps"] == 6
+  assert json.loads((killed / "summary.json").read_text())["steps"] == 10
 
 
 def test_train_rejects_bad_config(tmp_path):
