@@ -36,12 +36,14 @@ def demonstration(tokenizer: Tokenizer, question: str, solution: str) -> batchin
 def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence[dict],
                tokenizer: Tokenizer, *, steps: int, batch_size: int, learning_rate: float, seed: int,
                token_budget: int, progress: Optional[Callable[[int, float], None]] = None,
-               schedule: str = "cosine", max_seconds: Optional[float] = None):
+               schedule: str = "cosine", max_seconds: Optional[float] = None, grad_clip: float = 1.0):
   """Runs up to ``steps`` AdamW steps of teacher forcing on ``examples`` (dicts with question, solution).
 
   ``schedule``: ``cosine`` decays ``learning_rate`` to 10% over ``steps``; ``constant`` keeps it (for
   continuing a finished warm start at its final rate). ``max_seconds`` stops early at a wall-time budget
-  (each step is then waited for, so the budget is measured, not dispatched).
+  (each step is then waited for, so the budget is measured, not dispatched). Gradients are clipped to
+  global norm ``grad_clip``. Each step packs its batch into fixed-shape micro-batches (as the learner
+  does) whose gradients are summed, so the compiled step does not depend on how many there are.
   Returns ``(params, last loss)``; the number of steps run is passed to ``progress`` last.
   """
   if not examples:
@@ -54,7 +56,9 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
   shardings = models.param_shardings(model_config, mesh)
   params = jax.device_put(params, shardings)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+  if not grad_clip > 0:
+    raise ValueError(f"grad_clip={grad_clip} must be > 0")
+  optimizer = optax.chain(optax.clip_by_global_norm(grad_clip),
                           optax.adamw(optax.cosine_decay_schedule(learning_rate, max(steps, 1), 0.1)
                                       if schedule == "cosine" else learning_rate))
   opt_state = jax.jit(optimizer.init)(params)
@@ -64,27 +68,32 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     logp = token_logprobs(model_config, p, b.tokens, b.positions, b.segment_ids, mesh=mesh)
     return -jnp.sum(logp * b.mask) / normalizer
 
+  grad_fn = jax.jit(jax.value_and_grad(loss_fn))
+  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(p, s, batches, normalizer):
-    loss, grads = 0.0, None
-    for b in batches:
-      l, g = jax.value_and_grad(loss_fn)(p, b, normalizer)
-      loss += l
-      grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+  def apply(p, s, grads):
     updates, s = optimizer.update(grads, s, p)
-    return optax.apply_updates(p, updates), s, loss
+    return optax.apply_updates(p, updates), s
 
   rng = np.random.default_rng(seed)
   batch_sharding = sharding_lib.batch_sharding(mesh, 2)
+  sequences = {}  # example index -> its tokenized demonstration (examples recur across steps)
   loss = float("nan")
   t0 = time.time()
   for i in range(steps):
     idx = rng.integers(0, len(examples), batch_size)
-    seqs = [demonstration(tokenizer, examples[j]["question"], examples[j]["solution"]) for j in idx]
-    mbs = batching.pack_sequences(seqs, token_budget)
+    for j in idx:
+      if j not in sequences:
+        sequences[j] = demonstration(tokenizer, examples[j]["question"], examples[j]["solution"])
+    mbs = batching.pack_sequences([sequences[j] for j in idx], token_budget)
     normalizer = jnp.float32(batching.total_policy_tokens(mbs))
-    device_mbs = tuple(jax.device_put(batching.pad_rows(b, rows_multiple), batch_sharding) for b in mbs)
-    params, opt_state, loss_arr = step(params, opt_state, device_mbs, normalizer)
+    loss_arr, grads = 0.0, None
+    for b in mbs:
+      l, g = grad_fn(params, jax.device_put(batching.pad_rows(b, rows_multiple), batch_sharding), normalizer)
+      loss_arr += l
+      grads = g if grads is None else add(grads, g)
+    params, opt_state = apply(params, opt_state, grads)
     out_of_time = False
     if max_seconds is not None:
       jax.block_until_ready(loss_arr)
@@ -163,7 +172,7 @@ def main(argv=None) -> None:
         steps=max(config.learner.warm_start_steps, 1),
         batch_size=config.learner.warm_start_batch, learning_rate=lr, seed=config.seed,
         token_budget=config.learner.token_budget, progress=progress, schedule=schedule.value,
-        max_seconds=max_seconds.value)
+        max_seconds=max_seconds.value, grad_clip=config.learner.grad_clip)
     summary.update(seconds=time.time() - t, steps=steps_run[0], final_loss=loss)
     out = os.path.join(workdir.value, "warm_start")
     models.export_hf(model_config, params, out)

@@ -177,7 +177,8 @@ def run(config, workdir: str) -> dict:
                               steps=config.learner.warm_start_steps,
                               batch_size=config.learner.warm_start_batch,
                               learning_rate=config.learner.warm_start_lr, seed=config.seed,
-                              token_budget=config.learner.token_budget, progress=progress)
+                              token_budget=config.learner.token_budget, progress=progress,
+                              grad_clip=config.learner.grad_clip)
     bar.close()
     learner.params = params  # same shardings; the optimizer state is still the untouched initial one
     meta["warm_start_seconds"] = time.time() - t
