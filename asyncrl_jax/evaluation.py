@@ -44,6 +44,14 @@ class Evaluator:
     self._greedy = put(ids)
     self._sampled = put([x for x in ids for _ in range(self.samples)]) if self.samples else None
 
+  @classmethod
+  def from_config(cls, config, model_config, mesh, tokenizer, problems) -> "Evaluator":
+    """The main job's evaluation: ``data`` section lengths and samples, the decode servers' sampling."""
+    from asyncrl_jax.rollout.engine import sampling_settings  # pylint: disable=import-outside-toplevel
+    return cls(model_config, mesh, tokenizer, problems, max_prompt_len=config.data.max_prompt_len,
+               max_new_tokens=config.data.max_completion_len, samples=config.data.eval_samples,
+               sampling=sampling_settings(config), seed=config.seed)
+
   def _scores(self, tokens, lengths, answers, reward) -> np.ndarray:
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
     return np.array([reward(self.tokenizer.decode(tokens[i, :lengths[i]]), a)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

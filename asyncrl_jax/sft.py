@@ -48,6 +48,8 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   """
   if not examples:
     raise ValueError("warm start needs at least one example")
+  if not {"question", "solution"} <= set(examples[0]):
+    raise ValueError(f"warm start examples need 'question' and 'solution' fields; got {sorted(examples[0])}")
   if schedule not in ("cosine", "constant"):
     raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
   if steps < 1:
@@ -112,11 +114,9 @@ def main(argv=None) -> None:
   import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
   from absl import app, flags  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rollout.engine import sampling_settings  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
   config_flag = cli.define_config_flag()
@@ -134,29 +134,17 @@ def main(argv=None) -> None:
     config = cli.validated(config_flag.value)
     if not workdir.value:
       raise app.UsageError("--workdir is required")
-    if config.data.task != "arithmetic":
-      raise app.UsageError("sft makes demonstrations for the built-in task (data.task='arithmetic') only")
     mesh = sharding_lib.make_mesh(jax.devices(), dict(data=1, fsdp=-1, tensor=1))
-    b = builder_lib.build_arithmetic(config.data.path or os.path.join(workdir.value, "data"),
-                                     num_train=config.data.num_train,
-                                     num_test=config.data.num_test, seed=config.data.seed,
-                                     min_terms=config.data.min_terms, max_terms=config.data.max_terms)
+    b = builder_lib.from_config(config, workdir.value)
     tokenizer = load_tokenizer(config.data.tokenizer_path)
-    if config.model.hf_path:  # continue from a checkpoint
-      model_config, params = models.load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.param_dtype)
-    else:
-      model_config = config_lib.model_config(config)
-      params = models.init_params(model_config, jax.random.key(config.seed), mesh=mesh)
+    model_config, params = models.from_config(config, mesh)  # model.hf_path: continue from it
     lr = config.learner.warm_start_lr * (0.1 if schedule.value == "constant" else 1.0)
     summary = dict(schedule=schedule.value, learning_rate=lr, init=config.model.hf_path or "random")
     evaluator = None
     if evaluate.value:
-      evaluator = Evaluator(model_config, mesh, tokenizer,
-                            pipeline.read_split(b, "test", config.data.eval_problems),
-                            max_prompt_len=config.data.max_prompt_len,
-                            max_new_tokens=config.data.max_completion_len,
-                            samples=config.data.eval_samples, sampling=sampling_settings(config),
-                            seed=config.seed)
+      evaluator = Evaluator.from_config(
+          config, model_config, mesh, tokenizer,
+          pipeline.read_split(b, builder_lib.held_out_split(b), config.data.eval_problems))
       before = evaluator.evaluate(params, reward_fn(config.data.task))
       summary.update(eval_metric=eval_kind(evaluator), initial_eval_accuracy=primary(before),
                      initial_eval_greedy_accuracy=before["greedy"])

@@ -27,7 +27,6 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
-from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.checkpoint import Checkpointer
 from asyncrl_jax.controller import Controller
@@ -37,7 +36,7 @@ from asyncrl_jax.learner import Learner
 from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rl.staleness import StalenessManager
-from asyncrl_jax.rollout.engine import engine_from_config, sampling_settings
+from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
@@ -49,22 +48,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 
 def _say(msg: str) -> None:
   print(f"[asyncrl_jax] {msg}", flush=True)
-
-
-def _data(config, workdir):
-  if config.data.task == "arithmetic":
-    return builder_lib.build_arithmetic(
-        config.data.path or os.path.join(workdir, "data"), num_train=config.data.num_train,
-        num_test=config.data.num_test, seed=config.data.seed, min_terms=config.data.min_terms,
-        max_terms=config.data.max_terms)
-  if config.data.task == "jsonl":
-    files = {"train": config.data.path}
-    test = config.data.path.replace("train", "test")
-    if test != config.data.path and os.path.exists(test):
-      files["test"] = test
-    return builder_lib.build_math(os.path.join(workdir, "data"), files)
-  import tensorflow_datasets as tfds  # pylint: disable=import-outside-toplevel
-  return tfds.builder_from_directory(os.path.expanduser(config.data.path))
 
 
 def _truncate_jsonl(path: str, keep) -> None:
@@ -121,24 +104,18 @@ def run(config, workdir: str) -> dict:
           f"; decode servers at {', '.join(remote)}"))
 
   # --- data
-  builder = _data(config, workdir)
+  builder = builder_lib.from_config(config, workdir)
   tokenizer = load_tokenizer(config.data.tokenizer_path)
   reward = reward_fn(config.data.task)
-  splits = list(builder.info.splits.keys())
-  test_split = "test" if "test" in splits else splits[0]
-  eval_problems = pipeline.read_split(builder, test_split, config.data.eval_problems)
+  eval_problems = pipeline.read_split(builder, builder_lib.held_out_split(builder),
+                                      config.data.eval_problems)
   prompts = pipeline.PromptStream(builder.as_data_source(split="train"), seed=config.seed)
 
   # --- model (resume > hf_path > random init + warm start)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
                       async_save=config.checkpoint.async_save)
   latest = ckpt.latest_step()
-  if config.model.hf_path:
-    model_config, params = models.load_hf(config.model.hf_path, mesh=learner_mesh,
-                                          dtype=config.model.param_dtype)
-  else:
-    model_config = config_lib.model_config(config)
-    params = models.init_params(model_config, jax.random.key(config.seed), mesh=learner_mesh)
+  model_config, params = models.from_config(config, learner_mesh)
   learner = Learner(model_config, params, learner_mesh, config, total_steps=config.steps)
   meta = {}
   if latest is not None:
@@ -157,11 +134,7 @@ def run(config, workdir: str) -> dict:
   engine = engine_from_config(config, rollout_devices) if rollout_mesh else None
   eval_mesh = rollout_mesh or learner_mesh
   eval_shardings = models.param_shardings(model_config, eval_mesh)
-  evaluator = Evaluator(model_config, eval_mesh, tokenizer, eval_problems,
-                        max_prompt_len=config.data.max_prompt_len,
-                        max_new_tokens=config.data.max_completion_len,
-                        samples=config.data.eval_samples, sampling=sampling_settings(config),
-                        seed=config.seed)
+  evaluator = Evaluator.from_config(config, model_config, eval_mesh, tokenizer, eval_problems)
   if latest is None and config.learner.warm_start_steps and not config.model.hf_path:
     eval_params, _ = local_transfer(learner.params, eval_shardings)
     meta["untrained_eval_accuracy"] = primary(evaluator.evaluate(eval_params, reward))

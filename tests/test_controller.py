@@ -1,6 +1,5 @@
 """Controller: admission under the bound, dedupe, oldest-first batches, advantages, failures."""
 
-import threading
 
 import numpy as np
 import pytest
@@ -29,8 +28,7 @@ def _make(eta=1, batch=4, group=2, slots=100):
   return ctl, mgr, submitted
 
 
-def _finish(req, version, answer_right, reason="eos"):
-  text = "1+1=2;#" + ("X" if not answer_right else "")
+def _finish(req, version, reason="eos"):
   return Trajectory(trajectory_id=req.request_id, prompt_id=req.prompt_id, group_id=req.group_id,
                     prompt_tokens=np.asarray(req.prompt_tokens, np.int32),
                     completion_tokens=np.asarray([4, 13, 4, 14, 5, 2], np.int32),
@@ -55,8 +53,8 @@ def test_batches_in_admission_order_with_group_advantages_and_dedupe():
   # Deliver batch 1's trajectories first, then batch 0's, and one duplicate.
   order = submitted[4:8] + submitted[0:4]
   for r in order:
-    ctl.on_trajectory(_finish(r, 0, True))
-  ctl.on_trajectory(_finish(submitted[0], 0, True))
+    ctl.on_trajectory(_finish(r, 0))
+  ctl.on_trajectory(_finish(submitted[0], 0))
   b0 = ctl.next_batch(version=0, timeout=10)
   assert b0.prompt_indices == [0, 1] and ctl.duplicates == 1
   assert len(b0.sequences) == 4 and b0.max_staleness_seen == 0
@@ -74,7 +72,7 @@ def test_group_advantage_values():
   answers = {r.request_id: i % 2 == 0 for i, r in enumerate(submitted)}
   ctl._rewards._fn = lambda text, answer: 1.0 if text.endswith("#" + answer) else 0.0
   for r in submitted:
-    t = _finish(r, 0, True)
+    t = _finish(r, 0)
     right = answers[r.request_id]
     answer = ctl._groups[r.group_id].prompt.answer  # pylint: disable=protected-access
     t.completion_tokens = np.asarray(TOK.encode("#" + (answer if right else answer + "1")), np.int32)
@@ -93,7 +91,7 @@ def test_too_stale_batch_is_an_error():
   ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()
   for r in submitted:
-    ctl.on_trajectory(_finish(r, 0, True))
+    ctl.on_trajectory(_finish(r, 0))
   with pytest.raises(StalenessError, match="2 versions old > rl.max_staleness=0"):
     ctl.next_batch(version=2, timeout=10)
   ctl.close()
@@ -101,7 +99,7 @@ def test_too_stale_batch_is_an_error():
 
 def _deliver_mixed(ctl, submitted, versions):
   for r in submitted:
-    t = _finish(r, 0, True)
+    t = _finish(r, 0)
     t.versions = np.asarray(versions, np.int32)  # an interrupted generation: tokens of two versions
     ctl.on_trajectory(t)
 
@@ -131,15 +129,15 @@ def test_aborted_is_resubmitted_and_error_keeps_its_place():
   ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()
   n = len(submitted)
-  ctl.on_trajectory(_finish(submitted[0], 0, True, reason="aborted"))
+  ctl.on_trajectory(_finish(submitted[0], 0, reason="aborted"))
   assert len(submitted) == n + 1 and submitted[-1].request_id == submitted[0].request_id
-  err = _finish(submitted[1], 0, True, reason="error")
+  err = _finish(submitted[1], 0, reason="error")
   err.completion_tokens, err.logprobs, err.versions = (np.zeros(0, np.int32), np.zeros(0, np.float32),
                                                        np.zeros(0, np.int32))
   ctl.on_trajectory(err)
   for r in submitted[:n]:
     if r.request_id != submitted[1].request_id:
-      ctl.on_trajectory(_finish(r, 0, True))
+      ctl.on_trajectory(_finish(r, 0))
   b = ctl.next_batch(version=0, timeout=10)
   assert b.failed == 1 and len(b.sequences) == 3 and len(b.trajectories) == 4
   ctl.close()

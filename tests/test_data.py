@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from asyncrl_jax.data import builder as builder_lib
@@ -66,6 +65,27 @@ def test_math_jsonl_import(tmp_path):
   missing.write_text('{"problem": "q", "solution": "1"}\n')
   with pytest.raises(Exception, match="lacks 'question' or 'answer'"):
     builder_lib.build_math(str(tmp_path / "tfds2"), {"train": str(missing)})
+
+
+def test_builder_from_config_for_each_task(tmp_path):
+  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  train, test = tmp_path / "gsm_train.jsonl", tmp_path / "gsm_test.jsonl"
+  train.write_text(json.dumps({"question": "1+2?", "answer": "#### 3"}) + "\n")
+  test.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+  c = config_lib.base_config()
+  c.data.task, c.data.path = "jsonl", str(train)
+  b = builder_lib.from_config(c, str(tmp_path / "run"))  # the test file beside it is found
+  assert builder_lib.held_out_split(b) == "test"
+  assert [r["answer"] for r in pipeline.read_split(b, "test")] == ["4"]
+  test.unlink()
+  b = builder_lib.from_config(c, str(tmp_path / "run2"))  # no test file: evaluation uses train
+  assert builder_lib.held_out_split(b) == "train"
+  c.data.task, c.data.path = "tfds", b.data_dir  # a prepared TFDS directory
+  again = builder_lib.from_config(c, str(tmp_path / "unused"))
+  assert [r["question"] for r in pipeline.read_split(again, "train")] == ["1+2?"]
+  c.data.task, c.data.path = "arithmetic", str(tmp_path / "arith")
+  c.data.num_train, c.data.num_test = 20, 5
+  assert builder_lib.from_config(c, "unused").info.splits["test"].num_examples == 5
 
 
 def test_math_verify_reward_and_timeout():

@@ -95,6 +95,9 @@ def test_bad_arguments_are_named():
     args = dict(steps=1, batch_size=4, learning_rate=1e-3, seed=0, token_budget=256) | kwargs
     with pytest.raises(ValueError, match=match):
       warm_start(CFG, params, _mesh(), _examples(4), TOKENIZER, **args)
+  with pytest.raises(ValueError, match="'solution'"):
+    warm_start(CFG, params, _mesh(), [{"question": "1+1", "answer": "2"}], TOKENIZER, steps=1,
+               batch_size=4, learning_rate=1e-3, seed=0, token_budget=256)
   with pytest.raises(ValueError, match="at least one example"):
     warm_start(CFG, params, _mesh(), [], TOKENIZER, steps=1, batch_size=4, learning_rate=1e-3, seed=0,
                token_budget=256)

@@ -127,3 +127,30 @@ def build_math(data_dir: str, files: dict, **keys) -> MathQA:
   builder = MathQA(files=files, data_dir=data_dir, file_format="array_record", **keys)
   builder.download_and_prepare()
   return builder
+
+
+def from_config(config, workdir: str):
+  """The dataset builder that ``config.data`` names, prepared (built or imported) if it is not yet.
+
+  ``arithmetic``: the built-in task in ``data.path`` (default ``WORKDIR/data``); ``jsonl``: the records
+  of ``data.path`` (and of the same path with ``train`` replaced by ``test``, when that file exists)
+  imported into ``WORKDIR/data``; ``tfds``: a prepared TFDS directory at ``data.path``.
+  """
+  data = config.data
+  if data.task == "arithmetic":
+    return build_arithmetic(data.path or os.path.join(workdir, "data"), num_train=data.num_train,
+                            num_test=data.num_test, seed=data.seed, min_terms=data.min_terms,
+                            max_terms=data.max_terms)
+  if data.task == "jsonl":
+    files = {"train": data.path}
+    test = data.path.replace("train", "test")
+    if test != data.path and os.path.exists(test):
+      files["test"] = test
+    return build_math(os.path.join(workdir, "data"), files)
+  return tfds.builder_from_directory(os.path.expanduser(data.path))
+
+
+def held_out_split(builder) -> str:
+  """``test`` when the dataset has one, else its first split (evaluation then reuses training data)."""
+  splits = list(builder.info.splits.keys())
+  return "test" if "test" in splits else splits[0]

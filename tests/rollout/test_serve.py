@@ -1,6 +1,5 @@
 """JetStream's own gRPC client gets the same greedy tokens from ``serve`` as direct decoding."""
 
-import jax
 import numpy as np
 import pytest
 
