@@ -190,6 +190,12 @@ class Engine(engine_api.Engine):
       return self.place_params(params)
     return models.init_params(self.config, jax.random.key(self._seed), mesh=self._mesh)
 
+  def param_spec(self):
+    """The parameters' shapes, dtypes and rollout shardings (``jax.ShapeDtypeStruct`` leaves): what a
+    weight pull needs to know, without any weights."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        models.abstract_params(self.config), self.param_shardings)
+
   def place_params(self, params):
     """Puts a parameter pytree (from any mesh or the host) onto this engine's rollout sharding."""
     return jax.device_put(params, self.param_shardings)

@@ -1,7 +1,7 @@
 """A decode server as its own process: ``python -m asyncrl_jax.rollout.main --config=configs/default.py``.
 
-It takes all of its process's devices as its rollout mesh, starts with the config's initial weights
-(``model.hf_path`` or the seeded random init) as version -1 until the learner pushes its own, serves the rollout gRPC service on
+It takes all of its process's devices as its rollout mesh and starts without weights (the learner pushes
+its version before it sends requests; requests that come first wait), serves the rollout gRPC service on
 ``rollout.host:rollout.port`` (127.0.0.1 by default; port 0 picks a free one, written to
 ``--port_file``) and pulls new weights from the learner over ``jax.experimental.transfer`` when told to.
 """
@@ -36,8 +36,8 @@ def main(argv=None) -> None:
     del args
     config = cli.validated(_CONFIG.value)
     engine = engine_from_config(config, jax.local_devices())
-    # Version -1: the config's initial weights stand in until the learner pushes its version 0.
-    server = DecodeServer(engine, engine.load_params(), version=-1, server_id=_SERVER_ID.value)
+    # No weights until the learner pushes its current version (version -1 accepts any).
+    server = DecodeServer(engine, None, version=-1, server_id=_SERVER_ID.value)
     host = config.rollout.host
     service = RolloutService(server, WeightReceiver(f"{host}:0"))
     grpc_server, port = serve(service, host=host, port=config.rollout.port)

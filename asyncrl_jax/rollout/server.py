@@ -38,7 +38,8 @@ class DecodeServer:
 
   Args:
     engine: the JetStream engine (its mesh, slots and sampling settings).
-    params: initial parameters (any placement; they are put on the engine's sharding).
+    params: initial parameters (any placement; they are put on the engine's sharding), or None: the
+      server then holds no weights, and requests wait in the queue until the first ``update_weights``.
     version: their policy version.
     server_id: recorded in every trajectory.
     on_trajectory: called (from the loop thread) with each finished trajectory; if None they are put on
@@ -58,7 +59,7 @@ class DecodeServer:
     self.server_id = server_id
     self.finished: "queue.Queue[Trajectory]" = queue.Queue()
     self._emit = on_trajectory or self.finished.put
-    self._params = engine.place_params(params)
+    self._params = engine.place_params(params) if params is not None else None
     self.version = version
     self._pending: Optional[tuple] = None
     self._requests: "collections.deque[RolloutRequest]" = collections.deque()
@@ -103,6 +104,7 @@ class DecodeServer:
 
   @property
   def current_params(self):
+    """The weights decoding uses now (None before the first update of a server started without)."""
     return self._params
 
   @property
@@ -160,7 +162,8 @@ class DecodeServer:
     the next one was launched; that chunk's tokens for them are discarded.
     """
     with self._wake:
-      if block and not self._requests and self._pending is None and not self._aborts \
+      nothing_to_serve = not self._requests or self._params is None  # (no weights yet: requests wait)
+      if block and nothing_to_serve and self._pending is None and not self._aborts \
           and self.num_active == 0 and self._inflight is None and not self._stop.is_set():
         t = time.perf_counter()
         self._wake.wait(timeout=0.5)
@@ -230,6 +233,8 @@ class DecodeServer:
     return ""
 
   def _fill_slots(self) -> None:
+    if self._params is None:
+      return
     free = [i for i, s in enumerate(self._slots) if s is None]
     starting: list[RolloutRequest] = []
     while len(starting) < len(free):

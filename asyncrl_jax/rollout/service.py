@@ -97,7 +97,7 @@ class RolloutService:
       if request.version <= self.server.version:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"version {request.version} is not newer than {self.server.version}")
-      params, stats = self.receiver.pull(request.address, request.uuid, self.server.current_params)
+      params, stats = self.receiver.pull(request.address, request.uuid, self.server.engine.param_spec())
       self.server.update_weights(params, request.version)
     log.info("pulled weights v%d: %.1f MB in %.3f s", request.version, stats.bytes / 1e6,
              stats.seconds)

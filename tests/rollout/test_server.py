@@ -131,6 +131,30 @@ def test_continuous_batching_keeps_slots_busy_and_stops_at_eos(params_a):
   assert idle <= 16 * 1 + 4 * 24
 
 
+def test_server_without_weights_holds_requests_until_the_first_update(params_a):
+  server = _server(params_a)
+  weightless = DecodeServer(server.engine, None, version=-1)
+  assert weightless.current_params is None
+  weightless.submit(*_requests(6, max_new=10, seed=2))
+  for _ in range(3):
+    weightless.iteration(block=False)
+  assert weightless.num_active == 0 and weightless.num_queued == 6 and weightless.finished.empty()
+  # A weight pull needs shapes and shardings only: the engine's spec matches real parameters.
+  spec = weightless.engine.param_spec()
+  placed = server.engine.place_params(params_a)
+  assert jax.tree.structure(spec) == jax.tree.structure(placed)
+  for s, p in zip(jax.tree.leaves(spec), jax.tree.leaves(placed)):
+    assert (s.shape, s.dtype, s.sharding) == (p.shape, p.dtype, p.sharding)
+  weightless.update_weights(params_a, 0)
+  weightless.run_until_idle()
+  out = _drain(weightless)
+  assert len(out) == 6
+  for t in out:
+    assert t.finish_reason in ("eos", "length") and set(t.versions.tolist()) == {0}
+    assert t.num_interruptions == 0
+    np.testing.assert_allclose(t.logprobs, _recompute(params_a, t), atol=2e-4)
+
+
 def test_bad_requests_finish_with_an_error_and_abort_returns_partial_tokens(params_a):
   server = _server(params_a, tokenizer=NoStopTokenizer(), steps_per_call=4)
   too_long = RolloutRequest(prompt_tokens=[1] * 17, max_new_tokens=4)
