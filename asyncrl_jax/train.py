@@ -236,6 +236,7 @@ def run(config, workdir: str) -> dict:
           # cumulative decode counters (this process's decode server; tokens only when remote)
           decode_tokens=backend.stats["tokens"], decode_slot_steps=backend.stats["slot_steps"],
           decode_idle_seconds=backend.stats["idle_seconds"],
+          decode_interrupt_seconds=backend.stats["interrupt_seconds"],
           **{k: v for k, v in m.items() if k != "version"})
       if learner.version % config.learner.eval_every == 0 or learner.version == config.steps:
         eval_params = (backend.rollout_params if not remote else

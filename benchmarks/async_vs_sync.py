@@ -16,7 +16,8 @@ number of policy versions, differing only in ``rl.max_staleness``. Per arm, over
 * the planner's prediction (``asyncrl_jax.sim``): the completion lengths the sync arm logged,
   resampled, with the decode step time and training rate measured in the sync arm; once for separate
   rollout and learner devices (the planner's model) and once for decode and training sharing one
-  machine's cores (the CPU case: seconds per token = step / (slots x utilization) + 1 / train rate).
+  machine's cores (the CPU case: seconds per token = step / (slots x utilization) + 1 / train rate),
+  and that again with the re-prefill cost of each weight update (as the arm measured it per update).
 
 ``predicted_headroom`` is the simulator's ``1 / utilization`` of synchronous LPT-packed batches on the
 same lengths, slots and batch size (the seed's definition: free training, lengths known in advance).
@@ -63,7 +64,11 @@ def window_metrics(records: list, skip: int) -> dict:
   slot_steps = b["decode_slot_steps"] - a["decode_slot_steps"]
   idle = b["decode_idle_seconds"] - a["decode_idle_seconds"]
   decoded = b["decode_tokens"] - a["decode_tokens"]
+  # re-prefill after weight updates (logged since the counter existed; 0 for older logs)
+  interrupt = b.get("decode_interrupt_seconds", 0.0) - a.get("decode_interrupt_seconds", 0.0)
   return dict(
+      interrupt_seconds=interrupt, interrupt_seconds_per_version=interrupt / len(rest),
+      interrupt_share_of_decode=interrupt / max(seconds - idle, 1e-9),
       tokens_per_s=tokens / seconds, seconds=seconds, trained_tokens=tokens,
       slot_utilization=decoded / max(slot_steps, 1) * max(0.0, 1.0 - idle / seconds),
       slot_occupancy=decoded / max(slot_steps, 1),
@@ -133,8 +138,16 @@ def main(argv=None) -> int:
     # utilization gained from decoupling helps: seconds per token = step / (slots * util) + 1 / train.
     u = straggler.simulate_async(model, epochs=100, batch=batch, slots=slots, eta=eta).slot_utilization
     shared = 1.0 / (step_seconds / (slots * u) + 1.0 / rates.train_tok_s)
+    # The same with the re-prefill that every weight update costs the in-flight slots, at the cost per
+    # update this arm's decode server measured (in sync-arm decode steps): an engine property that the
+    # prediction above leaves out; utilization and throughput are still the simulator's.
+    cost = arm["interrupt_seconds_per_version"] / step_seconds
+    u_i = straggler.simulate_async(model, epochs=100, batch=batch, slots=slots, eta=eta,
+                                   interrupt_cost=cost).slot_utilization
     arm.update(predicted_tokens_per_s=c.tokens_per_s, predicted_slot_utilization=c.slot_utilization,
-               predicted_shared_tokens_per_s=shared)
+               predicted_shared_tokens_per_s=shared, interrupt_cost_steps=cost,
+               predicted_shared_interrupt_tokens_per_s=1.0 / (step_seconds / (slots * u_i)
+                                                              + 1.0 / rates.train_tok_s))
     arm["ratio_vs_sync"] = arm["tokens_per_s"] / s["tokens_per_s"]
 
   result = dict(
@@ -147,17 +160,22 @@ def main(argv=None) -> int:
       predicted_headroom=sync_lpt.headroom,
       predicted_ratio=arms[2]["predicted_tokens_per_s"] / s["predicted_tokens_per_s"],
       predicted_shared_ratio=arms[2]["predicted_shared_tokens_per_s"] / s["predicted_shared_tokens_per_s"],
+      predicted_shared_interrupt_ratio=(arms[2]["predicted_shared_interrupt_tokens_per_s"]
+                                        / s["predicted_shared_interrupt_tokens_per_s"]),
       async_slot_utilization=arms[2]["slot_utilization"],
       lengths=dict(n=len(lengths), median=sync_lpt.median_len, mean=sync_lpt.mean_len,
                    mean_longest=sync_lpt.mean_longest, p_cap=sync_lpt.p_cap),
       seconds=time.time() - t0)
   header = ["eta", "trained tok/s", "vs sync", "slot util.", "learner idle", "max staleness",
             "planner tok/s (separate devices)", "planner util.", "planner tok/s (shared cores)",
-            "measured / shared-cores prediction"]
+            "measured / shared-cores prediction", "re-prefill per update (decode steps)",
+            "shared cores + re-prefill tok/s", "measured / that"]
   rows = [[eta, a["tokens_per_s"], f"{a['ratio_vs_sync']:.2f}x", f"{a['slot_utilization']:.1%}",
            f"{a['learner_idle_fraction']:.1%}", a["max_staleness_seen"], a["predicted_tokens_per_s"],
            f"{a['predicted_slot_utilization']:.1%}", a["predicted_shared_tokens_per_s"],
-           f"{a['tokens_per_s'] / a['predicted_shared_tokens_per_s']:.2f}"]
+           f"{a['tokens_per_s'] / a['predicted_shared_tokens_per_s']:.2f}", f"{a['interrupt_cost_steps']:.1f}",
+           a["predicted_shared_interrupt_tokens_per_s"],
+           f"{a['tokens_per_s'] / a['predicted_shared_interrupt_tokens_per_s']:.2f}"]
           for eta, a in arms.items()]
   notes = (f"The main job (configs/default.py, warm start {args.warm_start_steps} supervised steps, "
            f"{steps} policy versions per arm, the first {skip} excluded from timing). "
@@ -170,7 +188,12 @@ def main(argv=None) -> int:
            "CPU machine the virtual devices share the same cores, so running decode and training at "
            "the same time does not add compute: only the slot utilization gained from decoupling can "
            "show up, which is what the shared-cores prediction models. The planner's rates come from the "
-           "eta 0 arm, so its eta 0 figure is a consistency check; the other arms test the prediction.")
+           "eta 0 arm, so its eta 0 figure is a consistency check; the other arms test the prediction. "
+           "Each weight update re-prefills every in-flight sequence (interruptible generation); on a CPU "
+           "prefill is not much cheaper per token than decoding, so an update costs the decode server "
+           "tens of decode steps (it costs a few on accelerators, where decoding is memory-bound). The "
+           "last columns add that cost, as each arm's decode server measured it per update, to the "
+           "shared-cores prediction.")
   out_dir = args.out
   md = write_result("async_vs_sync", result, header, rows, notes, **({"out_dir": out_dir} if out_dir else {}))
   _plot(arms, os.path.join(os.path.dirname(md), "async_vs_sync.png"))
@@ -180,6 +203,7 @@ def main(argv=None) -> int:
                         predicted_headroom=result["predicted_headroom"],
                         predicted_ratio=result["predicted_ratio"],
                         predicted_shared_ratio=result["predicted_shared_ratio"],
+                        predicted_shared_interrupt_ratio=result["predicted_shared_interrupt_ratio"],
                         async_slot_utilization=result["async_slot_utilization"])))
   return 0
 

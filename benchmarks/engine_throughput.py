@@ -83,7 +83,9 @@ def _reference_arm(engine, params, new_tokens, rounds, seed):
   return rounds * engine.num_slots * new_tokens / elapsed
 
 
-def _interrupt_cost(engine, params, context_len):
+def interrupt_cost(engine, params, context_len: int) -> tuple[float, float]:
+  """Median seconds of one interrupt (re-prefill of every slot at ``context_len`` tokens) and of one
+  decode step, on ``engine`` with ``params``."""
   state = engine.init_decode_state()
   tokens = np.full((engine.num_slots, context_len), 5, np.int32)
   lengths = np.full(engine.num_slots, context_len, np.int32)
@@ -135,7 +137,7 @@ def main(argv=None):
                                steps_per_call=args.steps_per_call)
     engine_runs.append(tok_s)
     reference_runs.append(_reference_arm(engine, params, args.new_tokens, 2, seed=r))
-  refill_s, step_s = _interrupt_cost(engine, params, context_len=8 + args.new_tokens // 2)
+  refill_s, step_s = interrupt_cost(engine, params, context_len=8 + args.new_tokens // 2)
   engine_tok_s, reference_tok_s = float(np.median(engine_runs)), float(np.median(reference_runs))
   result = {
       "benchmark": "engine_throughput",

@@ -5,17 +5,17 @@ import pytest
 from benchmarks.async_vs_sync import window_metrics
 
 
-def _rec(t, tokens, decoded, slot_steps, idle, learner_s, stale=1):
+def _rec(t, tokens, decoded, slot_steps, idle, learner_s, stale=1, interrupt=0.0):
   return dict(time=t, trained_tokens=tokens, decode_tokens=decoded, decode_slot_steps=slot_steps,
               decode_idle_seconds=idle, learner_seconds=learner_s, max_staleness_seen=stale,
-              mean_staleness=stale)
+              mean_staleness=stale, decode_interrupt_seconds=interrupt)
 
 
 def test_window_metrics_hand_computed():
   records = [_rec(10.0, 999, 900, 1000, 5.0, 3.0),  # skipped (compilation)
-             _rec(12.0, 100, 1000, 1200, 5.5, 1.0),  # start of the window
-             _rec(14.0, 200, 1300, 1600, 6.0, 0.5),
-             _rec(16.0, 300, 1500, 2000, 6.5, 0.5, stale=2)]
+             _rec(12.0, 100, 1000, 1200, 5.5, 1.0, interrupt=0.2),  # start of the window
+             _rec(14.0, 200, 1300, 1600, 6.0, 0.5, interrupt=0.5),
+             _rec(16.0, 300, 1500, 2000, 6.5, 0.5, stale=2, interrupt=0.8)]
   m = window_metrics(records, skip=1)
   assert m["seconds"] == 4.0 and m["trained_tokens"] == 500
   assert m["tokens_per_s"] == pytest.approx(125.0)
@@ -25,6 +25,9 @@ def test_window_metrics_hand_computed():
   assert m["learner_idle_fraction"] == pytest.approx(1 - 1.0 / 4)
   assert m["learner_tokens_per_s"] == pytest.approx(500.0)
   assert m["max_staleness_seen"] == 2
+  # re-prefill: 0.6 s over the window's 2 versions, of 3 s of decoding
+  assert m["interrupt_seconds_per_version"] == pytest.approx(0.3)
+  assert m["interrupt_share_of_decode"] == pytest.approx(0.6 / 3.0)
   with pytest.raises(ValueError, match="more than 3"):
     window_metrics(records[:3], skip=2)
 
