@@ -151,9 +151,9 @@ def main(argv=None) -> int:
     arm["ratio_vs_sync"] = arm["tokens_per_s"] / s["tokens_per_s"]
 
   result = dict(
-      machine=machine(), config=dict(config=CONFIG, steps=steps, skip=skip, etas=etas, slots=slots,
-                                      batch=batch, warm_start_steps=args.warm_start_steps,
-                                      overrides=args.override),
+      machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, skip=skip,
+                                      etas=etas, slots=slots, batch=batch,
+                                      warm_start_steps=args.warm_start_steps, overrides=args.override),
       arms={str(k): v for k, v in arms.items()},
       sync_tokens_per_s=s["tokens_per_s"], async_tokens_per_s=arms[2]["tokens_per_s"],
       ratio=arms[2]["tokens_per_s"] / s["tokens_per_s"],

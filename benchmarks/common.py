@@ -23,7 +23,22 @@ def machine() -> dict:
       "python": platform.python_version(),
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "commit": _commit(),
   }
+
+
+def _commit() -> str:
+  """The repository's commit (``+changes`` when the working tree differs from it), or "unknown"."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                          text=True, check=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return head + ("+changes" if dirty else "")
 
 
 def write_result(name: str, result: dict, table_header: Sequence[str], table_rows: Sequence[Sequence],

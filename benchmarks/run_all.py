@@ -57,25 +57,30 @@ def _run(name: str, quick: bool) -> float:
   t = time.time()
   proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
   if name == "planner" and proc.returncode == 0:  # the planner prints a table; keep it as a result
-    _planner_md(proc.stdout, args)
+    planner_md(proc.stdout, args, "A prediction, not a measurement: the planner's ranking for an 8-device "
+               "budget with illustrative per-device rates (4000 decode tok/s at 32 slots, 20000 trained "
+               "tok/s) on the seed's length distribution. async_vs_sync compares its predictions with "
+               "measured runs (with rates taken from the eta 0 run, so only the asynchronous arms test "
+               "it: see the error column there).")
   if proc.returncode:
     print(proc.stdout[-2000:], proc.stderr[-4000:], sep="\n")
     raise SystemExit(f"[run_all] {name} failed with exit code {proc.returncode}")
   return time.time() - t
 
 
-def _planner_md(stdout: str, args: list) -> None:
+def planner_md(stdout: str, args: list, preface: str, *, name: str = "planner",
+               out_dir: str = RESULTS) -> str:
+  """Writes the planner's printed table (``stdout`` of ``python -m asyncrl_jax.sim.planner ARGS``) as
+  ``out_dir/<name>.md`` under ``preface``; returns the path."""
   lines = [ln for ln in stdout.splitlines() if ln and not ln.startswith("{")]
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-  text = ["# planner", "",
-          "A prediction, not a measurement: the planner's ranking for an 8-device budget with illustrative "
-          "per-device rates (4000 decode tok/s at 32 slots, 20000 trained tok/s) on the seed's length "
-          "distribution. async_vs_sync compares its predictions with measured runs (with rates taken from "
-          "the eta 0 run, so only the asynchronous arms test it: see the error column there).", "",
-          "```", *lines, "```", "", f"Command: `python -m asyncrl_jax.sim.planner {' '.join(args)}` ({date})", ""]
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(os.path.join(RESULTS, "planner.md"), "w") as f:
+  text = [f"# {name}", "", preface, "", "```", *lines, "```", "",
+          f"Command: `python -m asyncrl_jax.sim.planner {' '.join(args)}` ({date})", ""]
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"{name}.md")
+  with open(path, "w") as f:
     f.write("\n".join(text))
+  return path
 
 
 def assemble() -> str:

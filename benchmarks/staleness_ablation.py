@@ -127,8 +127,9 @@ def main(argv=None) -> int:
   rows.append(["supervised control, same wall time"] + [_cell([c["final"] for c in control])] * len(args.losses)
               + ["-", "-"])
   eval_metric = _json(os.path.join(work, f"{args.losses[0]}_eta{etas[0]}_seed0", "summary.json"))["eval_metric"]
-  result = dict(machine=machine(), config=dict(config=CONFIG, steps=steps, etas=etas, losses=args.losses,
-                                               seeds=seeds, overrides=args.override, eval_metric=eval_metric),
+  result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, etas=etas,
+                                               losses=args.losses, seeds=seeds, overrides=args.override,
+                                               eval_metric=eval_metric),
                 runs=runs, control=control, warm_start_accuracy=initial, seconds=time.time() - t0)
   for loss in args.losses:
     base = np.mean(cell(loss, 0)) if cell(loss, 0) else None

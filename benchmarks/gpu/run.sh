@@ -3,33 +3,46 @@
 # From the repository root, on the GPU machine (JAX's CUDA build, no network), after prepare.sh:
 #   bash benchmarks/gpu/run.sh [OUT_DIR]          # about 5 minutes on one H200
 # Writes gpu_*.{json,md,png} to OUT_DIR (default benchmarks/results); run_all.py --assemble-only
-# collects them into RESULTS.md.
+# collects them into RESULTS.md. The sizes can be changed through the environment, e.g. a CPU dry run:
+#   MODEL=demo DTYPE=float32 SLOTS=8 NEW_TOKENS=16 BATCH=16 BUDGET=2048 MEDIAN=16 CAP=64 \
+#     bash benchmarks/gpu/run.sh /tmp/gpu_dry
 set -euo pipefail
 out=${1:-${OUT:-benchmarks/results}}
+model=${MODEL:-qwen2.5-0.5b}
+dtype=${DTYPE:-bfloat16}
+slots=${SLOTS:-128}
+new_tokens=${NEW_TOKENS:-256}
+batch=${BATCH:-256}
+budget=${BUDGET:-32768}
+median=${MEDIAN:-512}
+cap=${CAP:-4096}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONUNBUFFERED=1
 python3 -c "import jax; print(jax.__version__, jax.devices())"
-# decode: the engine's server vs a fused loop, 128 slots, 256 new tokens
-timeout 240 python3 benchmarks/engine_throughput.py --model qwen2.5-0.5b --dtype bfloat16 --slots 128 \
-  --new_tokens 256 --repeats 2 --name gpu_engine_qwen2.5-0.5b --out "$out"
-# learner: one policy update of 256 heavy-tailed sequences (median 512 tokens, cap 4096)
-timeout 240 python3 benchmarks/learner_throughput.py --model qwen2.5-0.5b --dtype bfloat16 --batch 256 \
-  --token_budget 32768 --median 512 --sigma 1.0 --cap 4096 --repeats 3 --name gpu_learner_qwen2.5-0.5b --out "$out"
+# decode: the engine's server vs a fused loop
+timeout 240 python3 benchmarks/engine_throughput.py --model "$model" --dtype "$dtype" --slots "$slots" \
+  --new_tokens "$new_tokens" --repeats 2 --name "gpu_engine_$model" --out "$out"
+# learner: one policy update of heavy-tailed sequences
+timeout 240 python3 benchmarks/learner_throughput.py --model "$model" --dtype "$dtype" --batch "$batch" \
+  --token_budget "$budget" --median "$median" --sigma 1.0 --cap "$cap" --repeats 3 \
+  --name "gpu_learner_$model" --out "$out"
 # the planner on these measured rates (a prediction, labelled as such in its output)
-python3 - "$out" <<'PY'
-import json, subprocess, sys
-out = sys.argv[1]
-eng = json.load(open(f"{out}/gpu_engine_qwen2.5-0.5b.json"))
-lrn = json.load(open(f"{out}/gpu_learner_qwen2.5-0.5b.json"))
-cmd = [sys.executable, "-m", "asyncrl_jax.sim.planner", "--devices", "8", "--decode-tok-s", str(eng["engine_tok_s"]),
-       "--train-tok-s", str(lrn["policy_tokens_per_s"]), "--slots-per-device", "128", "--batch", "512",
-       "--mu", "6.2", "--sigma", "1.0", "--cap", "4096", "--epochs", "60"]
-text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-with open(f"{out}/gpu_planner.md", "w") as f:
-  f.write("# gpu_planner\n\nPlanner prediction for 8 such devices from the rates measured above "
-          "(a prediction, not a measurement).\n\n```\n" + "\n".join(l for l in text.splitlines() if not l.startswith("{")) + "\n```\n")
+python3 - "$out" "$model" "$slots" "$median" "$cap" <<'PY'
+import json, math, subprocess, sys
+sys.path.insert(0, ".")
+from benchmarks.run_all import planner_md
+out, model, slots, median, cap = sys.argv[1:]
+eng = json.load(open(f"{out}/gpu_engine_{model}.json"))
+lrn = json.load(open(f"{out}/gpu_learner_{model}.json"))
+args = ["--devices", "8", "--decode-tok-s", str(eng["engine_tok_s"]), "--train-tok-s",
+        str(lrn["policy_tokens_per_s"]), "--slots-per-device", slots, "--batch", "512",
+        "--mu", f"{math.log(float(median)):.3f}", "--sigma", "1.0", "--cap", cap, "--epochs", "60"]
+text = subprocess.run([sys.executable, "-m", "asyncrl_jax.sim.planner", *args], capture_output=True,
+                      text=True, check=True).stdout
+planner_md(text, args, f"Planner prediction for 8 devices like this one, from the rates measured above "
+           f"({model}; a prediction, not a measurement).", name=f"gpu_planner_{model}", out_dir=out)
 print(text)
 PY
