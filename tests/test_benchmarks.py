@@ -45,3 +45,23 @@ def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
   row = next(line for line in md.splitlines() if line.startswith("| synchronous slot utilization"))
   assert f"{result['slot_utilization']:.1%}" in row and row.rstrip(" |").endswith("38.1%")
   assert (tmp_path / "straggler.png").stat().st_size > 1000
+
+
+def test_gpu_script_runs_end_to_end_at_a_tiny_size(tmp_path):
+  """The accelerator script (never run in CI on an accelerator) still works: same steps, tiny sizes."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), MODEL="demo",
+             DTYPE="float32", SLOTS="4", NEW_TOKENS="8", BATCH="8", BUDGET="1024", MEDIAN="8", CAP="32")
+  out = subprocess.run(["bash", "benchmarks/gpu/run.sh", str(tmp_path)], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  engine = json.loads((tmp_path / "gpu_engine_demo.json").read_text())
+  learner = json.loads((tmp_path / "gpu_learner_demo.json").read_text())
+  assert engine["engine_tok_s"] > 0 and learner["policy_tokens_per_s"] > 0
+  planner = (tmp_path / "gpu_planner_demo.md").read_text()
+  assert "a prediction, not a measurement" in planner and "colocated sync" in planner
