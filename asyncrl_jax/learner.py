@@ -1,13 +1,13 @@
 """The learner: sharded params and optimizer state, prox pass, chosen loss, dynamic micro-batches.
 
 One ``train(sequences)`` call is one policy version: the global batch is packed into fixed-shape
-micro-batches under ``learner.token_budget``; for decoupled PPO the prox log-probs are those of the
-weights before the version's first update: the first minibatch reads them off its own forward pass
-(held constant), and only later minibatches need a separate prox pass, run before any update (so with
-the default single minibatch there is no prox pass at all); then ``learner.ppo_minibatches`` optimizer
-updates each sum the
-gradients of their micro-batches (normalised by the global policy-token count of that minibatch, so
-each token weighs the same; ``rl.aggregation='sequence_mean'`` makes each trajectory weigh the same).
+micro-batches under ``learner.token_budget``, then ``learner.ppo_minibatches`` optimizer updates each
+sum the gradients of their micro-batches (normalised by the global policy-token count of that
+minibatch, so each token weighs the same; ``rl.aggregation='sequence_mean'`` makes each trajectory
+weigh the same). Decoupled PPO's prox log-probs are those of the weights before the version's first
+update: the first minibatch reads them off its own forward pass (held constant), and only later
+minibatches need a separate prox pass, run before any update; with the default single minibatch there
+is no prox pass at all.
 Everything on device is jitted with explicit shardings; params and optimizer state are donated.
 """
 
