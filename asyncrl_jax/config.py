@@ -85,6 +85,9 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   c.mesh = ml_collections.ConfigDict(dict(
       rollout_fraction=0.75,  # share of devices for decode servers (3:1 as in AReaL)
+      # True: decode servers and learner share every device, taking turns (one-device machines, and the
+      # colocated synchronous baseline); rollout_fraction is then unused
+      colocate=False,
       learner=ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
       rollout=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
   ))
@@ -202,6 +205,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rl.gae_lambda", lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
   _number(config, "mesh.rollout_fraction", lambda v: 0 < v < 1, "a number strictly between 0 and 1")
+  _check(isinstance(config.mesh.colocate, bool), "mesh.colocate", config.mesh.colocate, "must be True or False")
+  _check(not (config.mesh.colocate and config.rollout.addresses.strip()), "mesh.colocate", True,
+         "cannot be combined with rollout.addresses (decode servers in other processes have their own "
+         "devices)")
   for role in ("learner", "rollout"):
     for axis in ("data", "fsdp", "tensor"):
       f = f"mesh.{role}.{axis}"

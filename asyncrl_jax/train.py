@@ -93,6 +93,8 @@ def run(config, workdir: str) -> dict:
   remote = [a.strip() for a in config.rollout.addresses.split(",") if a.strip()]
   if remote:
     rollout_devices, learner_devices = [], list(jax.devices())
+  elif config.mesh.colocate:  # both roles on every device, taking turns
+    rollout_devices = learner_devices = list(jax.devices())
   else:
     rollout_devices, learner_devices = sharding.split_devices(jax.devices(),
                                                               config.mesh.rollout_fraction)
@@ -100,7 +102,8 @@ def run(config, workdir: str) -> dict:
   rollout_mesh = (sharding.make_mesh(rollout_devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
                   if rollout_devices else None)
   _say(f"{len(jax.devices())} {jax.devices()[0].platform} devices: learner {sharding.describe(learner_mesh)}"
-       + (f", rollout {sharding.describe(rollout_mesh)}" if rollout_mesh else
+       + (f", rollout {sharding.describe(rollout_mesh)}"
+          + (" (the same devices, taking turns)" if config.mesh.colocate else "") if rollout_mesh else
           f"; decode servers at {', '.join(remote)}"))
 
   # --- data

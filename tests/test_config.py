@@ -63,6 +63,15 @@ def test_bad_values_name_the_field(field, value, pattern):
     config_lib.validate(cfg)
 
 
+def test_colocate_refuses_remote_decode_servers():
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  cfg.mesh.colocate = True
+  config_lib.validate(cfg)
+  cfg.rollout.addresses = "127.0.0.1:5000"
+  with pytest.raises(config_lib.ConfigError, match=r"mesh.colocate=True .* rollout.addresses"):
+    config_lib.validate(cfg)
+
+
 def test_unknown_field_is_rejected():
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
   cfg.rl.unlock()

@@ -125,6 +125,17 @@ def test_sigkill_and_resume_trains_the_same_prompts(tmp_path):
   assert json.loads((killed / "summary.json").read_text())["steps"] == 10
 
 
+def test_colocated_run_on_one_device(tmp_path):
+  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  out = subprocess.run(_cmd(tmp_path, "--config.steps=3", "--config.mesh.colocate=True"), capture_output=True,
+                       text=True, cwd=ROOT, timeout=400, env=env)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "1 cpu devices" in out.stdout and "the same devices, taking turns" in out.stdout
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 3 and summary["max_staleness_seen"] <= 2
+  assert summary["devices"]["rollout"] == summary["devices"]["learner"]
+
+
 def test_train_rejects_bad_config(tmp_path):
   cmd = [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/default.py",
          f"--workdir={tmp_path}", "--config.rl.eps_clip=0"]
