@@ -50,6 +50,31 @@ def _say(msg: str) -> None:
   print(f"[asyncrl_jax] {msg}", flush=True)
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def _record_config(config, path: str) -> None:
+  """Writes the run's full config to ``path``; a rerun in the same directory with other values says
+  which (a resume continues from the checkpoint either way)."""
+  new = json.loads(config.to_json_best_effort())
+  if os.path.exists(path):
+    with open(path) as f:
+      old = _flat(json.load(f))
+    changed = sorted(k for k, v in _flat(new).items() if old.get(k, v) != v)
+    if changed:
+      _say("config differs from this directory's previous run: " + ", ".join(
+          f"{k}={old[k]!r} -> {_flat(new)[k]!r}" for k in changed))
+  with open(path, "w") as f:
+    json.dump(new, f, indent=2)
+
+
 def _truncate_jsonl(path: str, keep) -> None:
   """Keeps the records of ``path`` that ``keep`` accepts (those up to the checkpoint resumed from).
 
@@ -88,6 +113,7 @@ def run(config, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   prompts_path = os.path.join(workdir, "trained_prompts.jsonl")
+  _record_config(config, os.path.join(workdir, "config.json"))
 
   # --- meshes: one per role (all local devices learn when decode servers are other processes)
   remote = [a.strip() for a in config.rollout.addresses.split(",") if a.strip()]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import runpy
 import sys
 import tempfile
 import time
@@ -92,6 +91,7 @@ def main(argv=None) -> int:
   p.add_argument("--warm-start-steps", type=int, default=120)
   p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+  p.add_argument("--name", default="async_vs_sync", help="result file name (results/<name>.{json,md,png})")
   p.add_argument("--override", action="append", default=[],
                  help="extra --config.x=y for every arm (repeatable)")
   args = p.parse_args(argv)
@@ -106,7 +106,8 @@ def main(argv=None) -> int:
   t0 = time.time()
   print(f"[async_vs_sync] warm start ({args.warm_start_steps} steps) in {work}", flush=True)
   run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
-        f"--config.learner.warm_start_steps={args.warm_start_steps}"], os.path.join(work, "sft.log"))
+        f"--config.learner.warm_start_steps={args.warm_start_steps}", *args.override],
+             os.path.join(work, "sft.log"))
   common = [f"--config.model.hf_path={os.path.join(work, 'warm_start')}", f"--config.steps={steps}",
             f"--config.learner.eval_every={10 * steps}", f"--config.checkpoint.every_steps={10 * steps}",
             *args.override]
@@ -122,10 +123,11 @@ def main(argv=None) -> int:
     arms[eta]["summary_max_staleness_seen"] = summary["max_staleness_seen"]
 
   # --- the simulator and planner on the same lengths, slots and batch, with the sync arm's rates
-  config = runpy.run_path(CONFIG)["get_config"]()
-  slots, batch = config.rollout.num_slots, config.learner.batch_size
+  with open(os.path.join(work, "eta0", "config.json")) as f:  # the arm's config, overrides included
+    config = json.load(f)
+  slots, batch = config["rollout"]["num_slots"], config["learner"]["batch_size"]
   lengths = _lengths(os.path.join(work, "eta0"))
-  model = LengthModel(samples=tuple(lengths), cap=config.data.max_completion_len)
+  model = LengthModel(samples=tuple(lengths), cap=config["data"]["max_completion_len"])
   sync_lpt = straggler.simulate_sync(model, epochs=200, batch=batch, slots=slots)
   s = arms[0]
   step_seconds = s["decode_busy_seconds"] / max(s["slot_steps"] / slots, 1)
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
   notes = (f"The main job (configs/default.py, warm start {args.warm_start_steps} supervised steps, "
            f"{steps} policy versions per arm, the first {skip} excluded from timing). "
            f"Completion lengths: median {sync_lpt.median_len:.0f}, mean {sync_lpt.mean_len:.1f}, cap "
-           f"{config.data.max_completion_len}; {slots} decode slots, batch {batch}. Simulator on these "
+           f"{config['data']['max_completion_len']}; {slots} decode slots, batch {batch}. Simulator on these "
            f"lengths: synchronous LPT slot utilization {sync_lpt.slot_utilization:.1%}, headroom "
            f"{sync_lpt.headroom:.2f}x. Measured eta 2 / eta 0: {result['ratio']:.2f}x "
            f"(planner: {result['predicted_ratio']:.2f}x if rollout and learner devices were "
@@ -195,8 +197,8 @@ def main(argv=None) -> int:
            "last columns add that cost, as each arm's decode server measured it per update, to the "
            "shared-cores prediction.")
   out_dir = args.out
-  md = write_result("async_vs_sync", result, header, rows, notes, **({"out_dir": out_dir} if out_dir else {}))
-  _plot(arms, os.path.join(os.path.dirname(md), "async_vs_sync.png"))
+  md = write_result(args.name, result, header, rows, notes, **({"out_dir": out_dir} if out_dir else {}))
+  _plot(arms, os.path.join(os.path.dirname(md), f"{args.name}.png"))
   print(f"[async_vs_sync] wrote {md}")
   print(json.dumps(dict(sync_tokens_per_s=result["sync_tokens_per_s"],
                         async_tokens_per_s=result["async_tokens_per_s"], ratio=result["ratio"],

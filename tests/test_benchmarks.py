@@ -55,7 +55,7 @@ def test_gpu_script_runs_end_to_end_at_a_tiny_size(tmp_path):
   import sys
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), MODEL="demo",
+  env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""), MODEL="demo", ASYNC="0",
              DTYPE="float32", SLOTS="4", NEW_TOKENS="8", BATCH="8", BUDGET="1024", MEDIAN="8", CAP="32")
   out = subprocess.run(["bash", "benchmarks/gpu/run.sh", str(tmp_path)], cwd=root, env=env,
                        capture_output=True, text=True, timeout=600)

@@ -48,6 +48,8 @@ def _trained_prompts(workdir):
 def test_async_run_end_to_end(tmp_path):
   out = _run(tmp_path, "--config.steps=4", "--config.rl.max_staleness=2")
   summary = json.loads((tmp_path / "summary.json").read_text())
+  config = json.loads((tmp_path / "config.json").read_text())  # the run's resolved config
+  assert config["rl"]["max_staleness"] == 2 and config["rollout"]["num_slots"] == 12
   for key in ("initial_eval_accuracy", "final_eval_accuracy", "trained_tokens", "wall_seconds",
               "effective_tokens_per_s", "max_staleness_seen", "max_staleness"):
     assert key in summary, key
@@ -181,3 +183,17 @@ def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
               "final_eval_greedy_accuracy"):
     assert 0.0 <= second[key] <= 1.0, key
   assert (tmp_path / "b" / "warm_start" / "model.safetensors").exists()
+
+
+def test_run_config_is_recorded_and_changes_are_named(tmp_path, capsys):
+  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import train  # pylint: disable=import-outside-toplevel
+  c, path = config_lib.base_config(), tmp_path / "config.json"
+  train._record_config(c, str(path))  # pylint: disable=protected-access
+  assert json.loads(path.read_text())["rl"]["loss"] == "decoupled_ppo"
+  assert "differs" not in capsys.readouterr().out
+  c.rl.loss, c.learner.batch_size = "dis", 64
+  train._record_config(c, str(path))  # pylint: disable=protected-access
+  said = capsys.readouterr().out
+  assert "learner.batch_size=32 -> 64" in said and "rl.loss='decoupled_ppo' -> 'dis'" in said
+  assert json.loads(path.read_text())["rl"]["loss"] == "dis"

@@ -5,7 +5,8 @@
 # Writes gpu_*.{json,md,png} to OUT_DIR (default benchmarks/results); run_all.py --assemble-only
 # collects them into RESULTS.md. The sizes can be changed through the environment, e.g. a CPU dry run:
 #   MODEL=demo DTYPE=float32 SLOTS=8 NEW_TOKENS=16 BATCH=16 BUDGET=2048 MEDIAN=16 CAP=64 \
-#     bash benchmarks/gpu/run.sh /tmp/gpu_dry
+#     ASYNC_MODEL="--config.model.num_layers=2" bash benchmarks/gpu/run.sh /tmp/gpu_dry
+# ASYNC=0 skips the async-vs-sync step.
 set -euo pipefail
 out=${1:-${OUT:-benchmarks/results}}
 model=${MODEL:-qwen2.5-0.5b}
@@ -16,7 +17,8 @@ batch=${BATCH:-256}
 budget=${BUDGET:-32768}
 median=${MEDIAN:-512}
 cap=${CAP:-4096}
-if [ -d .whl ]; then
+# the wheels from prepare.sh are for the GPU image's Python 3.12
+if [ -d .whl ] && python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
@@ -46,3 +48,14 @@ planner_md(text, args, f"Planner prediction for 8 devices like this one, from th
            f"({model}; a prediction, not a measurement).", name=f"gpu_planner_{model}", out_dir=out)
 print(text)
 PY
+# async vs sync: the main job on the built-in task (its own warm start, eta 0 and 2), decode server and
+# learner colocated on this one device (they take turns, as on a CPU), with a Qwen2.5-0.5B-wide model
+# over the built-in 17-token vocabulary
+if [ "${ASYNC:-1}" = 1 ]; then
+  async_model=${ASYNC_MODEL:-"--config.model.hidden_size=896 --config.model.intermediate_size=4864 \
+--config.model.num_layers=24 --config.model.num_heads=14 --config.model.num_kv_heads=2 \
+--config.learner.warm_start_lr=3e-4"}
+  overrides=(--override=--config.mesh.colocate=True)
+  for o in $async_model; do overrides+=("--override=$o"); done
+  timeout 300 python3 benchmarks/async_vs_sync.py --quick --name gpu_async_vs_sync --out "$out" "${overrides[@]}"
+fi
