@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Accelerator benchmarks at a realistic size (Qwen2.5-0.5B shape, random bf16 weights), one device.
 # From the repository root, on the GPU machine (JAX's CUDA build, no network), after prepare.sh:
-#   bash benchmarks/gpu/run.sh [OUT_DIR]          # about 5 minutes on one H200
+#   bash benchmarks/gpu/run.sh [OUT_DIR]          # about 8 minutes on one H200 (estimated; not yet run there)
 # Writes gpu_*.{json,md,png} to OUT_DIR (default benchmarks/results); run_all.py --assemble-only
 # collects them into RESULTS.md. The sizes can be changed through the environment, e.g. a CPU dry run:
 #   MODEL=demo DTYPE=float32 SLOTS=8 NEW_TOKENS=16 BATCH=16 BUDGET=2048 MEDIAN=16 CAP=64 \
@@ -57,5 +57,5 @@ if [ "${ASYNC:-1}" = 1 ]; then
 --config.learner.warm_start_lr=3e-4"}
   overrides=(--override=--config.mesh.colocate=True)
   for o in $async_model; do overrides+=("--override=$o"); done
-  timeout 300 python3 benchmarks/async_vs_sync.py --quick --name gpu_async_vs_sync --out "$out" "${overrides[@]}"
+  timeout 360 python3 benchmarks/async_vs_sync.py --quick --name gpu_async_vs_sync --out "$out" "${overrides[@]}"
 fi
