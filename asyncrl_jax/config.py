@@ -65,6 +65,10 @@ def base_config() -> ml_collections.ConfigDict:
       logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
       host="127.0.0.1", port=0,
       addresses="",  # "host:port,..." of decode-server processes; "" = decode in this process
+      # on new weights: "recompute" re-prefills every in-flight sequence under them (exact); "keep_cache"
+      # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
+      # still those of the distribution each token was drawn from)
+      on_weight_update="recompute",
   ))
   c.learner = ml_collections.ConfigDict(dict(
       batch_size=32,  # trajectories per policy update (B in the staleness bound)
@@ -161,6 +165,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
   _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
   _one_of(config, "rollout.logprob_source", LOGPROB_SOURCES)
+  _one_of(config, "rollout.on_weight_update", ("recompute", "keep_cache"))
   _number(config, "rollout.port", lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)",
           integer=True)
 

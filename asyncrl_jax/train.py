@@ -217,7 +217,8 @@ def run(config, workdir: str) -> dict:
     transfer = backend.update_weights(learner.params, learner.version)  # servers start with no weights
     _say(f"pushed version {learner.version} to {len(remote)} decode servers in {transfer.seconds:.2f}s")
   else:
-    backend = LocalRollout(engine, learner.params, learner.version, controller.on_trajectory)
+    backend = LocalRollout(engine, learner.params, learner.version, controller.on_trajectory,
+                           on_weight_update=config.rollout.on_weight_update)
   backend_box["backend"] = backend
   backend.start()
 

@@ -4,7 +4,11 @@ One loop owns the engine's decode state. Each iteration:
 
 1. applies new weights if a newer version was published: every in-flight sequence is interrupted, its
    KV cache discarded and recomputed from prompt + tokens so far under the new weights (``refill``),
-   and decoding continues; the trajectory keeps the version of every token;
+   and decoding continues; the trajectory keeps the version of every token. With
+   ``on_weight_update="keep_cache"`` the re-prefill is skipped: decoding continues under the new weights
+   on the KV cache the older ones wrote (cheaper; each later token is then drawn from a distribution
+   that no single version defines, and its recorded log-prob is that distribution's, which is what the
+   behaviour policy of the importance weights must be);
 2. fills free slots from the request queue at once (prefill + insert), so slots stay busy;
 3. runs one decode step for all slots and records each sampled token with its log-prob and version;
 4. finishes sequences that emitted a stop token or reached their length cap and streams them out
@@ -32,6 +36,8 @@ from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory, _Building
 
 log = logging.getLogger(__name__)
 
+ON_WEIGHT_UPDATE = ("recompute", "keep_cache")
+
 
 class DecodeServer:
   """Runs generation on one engine; thread-safe ``submit`` / ``update_weights`` / ``abort``.
@@ -44,6 +50,8 @@ class DecodeServer:
     server_id: recorded in every trajectory.
     on_trajectory: called (from the loop thread) with each finished trajectory; if None they are put on
       ``self.finished``.
+    on_weight_update: ``"recompute"`` (default: re-prefill every in-flight sequence under the new
+      weights) or ``"keep_cache"`` (continue on the existing KV cache), see above.
     steps_per_call: most decode steps fused into one device call. A call ends early, after the step in
       which any busy slot finishes, so freed slots are refilled promptly; when nothing finishes, long
       calls amortise dispatch and host round trips. A weight update takes effect at the next call
@@ -51,9 +59,13 @@ class DecodeServer:
   """
 
   def __init__(self, engine: Engine, params, *, version: int = 0, server_id: str = "decode-0",
-               on_trajectory: Optional[Callable[[Trajectory], None]] = None, steps_per_call: int = 16):
+               on_trajectory: Optional[Callable[[Trajectory], None]] = None, steps_per_call: int = 16,
+               on_weight_update: str = "recompute"):
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+    if on_weight_update not in ON_WEIGHT_UPDATE:
+      raise ValueError(f"on_weight_update={on_weight_update!r} must be one of {ON_WEIGHT_UPDATE}")
+    self.on_weight_update = on_weight_update
     self.steps_per_call = steps_per_call
     self.engine = engine
     self.server_id = server_id
@@ -184,9 +196,14 @@ class DecodeServer:
   def _apply_weights(self, params, version: int) -> None:
     t = time.perf_counter()
     self._params = self.engine.place_params(params)
-    self.version = version
+    old_version, self.version = self.version, version
     active = [i for i, s in enumerate(self._slots) if s is not None]
-    if active:
+    if active and self.on_weight_update == "keep_cache":
+      for i in active:  # their pending next-token logits came from the weights being replaced
+        if self._slots[i].next_token_version is None:
+          self._slots[i].next_token_version = old_version
+      self.stats["continued_sequences"] += len(active)
+    elif active:
       width = max(len(self._slots[i].request.prompt_tokens) + len(self._slots[i].tokens) for i in active)
       tokens = np.zeros((self.engine.num_slots, width), np.int32)
       lengths = np.zeros(self.engine.num_slots, np.int32)
@@ -291,6 +308,9 @@ class DecodeServer:
       b.tokens.extend(tokens[i, :take].tolist())
       b.logprobs.extend(logp[i, :take].tolist())
       b.versions.extend([version] * take)
+      if take and b.next_token_version is not None:
+        b.versions[-take] = b.next_token_version
+        b.next_token_version = None
       self.stats["tokens"] += take
       if take == first_stop[i] + 1:  # the stop token itself was taken
         self._finish(i, "eos")

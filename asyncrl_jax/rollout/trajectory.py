@@ -89,6 +89,9 @@ class _Building:
     self.logprobs: list[float] = []
     self.versions: list[int] = []
     self.interruptions = 0
+    # the version whose logits the next token is drawn from, when it differs from the server's (a
+    # weight update without re-prefill: the pending logits were computed by the older weights)
+    self.next_token_version: Optional[int] = None
     self.done = False
     self.started_at = time.time()
 

@@ -110,6 +110,46 @@ def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_
   assert list(t.versions) == [0] * m + [7] * (12 - m)
 
 
+def test_keep_cache_update_continues_on_the_old_cache_without_re_prefill(params_a, params_b):
+  server = _server(params_a, temperature=0.0, tokenizer=NoStopTokenizer(), steps_per_call=1)
+  server = DecodeServer(server.engine, params_a, steps_per_call=1, on_weight_update="keep_cache")
+  (request,) = _requests(1, max_new=12, seed=3)
+  server.submit(request)
+  for _ in range(5):
+    server.iteration()
+  server.update_weights(params_b, version=7)
+  server.run_until_idle()
+  (t,) = _drain(server)
+  assert server.stats["interrupted_sequences"] == 0 and server.stats["continued_sequences"] == 1
+  assert t.num_interruptions == 0
+  # The first token after the update is drawn from logits the old weights computed: it keeps version 0.
+  s = int(np.argmax(t.versions == 7)) - 1
+  assert 0 < s < 11 and list(t.versions) == [0] * (s + 1) + [7] * (11 - s)
+  # Independent reference: a plain cached decode that switches weights at step s and keeps its cache.
+  prompt = np.asarray(request.prompt_tokens, np.int32)
+  cache = models.init_cache(CFG, 1, 48)
+  logits, cache = models.decode(CFG, params_a, prompt[None], np.arange(len(prompt))[None], cache)
+  nxt, want = np.asarray(logits)[0, -1], []
+  for i in range(12):
+    want.append(int(np.argmax(nxt)))
+    p = params_a if i < s else params_b
+    logits, cache = models.decode(CFG, p, np.array([[want[-1]]]), np.array([[len(prompt) + i]]), cache)
+    nxt = np.asarray(logits)[0, -1]
+  assert list(t.completion_tokens) == want
+  # ... and it differs from what a re-prefill under the new weights would have produced
+  seq = list(prompt)
+  for i in range(12):
+    w = params_a if i <= s else params_b
+    seq.append(int(np.argmax(np.asarray(models.logits(CFG, w, np.array([seq], np.int32)))[0, -1])))
+  assert seq[len(prompt):] != want
+
+
+def test_on_weight_update_is_checked(params_a):
+  server = _server(params_a)
+  with pytest.raises(ValueError, match="on_weight_update='sometimes'"):
+    DecodeServer(server.engine, params_a, on_weight_update="sometimes")
+
+
 def test_continuous_batching_keeps_slots_busy_and_stops_at_eos(params_a):
   server = _server(params_a, steps_per_call=1)
   requests = _requests(16, max_new=24, seed=1)
