@@ -19,6 +19,9 @@ number of policy versions, differing only in ``rl.max_staleness``. Per arm, over
   machine's cores (the CPU case: seconds per token = step / (slots x utilization) + 1 / train rate),
   and that again with the re-prefill cost of each weight update (as the arm measured it per update).
 
+Besides, the full run repeats eta 2 with ``rollout.on_weight_update=keep_cache`` (``--keep-cache-etas``):
+no re-prefill on new weights, decoding continues on the older weights' KV cache.
+
 ``predicted_headroom`` is the simulator's ``1 / utilization`` of synchronous LPT-packed batches on the
 same lengths, slots and batch size (the seed's definition: free training, lengths known in advance).
 Prints one JSON object (last line); writes benchmarks/results/async_vs_sync.{json,md,png}.
@@ -88,6 +91,9 @@ def main(argv=None) -> int:
   p.add_argument("--etas", type=int, nargs="*", default=None, help="default: 0 1 2 4 8 (quick: 0 2)")
   p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 40; quick 14)")
   p.add_argument("--skip", type=int, default=None, help="versions excluded from timing (default 4)")
+  p.add_argument("--keep-cache-etas", type=int, nargs="*", default=None,
+                 help="also run these etas with rollout.on_weight_update=keep_cache (no re-prefill on "
+                      "new weights); default: 2 (quick: none)")
   p.add_argument("--warm-start-steps", type=int, default=120)
   p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
@@ -98,6 +104,11 @@ def main(argv=None) -> int:
   etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
   if 0 not in etas or (2 not in etas):
     p.error("--etas must include 0 (the synchronous baseline) and 2 (the reported asynchronous arm)")
+  keep_cache_etas = args.keep_cache_etas if args.keep_cache_etas is not None else ([] if args.quick else [2])
+  if any(e < 1 for e in keep_cache_etas):
+    p.error("--keep-cache-etas must be >= 1 (at eta 0 nothing is in flight when weights change)")
+  specs = [(str(e), e, []) for e in etas] + [
+      (f"{e} keep_cache", e, ["--config.rollout.on_weight_update=keep_cache"]) for e in keep_cache_etas]
   steps = args.steps or (14 if args.quick else 40)
   skip = args.skip if args.skip is not None else 4
   work = args.workdir or tempfile.mkdtemp(prefix="async_vs_sync_")
@@ -112,15 +123,16 @@ def main(argv=None) -> int:
             f"--config.learner.eval_every={10 * steps}", f"--config.checkpoint.every_steps={10 * steps}",
             *args.override]
   arms = {}
-  for eta in etas:
-    wd = os.path.join(work, f"eta{eta}")
-    print(f"[async_vs_sync] eta={eta}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
+  for label, eta, extra in specs:
+    name = "eta" + label.replace(" ", "_")
+    wd = os.path.join(work, name)
+    print(f"[async_vs_sync] eta={label}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
     run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
-          f"--config.rl.max_staleness={eta}", *common], os.path.join(work, f"eta{eta}.log"))
-    arms[eta] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
+          f"--config.rl.max_staleness={eta}", *common, *extra], os.path.join(work, f"{name}.log"))
+    arms[label] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
     with open(os.path.join(wd, "summary.json")) as f:
       summary = json.load(f)
-    arms[eta]["summary_max_staleness_seen"] = summary["max_staleness_seen"]
+    arms[label].update(eta=eta, summary_max_staleness_seen=summary["max_staleness_seen"])
 
   # --- the simulator and planner on the same lengths, slots and batch, with the sync arm's rates
   with open(os.path.join(work, "eta0", "config.json")) as f:  # the arm's config, overrides included
@@ -129,11 +141,12 @@ def main(argv=None) -> int:
   lengths = _lengths(os.path.join(work, "eta0"))
   model = LengthModel(samples=tuple(lengths), cap=config["data"]["max_completion_len"])
   sync_lpt = straggler.simulate_sync(model, epochs=200, batch=batch, slots=slots)
-  s = arms[0]
+  s = arms["0"]
   step_seconds = s["decode_busy_seconds"] / max(s["slot_steps"] / slots, 1)
   rates = planner.Throughputs(decode_tok_s=slots / step_seconds, train_tok_s=s["learner_tokens_per_s"],
                               slots_per_device=slots)
-  for eta, arm in arms.items():
+  for arm in arms.values():
+    eta = arm["eta"]
     c = planner.predict(model, rates, rollout_devices=1, learner_devices=1, eta=eta, batch=batch,
                         epochs=100)
     # Shared compute (one CPU): decode and training take turns on the same cores, so only the slot
@@ -154,20 +167,24 @@ def main(argv=None) -> int:
 
   result = dict(
       machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, skip=skip,
-                                      etas=etas, slots=slots, batch=batch,
+                                      etas=etas, keep_cache_etas=keep_cache_etas, slots=slots, batch=batch,
                                       warm_start_steps=args.warm_start_steps, overrides=args.override),
-      arms={str(k): v for k, v in arms.items()},
-      sync_tokens_per_s=s["tokens_per_s"], async_tokens_per_s=arms[2]["tokens_per_s"],
-      ratio=arms[2]["tokens_per_s"] / s["tokens_per_s"],
+      arms=arms,
+      sync_tokens_per_s=s["tokens_per_s"], async_tokens_per_s=arms["2"]["tokens_per_s"],
+      ratio=arms["2"]["tokens_per_s"] / s["tokens_per_s"],
       predicted_headroom=sync_lpt.headroom,
-      predicted_ratio=arms[2]["predicted_tokens_per_s"] / s["predicted_tokens_per_s"],
-      predicted_shared_ratio=arms[2]["predicted_shared_tokens_per_s"] / s["predicted_shared_tokens_per_s"],
-      predicted_shared_interrupt_ratio=(arms[2]["predicted_shared_interrupt_tokens_per_s"]
+      predicted_ratio=arms["2"]["predicted_tokens_per_s"] / s["predicted_tokens_per_s"],
+      predicted_shared_ratio=arms["2"]["predicted_shared_tokens_per_s"] / s["predicted_shared_tokens_per_s"],
+      predicted_shared_interrupt_ratio=(arms["2"]["predicted_shared_interrupt_tokens_per_s"]
                                         / s["predicted_shared_interrupt_tokens_per_s"]),
-      async_slot_utilization=arms[2]["slot_utilization"],
+      async_slot_utilization=arms["2"]["slot_utilization"],
       lengths=dict(n=len(lengths), median=sync_lpt.median_len, mean=sync_lpt.mean_len,
                    mean_longest=sync_lpt.mean_longest, p_cap=sync_lpt.p_cap),
       seconds=time.time() - t0)
+  if "2 keep_cache" in arms:
+    result["async_keep_cache_tokens_per_s"] = arms["2 keep_cache"]["tokens_per_s"]
+    result["keep_cache_ratio"] = arms["2 keep_cache"]["tokens_per_s"] / s["tokens_per_s"]
+    result["async_keep_cache_slot_utilization"] = arms["2 keep_cache"]["slot_utilization"]
   header = ["eta", "trained tok/s", "vs sync", "slot util.", "learner idle", "max staleness",
             "planner tok/s (separate devices)", "planner util.", "planner tok/s (shared cores)",
             "measured / shared-cores prediction", "re-prefill per update (decode steps)",
@@ -178,7 +195,7 @@ def main(argv=None) -> int:
            f"{a['tokens_per_s'] / a['predicted_shared_tokens_per_s']:.2f}", f"{a['interrupt_cost_steps']:.1f}",
            a["predicted_shared_interrupt_tokens_per_s"],
            f"{a['tokens_per_s'] / a['predicted_shared_interrupt_tokens_per_s']:.2f}"]
-          for eta, a in arms.items()]
+          for eta, a in arms.items()]  # eta: the arm's label
   notes = (f"The main job (configs/default.py, warm start {args.warm_start_steps} supervised steps, "
            f"{steps} policy versions per arm, the first {skip} excluded from timing). "
            f"Completion lengths: median {sync_lpt.median_len:.0f}, mean {sync_lpt.mean_len:.1f}, cap "
@@ -195,7 +212,8 @@ def main(argv=None) -> int:
            "prefill is not much cheaper per token than decoding, so an update costs the decode server "
            "tens of decode steps (it costs a few on accelerators, where decoding is memory-bound). The "
            "last columns add that cost, as each arm's decode server measured it per update, to the "
-           "shared-cores prediction.")
+           "shared-cores prediction. Arms marked keep_cache run with rollout.on_weight_update=keep_cache: "
+           "decoding continues on the KV cache the older weights wrote, with no re-prefill.")
   out_dir = args.out
   md = write_result(args.name, result, header, rows, notes, **({"out_dir": out_dir} if out_dir else {}))
   _plot(arms, os.path.join(os.path.dirname(md), f"{args.name}.png"))
@@ -206,24 +224,32 @@ def main(argv=None) -> int:
                         predicted_ratio=result["predicted_ratio"],
                         predicted_shared_ratio=result["predicted_shared_ratio"],
                         predicted_shared_interrupt_ratio=result["predicted_shared_interrupt_ratio"],
-                        async_slot_utilization=result["async_slot_utilization"])))
+                        async_slot_utilization=result["async_slot_utilization"],
+                        **{k: result[k] for k in ("async_keep_cache_tokens_per_s", "keep_cache_ratio")
+                           if k in result})))
   return 0
 
 
 def _plot(arms: dict, path: str) -> None:
   plt = pyplot()
-  etas = list(arms)
+  plain = {a["eta"]: a for label, a in arms.items() if " " not in label}  # the recompute arms, by eta
+  kept = {a["eta"]: a for label, a in arms.items() if label.endswith("keep_cache")}
+  etas = sorted(plain)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-  ax1.plot(etas, [arms[e]["tokens_per_s"] for e in etas], "o-", label="measured")
-  ax1.plot(etas, [arms[e]["predicted_tokens_per_s"] for e in etas], "s--", label="planner")
+  ax1.plot(etas, [plain[e]["tokens_per_s"] for e in etas], "o-", label="measured")
+  ax1.plot(etas, [plain[e]["predicted_tokens_per_s"] for e in etas], "s--", label="planner")
+  ax1.plot(etas, [plain[e]["predicted_shared_interrupt_tokens_per_s"] for e in etas], "^:",
+           label="shared cores + re-prefill")
+  if kept:
+    ax1.plot(sorted(kept), [kept[e]["tokens_per_s"] for e in sorted(kept)], "D", label="measured, keep_cache")
   ax1.set_xlabel("max staleness eta")
   ax1.set_ylabel("trained tokens/s")
-  ax1.legend()
-  ax2.plot(etas, [arms[e]["slot_utilization"] for e in etas], "o-", label="decode slot utilization")
-  ax2.plot(etas, [arms[e]["learner_idle_fraction"] for e in etas], "s-", label="learner idle")
+  ax1.legend(fontsize=7)
+  ax2.plot(etas, [plain[e]["slot_utilization"] for e in etas], "o-", label="decode slot utilization")
+  ax2.plot(etas, [plain[e]["learner_idle_fraction"] for e in etas], "s-", label="learner idle")
   ax2.set_xlabel("max staleness eta")
   ax2.set_ylim(0, 1)
-  ax2.legend()
+  ax2.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
