@@ -24,6 +24,20 @@ def test_local_transfer_moves_to_the_rollout_sharding():
   assert stats.seconds > 0
 
 
+def test_local_transfer_copies_even_onto_the_same_sharding():
+  # Colocated roles: the destination sharding equals the source's. The learner donates its buffers to
+  # the next update, so the transferred weights must not share them.
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=1, fsdp=-1, tensor=1))
+  shardings = models.param_shardings(CFG, mesh)
+  params = models.init_params(CFG, jax.random.key(0), mesh=mesh)
+  want = jax.device_get(params)
+  moved, _ = local_transfer(params, shardings)
+  for leaf in jax.tree.leaves(params):
+    leaf.delete()  # what a donating update does to the learner's copy
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(moved)):
+    np.testing.assert_array_equal(a, np.asarray(b))
+
+
 def test_uuids_are_distinct_per_version_and_receiver():
   ids = {uuid_for(v, r) for v in range(50) for r in range(8)}
   assert len(ids) == 400 and min(ids) > 0

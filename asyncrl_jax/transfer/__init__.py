@@ -44,9 +44,13 @@ def tree_bytes(tree: Any) -> int:
 
 
 def local_transfer(params: Any, shardings: Any) -> tuple[Any, TransferStats]:
-  """Copies ``params`` onto ``shardings`` (e.g. the rollout mesh) and waits for the copy."""
+  """Copies ``params`` onto ``shardings`` (e.g. the rollout mesh) and waits for the copy.
+
+  Always a copy, even where source and destination shardings coincide (colocated roles, one device):
+  the learner donates its parameter buffers to the next update, and the copy must outlive that.
+  """
   t = time.perf_counter()
-  out = jax.block_until_ready(jax.device_put(params, shardings))
+  out = jax.block_until_ready(jax.device_put(params, shardings, may_alias=False))
   return out, TransferStats(time.perf_counter() - t, tree_bytes(params))
 
 
@@ -73,8 +77,9 @@ class WeightSender:
 
   def offer(self, params: Any, *uuids: int) -> None:
     """Makes ``params`` pullable once under each ``uuid`` (one per receiver and version); the staging
-    copy onto one device is made once for all of them."""
-    staged = jax.device_put(params, jax.local_devices()[0])
+    copy onto one device is made once for all of them (a copy even where the learner's buffers are
+    already there: those are donated to the next update while a pull may still be pending)."""
+    staged = jax.device_put(params, jax.local_devices()[0], may_alias=False)
     for uuid in uuids:
       self._server.await_pull(int(uuid), staged)
 
