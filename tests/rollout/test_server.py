@@ -35,12 +35,27 @@ class NoStopTokenizer(ArithmeticTokenizer):
   stop_ids = (-1,)
 
 
-def _server(params, *, temperature=1.0, slots=4, tokenizer=None, steps_per_call=16):
+def _server(params, *, temperature=1.0, slots=4, tokenizer=None, steps_per_call=16,
+            on_weight_update="recompute"):
   mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
   engine = Engine(CFG, mesh=mesh, num_slots=slots, max_prefill_length=16, max_target_length=48,
                   sampling=SamplingSettings(temperature=temperature), params=params, seed=5,
                   tokenizer=tokenizer or ArithmeticTokenizer())
-  return DecodeServer(engine, params, steps_per_call=steps_per_call)
+  return DecodeServer(engine, params, steps_per_call=steps_per_call, on_weight_update=on_weight_update)
+
+
+def _greedy_with_update(params_a, params_b, on_weight_update):
+  """One greedy request of 12 tokens; weights switch to ``params_b`` (version 7) after 5 iterations."""
+  server = _server(params_a, temperature=0.0, tokenizer=NoStopTokenizer(), steps_per_call=1,
+                   on_weight_update=on_weight_update)
+  (request,) = _requests(1, max_new=12, seed=3)
+  server.submit(request)
+  for _ in range(5):
+    server.iteration()
+  server.update_weights(params_b, version=7)
+  server.run_until_idle()
+  (t,) = _drain(server)
+  return server, request, t
 
 
 def _requests(n, max_new=20, seed=0):
@@ -92,14 +107,7 @@ def test_interrupted_trajectories_record_versions_and_new_logprobs(params_a, par
 
 
 def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_b):
-  server = _server(params_a, temperature=0.0, tokenizer=NoStopTokenizer(), steps_per_call=1)
-  (request,) = _requests(1, max_new=12, seed=3)
-  server.submit(request)
-  for _ in range(5):
-    server.iteration()
-  server.update_weights(params_b, version=7)
-  server.run_until_idle()
-  (t,) = _drain(server)
+  _, request, t = _greedy_with_update(params_a, params_b, "recompute")
   m = int(np.argmax(t.versions == 7))
   assert 0 < m < 12
   seq = list(request.prompt_tokens)
@@ -111,15 +119,7 @@ def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_
 
 
 def test_keep_cache_update_continues_on_the_old_cache_without_re_prefill(params_a, params_b):
-  server = _server(params_a, temperature=0.0, tokenizer=NoStopTokenizer(), steps_per_call=1)
-  server = DecodeServer(server.engine, params_a, steps_per_call=1, on_weight_update="keep_cache")
-  (request,) = _requests(1, max_new=12, seed=3)
-  server.submit(request)
-  for _ in range(5):
-    server.iteration()
-  server.update_weights(params_b, version=7)
-  server.run_until_idle()
-  (t,) = _drain(server)
+  server, request, t = _greedy_with_update(params_a, params_b, "keep_cache")
   assert server.stats["interrupted_sequences"] == 0 and server.stats["continued_sequences"] == 1
   assert t.num_interruptions == 0
   # The first token after the update is drawn from logits the old weights computed: it keeps version 0.
