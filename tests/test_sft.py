@@ -49,15 +49,19 @@ def _reference(params, examples, grad_clip):
   seqs = [demonstration(TOKENIZER, examples[j]["question"], examples[j]["solution"]) for j in idx]
   total = sum(float(s.mask.sum()) for s in seqs)
 
-  def loss(p):
-    out = 0.0
-    for s in seqs:
-      logits = models.logits(CFG, p, jnp.asarray(s.tokens)[None])[0]
-      logp = jax.nn.log_softmax(logits[:-1], axis=-1)[jnp.arange(len(s.tokens) - 1), s.tokens[1:]]
-      out -= jnp.sum(logp * s.mask[1:])
-    return out / total
+  # One row per sequence, padded at the end (a causal model's earlier positions do not see padding).
+  width = max(len(x.tokens) for x in seqs)
+  tokens = np.zeros((len(seqs), width), np.int32)
+  mask = np.zeros((len(seqs), width), np.float32)
+  for r, x in enumerate(seqs):
+    tokens[r, :len(x.tokens)], mask[r, :len(x.tokens)] = x.tokens, x.mask
 
-  grads = jax.grad(loss)(params)
+  def loss(p):
+    logits = models.logits(CFG, p, jnp.asarray(tokens))
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1], axis=-1), tokens[:, 1:, None], -1)[..., 0]
+    return -jnp.sum(logp * mask[:, 1:]) / total
+
+  grads = jax.jit(jax.grad(loss))(params)
   optimizer = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(1e-2))
   updates, _ = optimizer.update(grads, optimizer.init(params), params)
   return optax.apply_updates(params, updates)

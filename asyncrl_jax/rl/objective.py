@@ -42,11 +42,11 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
   this forward pass's own, held constant, and no separate prox pass is needed (``prox_logp`` must be
   None).
   """
+  if prox_is_current and prox_logp is not None:
+    raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
   logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
                                  temperature=settings.temperature, mesh=mesh, with_entropy=True)
   if prox_is_current:
-    if prox_logp is not None:
-      raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
     prox_logp = jax.lax.stop_gradient(logp) if losses.needs_prox(settings.loss) else None
   return losses.policy_loss(
       settings.loss, logp=logp, behav_logp=batch.behav_logp, prox_logp=prox_logp,
