@@ -256,7 +256,9 @@ class DecodeServer:
     starting: list[RolloutRequest] = []
     while len(starting) < len(free):
       with self._lock:
-        if not self._requests:
+        # While a weight update is pending, requests wait for it: one admitted under the new version
+        # (published before it was submitted) must not be prefilled with the old weights.
+        if not self._requests or self._pending is not None:
           break
         request = self._requests.popleft()
       error = self._validate(request)

@@ -144,6 +144,26 @@ def test_keep_cache_update_continues_on_the_old_cache_without_re_prefill(params_
   assert seq[len(prompt):] != want
 
 
+@pytest.mark.parametrize("mode", ["recompute", "keep_cache"])
+def test_requests_submitted_after_an_update_never_see_the_old_weights(params_a, params_b, mode):
+  # The controller publishes version 1 and then admits work for it; the loop may be between taking
+  # updates and filling slots. Nothing submitted after the publish may be prefilled with version 0.
+  server = _server(params_a, tokenizer=NoStopTokenizer(), on_weight_update=mode)
+  server.submit(*_requests(2, max_new=6, seed=4))
+  server.iteration()  # two sequences in flight under version 0
+  server.update_weights(params_b, version=1)
+  late = _requests(2, max_new=6, seed=5)
+  server.submit(*late)
+  server._fill_slots()  # pylint: disable=protected-access  (the fill that races the publish)
+  assert server.num_active == 2
+  server.run_until_idle()
+  out = {t.trajectory_id: t for t in _drain(server)}
+  for r in late:
+    assert out[r.request_id].versions.min() == 1
+    np.testing.assert_allclose(out[r.request_id].logprobs, _recompute(params_b, out[r.request_id]),
+                               atol=3e-5)
+
+
 def test_on_weight_update_is_checked(params_a):
   server = _server(params_a)
   with pytest.raises(ValueError, match="on_weight_update='sometimes'"):
