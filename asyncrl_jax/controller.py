@@ -187,8 +187,9 @@ class Controller:
     return self._assemble(groups, version)
 
   def _assemble(self, groups, version: int) -> TrainingBatch:
-    trajectories = [g.trajectories[i] for g in groups for i in sorted(g.requests)]
-    rewards = np.array([g.rewards[i] for g in groups for i in sorted(g.requests)], np.float32)
+    ids = [(g, i) for g in groups for i in sorted(g.requests)]
+    trajectories = [g.trajectories[i] for g, i in ids]
+    rewards = np.array([g.rewards[i] for g, i in ids], np.float32)
     group_ids = np.repeat(np.arange(len(groups)), self.group_size)
     adv, _ = advantages.group_advantages(rewards, group_ids, num_groups=len(groups),
                                          scale_by_std=self.scale_by_std)

@@ -67,10 +67,11 @@ def _record_config(config, path: str) -> None:
   if os.path.exists(path):
     with open(path) as f:
       old = _flat(json.load(f))
-    changed = sorted(k for k, v in _flat(new).items() if old.get(k, v) != v)
+    flat = _flat(new)
+    changed = sorted(k for k, v in flat.items() if old.get(k, v) != v)
     if changed:
       _say("config differs from this directory's previous run: " + ", ".join(
-          f"{k}={old[k]!r} -> {_flat(new)[k]!r}" for k in changed))
+          f"{k}={old[k]!r} -> {flat[k]!r}" for k in changed))
   with open(path, "w") as f:
     json.dump(new, f, indent=2)
 

@@ -63,14 +63,14 @@ def main(argv=None) -> int:
   p.add_argument("--etas", type=int, nargs="*", default=None, help="default 0 1 2 4 8 (quick: 0 2 8)")
   p.add_argument("--losses", nargs="*", default=list(LOSSES), choices=LOSSES)
   p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2; quick 1)")
-  p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 200; quick 100)")
+  p.add_argument("--steps", type=int, default=100, help="policy versions per arm")
   p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm")
   args = p.parse_args(argv)
   etas = args.etas if args.etas is not None else ([0, 2, 8] if args.quick else [0, 1, 2, 4, 8])
   seeds = list(range(args.seeds or (1 if args.quick else 2)))
-  steps = args.steps or (100 if args.quick else 200)
+  steps = args.steps
   work = args.workdir or tempfile.mkdtemp(prefix="staleness_ablation_")
   os.makedirs(work, exist_ok=True)
   py, t0 = sys.executable, time.time()
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
                 f"--config.rl.loss={loss}", f"--config.rl.max_staleness={eta}", f"--config.seed={seed}",
                 *common], os.path.join(work, f"{name}.log"))
         s = _json(os.path.join(wd, "summary.json"))
+        if s["steps"] != steps:
+          raise SystemExit(f"{wd} holds a run of {s['steps']} policy versions, not {steps}: use another --workdir")
         runs.append(dict(loss=loss, eta=eta, seed=seed, initial=s["initial_eval_accuracy"],
                          final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
                          initial_greedy=s["initial_eval_greedy_accuracy"],
@@ -108,10 +110,11 @@ def main(argv=None) -> int:
     budget = float(np.mean(seconds))
     cd = os.path.join(work, f"sft_control_seed{seed}")
     print(f"[ablation] supervised control, seed {seed}: {budget:.0f}s", flush=True)
-    run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={cd}",
-          f"--config.model.hf_path={ws}", f"--config.seed={seed}", f"--config.data.path={data}",
-          "--config.learner.warm_start_steps=1000000", "--schedule=constant",
-          f"--max_seconds={budget}", "--evaluate", *args.override], os.path.join(work, f"control{seed}.log"))
+    if not os.path.exists(os.path.join(cd, "sft_summary.json")):  # a rerun keeps a finished control
+      run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={cd}",
+            f"--config.model.hf_path={ws}", f"--config.seed={seed}", f"--config.data.path={data}",
+            "--config.learner.warm_start_steps=1000000", "--schedule=constant",
+            f"--max_seconds={budget}", "--evaluate", *args.override], os.path.join(work, f"control{seed}.log"))
     c = _json(os.path.join(cd, "sft_summary.json"))
     control.append(dict(seed=seed, seconds=c["seconds"], steps=c["steps"], initial=c["initial_eval_accuracy"],
                         final=c["final_eval_accuracy"], final_greedy=c["final_eval_greedy_accuracy"]))

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.helpers import sharp_params
+from tests.helpers import max_abs_diff, sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.learner import Learner, make_optimizer
@@ -76,10 +76,6 @@ def _reference(params, sequences, config, prox_after_update=False):
   return params
 
 
-def _max_diff(a, b):
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
 
 @pytest.mark.parametrize("loss,minibatches", [("decoupled_ppo", 1), ("decoupled_ppo", 2), ("dis", 2),
                                               ("ppo", 1)])
@@ -92,17 +88,17 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
   metrics = learner.train(sequences)
   assert metrics["micro_batches"] > minibatches  # several micro-batches per update are summed
   want = _reference(params, sequences, config)
-  moved = _max_diff(want, params)
+  moved = max_abs_diff(want, params)
   assert moved > 1e-2  # the update is large enough to compare
   # Adam's first steps divide by |g|: coordinates with gradients near zero amplify float noise, hence
   # a tolerance relative to the size of the update.
   tolerance = 2e-2 * moved
-  assert _max_diff(learner.params, want) < tolerance
+  assert max_abs_diff(learner.params, want) < tolerance
   if loss == "decoupled_ppo" and minibatches > 1:
     # The second minibatch's prox must be the weights *before* the first update: the wrong variant
     # differs by far more than the tolerance above.
     wrong = _reference(params, sequences, config, prox_after_update=True)
-    assert _max_diff(wrong, want) > 10 * tolerance
+    assert max_abs_diff(wrong, want) > 10 * tolerance
 
 
 def test_prox_is_current_refuses_a_prox_argument():
