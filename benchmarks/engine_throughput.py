@@ -9,7 +9,9 @@
 
 Both sample at temperature 1 and never stop early, so both generate exactly ``new_tokens`` tokens per
 request. Compilation is excluded (each arm runs once before timing). Also measured: the cost of one
-interrupt (re-prefilling every busy slot under new weights) relative to one decode step.
+interrupt (re-prefilling every busy slot under new weights) relative to one decode step: at one
+context length for every slot, and at mixed lengths both as the engine does it (slots grouped by length)
+and in one call that pads every slot to the longest.
 Prints one JSON object (last line) and writes benchmarks/results/engine_throughput.{json,md,png}.
 """
 
@@ -83,12 +85,12 @@ def _reference_arm(engine, params, new_tokens, rounds, seed):
   return rounds * engine.num_slots * new_tokens / elapsed
 
 
-def interrupt_cost(engine, params, context_len: int) -> tuple[float, float]:
-  """Median seconds of one interrupt (re-prefill of every slot at ``context_len`` tokens) and of one
-  decode step, on ``engine`` with ``params``."""
+def interrupt_cost(engine, params, lengths) -> tuple[float, float]:
+  """Median seconds of one interrupt (re-prefill of every slot, slot ``i`` holding ``lengths[i]``
+  tokens) and of one decode step, on ``engine`` with ``params``."""
+  lengths = np.asarray(lengths, np.int32)
   state = engine.init_decode_state()
-  tokens = np.full((engine.num_slots, context_len), 5, np.int32)
-  lengths = np.full(engine.num_slots, context_len, np.int32)
+  tokens = np.full((engine.num_slots, int(lengths.max())), 5, np.int32)
   state = engine.refill(params, state, tokens, lengths)  # compile
   state, *_ = engine.step(params, state)
   jax.block_until_ready(state.logits)
@@ -104,6 +106,28 @@ def interrupt_cost(engine, params, context_len: int) -> tuple[float, float]:
     times["step"].append(time.perf_counter() - t)
   refill, step = float(np.median(times["refill"])), float(np.median(times["step"]))
   return refill, step
+
+
+def mixed_lengths(slots: int, prompt_len: int, new_tokens: int, seed: int = 0) -> np.ndarray:
+  """In-flight lengths as a weight update finds them: the prompt plus a uniform share of a heavy-tailed
+  completion (lognormal, median 20 tokens, sigma 0.8, capped at ``new_tokens``)."""
+  rng = np.random.default_rng(seed)
+  full = np.minimum(np.floor(rng.lognormal(np.log(20), 0.8, slots)), new_tokens)
+  return (prompt_len + np.floor(rng.random(slots) * full)).astype(np.int32)
+
+
+def grouped_vs_one_call(engine, params, lengths) -> dict:
+  """Interrupt cost at mixed lengths, in decode steps: the engine's length-grouped refill, and one call
+  that pads every slot to the longest (``refill_call_overhead`` so large that one call is cheapest)."""
+  grouped_s, step_s = interrupt_cost(engine, params, lengths)
+  overhead, engine.refill_call_overhead = engine.refill_call_overhead, 10**12
+  try:
+    one_call_s, one_call_step_s = interrupt_cost(engine, params, lengths)
+  finally:
+    engine.refill_call_overhead = overhead
+  return dict(grouped_steps=grouped_s / step_s, one_call_steps=one_call_s / one_call_step_s,
+              grouped_speedup=one_call_s / grouped_s, mean_length=float(np.mean(lengths)),
+              max_length=int(np.max(lengths)))
 
 
 def main(argv=None):
@@ -137,7 +161,8 @@ def main(argv=None):
                                steps_per_call=args.steps_per_call)
     engine_runs.append(tok_s)
     reference_runs.append(_reference_arm(engine, params, args.new_tokens, 2, seed=r))
-  refill_s, step_s = interrupt_cost(engine, params, context_len=8 + args.new_tokens // 2)
+  refill_s, step_s = interrupt_cost(engine, params, np.full(args.slots, 8 + args.new_tokens // 2))
+  mixed = grouped_vs_one_call(engine, params, mixed_lengths(args.slots, 8, args.new_tokens))
   engine_tok_s, reference_tok_s = float(np.median(engine_runs)), float(np.median(reference_runs))
   result = {
       "benchmark": "engine_throughput",
@@ -147,6 +172,7 @@ def main(argv=None):
       "interrupt_s": refill_s,
       "decode_step_s": step_s,
       "interrupt_cost_in_steps": refill_s / step_s,
+      "interrupt_mixed": mixed,
       "slot_utilization": stats["tokens"] / stats["slot_steps"],
       "engine_runs_tok_s": engine_runs,
       "reference_runs_tok_s": reference_runs,
@@ -158,14 +184,20 @@ def main(argv=None):
   notes = (f"Decode server (continuous batching, per-token log-probs and versions) vs a fused jitted "
            f"decode loop of the same engine step: ratio **{result['ratio']:.2f}** (goal >= 0.9). One "
            f"interrupt (re-prefill of all {args.slots} slots at context {8 + args.new_tokens // 2}) costs "
-           f"{result['interrupt_cost_in_steps']:.1f} decode steps.")
+           f"{result['interrupt_cost_in_steps']:.1f} decode steps. At mixed in-flight lengths (mean "
+           f"{mixed['mean_length']:.0f}, longest {mixed['max_length']}) the length-grouped refill costs "
+           f"{mixed['grouped_steps']:.1f} decode steps, one call padding every slot to the longest "
+           f"{mixed['one_call_steps']:.1f} ({mixed['grouped_speedup']:.1f}x).")
   table = [["engine (DecodeServer)", engine_tok_s], ["reference (fused loop)", reference_tok_s],
-           ["ratio", result["ratio"]], ["interrupt / decode step", result["interrupt_cost_in_steps"]]]
+           ["ratio", result["ratio"]], ["interrupt / decode step", result["interrupt_cost_in_steps"]],
+           ["interrupt at mixed lengths, grouped / decode step", mixed["grouped_steps"]],
+           ["interrupt at mixed lengths, one call / decode step", mixed["one_call_steps"]]]
   out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
   write_result(args.name, result, ["measure", "value"], table, notes, out_dir)
   _plot(result, os.path.join(out_dir, f"{args.name}.png"))
   print(json.dumps({k: result[k] for k in ("engine_tok_s", "reference_tok_s", "ratio",
-                                           "interrupt_cost_in_steps", "slot_utilization")}))
+                                           "interrupt_cost_in_steps", "interrupt_mixed",
+                                           "slot_utilization")}))
   return result
 
 

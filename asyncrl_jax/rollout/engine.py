@@ -11,7 +11,8 @@ Beyond the JetStream API, the RL decode server uses:
 * ``step(params, state) -> (state, tokens [S], logp [S])``: a generate step that also returns the
   log-probability of every sampled token (JetStream 0.2.2's ``ResultTokens`` has no room for it);
 * ``refill(params, state, tokens [S, P], lengths [S])``: recompute every slot's cache and next-token
-  logits from its tokens so far under ``params``: the interrupt after a weight update, in one pass.
+  logits from its tokens so far under ``params``: the interrupt after a weight update. Slots are grouped
+  by length (``refill_groups``) so that short sequences are not padded to the longest one.
 """
 
 from __future__ import annotations
@@ -101,6 +102,47 @@ def bucket_length(n: int, max_len: int, buckets: Sequence[int] = PREFILL_BUCKETS
   raise ValueError(f"length {n} exceeds {max_len}")
 
 
+def row_bucket(n: int, num_slots: int) -> int:
+  """Rows a batched prefill of ``n`` sequences is padded to: a power of two, or ``num_slots`` if that
+  is smaller (a few compiled shapes, never more rows than the decode state has)."""
+  if not 1 <= n <= num_slots:
+    raise ValueError(f"{n} rows outside [1, {num_slots}]")
+  return min(1 << (n - 1).bit_length(), num_slots)
+
+
+def refill_groups(lengths_s, num_slots: int, max_len: int,
+                  call_overhead: int = 256) -> list[tuple[np.ndarray, int]]:
+  """Splits the busy slots (``lengths_s > 0``) into prefill calls that waste the fewest padded tokens.
+
+  A call prefills rows of similar length: ``row_bucket(len(slots))`` rows at the width
+  ``bucket_length(longest)``. With slots sorted by length, the split into contiguous groups minimises
+  the padded tokens computed plus ``call_overhead`` tokens per call (dynamic programming over the
+  split points). One call at the longest width, the plain alternative, is one of the candidates.
+
+  Returns [(slot indices, width)], longest group first; every busy slot is in exactly one group.
+  """
+  lengths_s = np.asarray(lengths_s)
+  busy = np.flatnonzero(lengths_s > 0)
+  if not len(busy):
+    return []
+  order = busy[np.argsort(-lengths_s[busy], kind="stable")]
+  widths = [bucket_length(int(lengths_s[i]), max_len) for i in order]
+  n = len(order)
+  best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j slots (in sorted order)
+  cut = [0] * (n + 1)
+  for j in range(1, n + 1):
+    for i in range(j):  # the group is order[i:j]; its width is that of order[i], the longest
+      c = best[i] + row_bucket(j - i, num_slots) * widths[i] + call_overhead
+      if c < best[j]:
+        best[j], cut[j] = c, i
+  groups, j = [], n
+  while j:
+    i = cut[j]
+    groups.append((order[i:j], widths[i]))
+    j = i
+  return groups[::-1]
+
+
 class Engine(engine_api.Engine):
   """Our Flax decoder behind JetStream's Engine API, on one rollout mesh.
 
@@ -152,6 +194,7 @@ class Engine(engine_api.Engine):
     self._jit_steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnums=(2,))
     self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
     self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
+    self.refill_call_overhead = 256  # tokens one extra refill call is worth (see refill_groups)
 
   # ------------------------------------------------------------------ JetStream API: properties
 
@@ -277,7 +320,7 @@ class Engine(engine_api.Engine):
 
     Each slot may then generate ``max_new_tokens[i]`` tokens (default: until the cache is full).
 
-    The batch is padded to a power of two (padding rows target slot ``S`` and are dropped), and the
+    The batch is padded to ``row_bucket`` rows (padding rows target slot ``S`` and are dropped), and the
     width to a prefill bucket, so only a few shapes are ever compiled.
     """
     if len(prompts) != len(slots) or not prompts:
@@ -285,7 +328,7 @@ class Engine(engine_api.Engine):
     longest = max(len(p) for p in prompts)
     if longest > self._max_prefill:
       raise ValueError(f"a prompt has {longest} tokens, more than max_prefill_length={self._max_prefill}")
-    n = 1 << (len(prompts) - 1).bit_length()
+    n = row_bucket(len(prompts), self.num_slots)
     width = bucket_length(longest, self._max_prefill)
     tokens = np.zeros((n, width), np.int32)
     lengths = np.ones(n, np.int32)
@@ -309,19 +352,31 @@ class Engine(engine_api.Engine):
     """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
 
     Used when weights change: in-flight sequences continue under the new ``params`` exactly as if their
-    prompt and tokens so far had been prefilled with them. Rows with length 0 are left idle.
+    prompt and tokens so far had been prefilled with them. Rows with length 0 are left idle. Slots are
+    prefilled in a few calls of similar lengths (``refill_groups``), not all at the longest one's width.
     """
     tokens_sp = np.asarray(tokens_sp, np.int32)
     lengths_s = np.asarray(lengths_s, np.int32)
-    if tokens_sp.shape[0] != self.num_slots or lengths_s.shape != (self.num_slots,):
-      raise ValueError(f"refill needs [{self.num_slots}, P] tokens and [{self.num_slots}] lengths")
+    if tokens_sp.ndim != 2 or tokens_sp.shape[0] != self.num_slots or lengths_s.shape != (self.num_slots,):
+      raise ValueError(f"refill needs [{self.num_slots}, P] tokens and [{self.num_slots}] lengths, got "
+                       f"{tokens_sp.shape} and {lengths_s.shape}")
     if lengths_s.max(initial=0) >= self.max_target_length:
       raise ValueError(f"a slot holds {lengths_s.max()} tokens; the cache has {self.max_target_length}")
-    width = bucket_length(max(int(lengths_s.max(initial=1)), 1), self.max_target_length)
-    padded = np.zeros((self.num_slots, width), np.int32)
-    padded[:, :tokens_sp.shape[1]] = tokens_sp[:, :width]
-    return self._jit_refill(params, decode_state, jax.device_put(padded, sharding_lib.batch_sharding(
-        self._mesh, 2)), jax.device_put(lengths_s, self._slot_sharding))
+    if lengths_s.max(initial=0) > tokens_sp.shape[1] or lengths_s.min(initial=0) < 0:
+      raise ValueError(f"lengths must be in [0, {tokens_sp.shape[1]}] (the tokens given per slot)")
+    for slots, width in refill_groups(lengths_s, self.num_slots, self.max_target_length,
+                                      self.refill_call_overhead):
+      n = row_bucket(len(slots), self.num_slots)
+      tokens = np.zeros((n, width), np.int32)
+      lengths = np.ones(n, np.int32)
+      slot_ids = np.full(n, self.num_slots, np.int32)  # padding rows target slot S and are dropped
+      w = min(width, tokens_sp.shape[1])
+      tokens[:len(slots), :w] = tokens_sp[slots, :w]
+      lengths[:len(slots)] = lengths_s[slots]
+      slot_ids[:len(slots)] = slots
+      decode_state = self._jit_refill(params, decode_state, jnp.asarray(tokens), jnp.asarray(lengths),
+                                      jnp.asarray(slot_ids))
+    return decode_state
 
   # ------------------------------------------------------------------ jitted bodies
 
@@ -374,33 +429,31 @@ class Engine(engine_api.Engine):
     n, state, tokens, logps, _ = jax.lax.while_loop(cond, body, init)
     return state, tokens, logps, n
 
-  def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n):
+  def _prefill_scatter(self, params, state: DecodeState, tokens_np, lengths_n, slots_n) -> DecodeState:
+    """Prefills ``tokens_np`` [N, P] from position 0 and writes each row's cache, next-token logits and
+    position into slot ``slots_n[i]``; out-of-range slot ids (padding rows) are dropped."""
     n, p = tokens_np.shape
     cache = models.init_cache(self.config, n, p)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
     logits, cache = models.apply_decode(self.config, params, tokens_np, positions, cache)
     last = jnp.take_along_axis(logits, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
     rows, cols = slots_n[:, None], jnp.arange(p)[None, :]
-    # Out-of-range slot ids (the padding rows) are dropped by the scatter.
+    # Cache entries beyond a row's length keep older contents; they are never read (see transformer).
     new_cache = jax.tree.map(lambda big, small: big.at[rows, cols].set(small.astype(big.dtype),
                                                                         mode="drop"),
                              state.cache, cache)
     return state.replace(cache=new_cache,
                          logits=state.logits.at[slots_n].set(last, mode="drop"),
-                         positions=state.positions.at[slots_n].set(lengths_n, mode="drop"),
-                         generated=state.generated.at[slots_n].set(0, mode="drop"),
+                         positions=state.positions.at[slots_n].set(lengths_n, mode="drop"))
+
+  def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n):
+    state = self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
+    return state.replace(generated=state.generated.at[slots_n].set(0, mode="drop"),
                          budget=state.budget.at[slots_n].set(budgets_n, mode="drop"))
 
-  def _refill_impl(self, params, state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
-    s, p = tokens_sp.shape
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (s, p))
-    # Write into the existing cache: entries beyond each row's length are never read (see transformer).
-    logits, cache = models.apply_decode(self.config, params, tokens_sp, positions, state.cache,
-                                        self._mesh)
-    last = jnp.take_along_axis(logits, jnp.maximum(lengths_s - 1, 0)[:, None, None], axis=1)[:, 0]
-    active = lengths_s > 0
-    return state.replace(cache=cache, logits=jnp.where(active[:, None], last, state.logits),
-                         positions=jnp.where(active, lengths_s, state.positions))
+  def _refill_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n) -> DecodeState:
+    # Same as a prefill into the slot, but the slot keeps its count of generated tokens and its budget.
+    return self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
 
 
 def sampling_settings(config) -> SamplingSettings:

@@ -154,3 +154,68 @@ def test_engine_rejects_bad_setup(params):
     engine.prefill(params=engine.load_params(), padded_tokens=np.zeros(32, np.int32), true_length=20)
   with pytest.raises(ValueError, match="temperature=-1"):
     SamplingSettings(temperature=-1)
+
+
+def test_refill_groups_split_by_length_as_computed_by_hand():
+  from asyncrl_jax.rollout.engine import refill_groups
+  lengths = np.array([12, 100, 12, 0, 12, 12, 12, 12])
+  # one call: 8 rows x 128 + 256 = 1280; {100} at 128 (1 row) + six 12s at 16 (8 rows): 384 + 384 = 768;
+  # {100, 12} at 128 (2 rows) + five 12s (8 rows at 16): 512 + 384 = 896.
+  groups = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=256)
+  assert [(sorted(g.tolist()), w) for g, w in groups] == [([1], 128), ([0, 2, 4, 5, 6, 7], 16)]
+  # a large per-call overhead makes one call the cheaper plan
+  (g, w), = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=5000)
+  assert sorted(g.tolist()) == [0, 1, 2, 4, 5, 6, 7] and w == 128
+  assert refill_groups(np.zeros(8, int), num_slots=8, max_len=128) == []
+
+
+def test_refill_groups_cover_every_busy_slot_once_at_a_wide_enough_bucket():
+  from asyncrl_jax.rollout.engine import PREFILL_BUCKETS, bucket_length, refill_groups, row_bucket
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    s = int(rng.integers(1, 97))
+    lengths = np.where(rng.random(s) < 0.2, 0, rng.lognormal(3.0, 0.8, s).astype(int).clip(1, 200))
+    groups = refill_groups(lengths, num_slots=s, max_len=256)
+    covered = np.concatenate([g for g, _ in groups]) if groups else np.array([], int)
+    assert sorted(covered.tolist()) == np.flatnonzero(lengths > 0).tolist()
+    for g, w in groups:
+      assert w in PREFILL_BUCKETS + (256,) and w >= lengths[g].max()
+    busy = int((lengths > 0).sum())
+    one_call = row_bucket(busy, s) * bucket_length(int(lengths.max()), 256) + 256 if busy else 0
+    assert sum(row_bucket(len(g), s) * w + 256 for g, w in groups) <= one_call
+
+
+def test_refill_recomputes_every_busy_slot_as_a_full_forward(params):
+  """Slots of very different lengths (several groups), one idle: after a refill under new weights each
+  busy slot's next-token logits and the next greedy step equal a full forward of its sequence."""
+  engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
+  old = engine.place_params(sharp_params(CFG, 5))
+  state = engine.prefill_insert(old, engine.init_decode_state(), _prompts(8, seed=4), list(range(8)))
+  rng = np.random.default_rng(2)
+  lengths = np.array([3, 40, 5, 0, 21, 9, 33, 2], np.int32)
+  tokens = rng.integers(3, 17, size=(8, 40)).astype(np.int32)
+  before = np.asarray(state.logits)
+  state = engine.refill(engine.load_params(), state, tokens, lengths)
+  logits, positions = np.asarray(state.logits), np.asarray(state.positions)
+  np.testing.assert_array_equal(logits[3], before[3])  # the idle slot is untouched
+  state, step_tokens, _ = engine.step(engine.load_params(), state)
+  after = np.asarray(state.logits)
+  for i in np.flatnonzero(lengths):
+    seq = list(tokens[i, :lengths[i]])
+    want = np.asarray(models.logits(CFG, params, np.array([seq], np.int32)))[0, -1]
+    np.testing.assert_allclose(logits[i], want, atol=1e-4)
+    assert positions[i] == lengths[i] and step_tokens[i] == np.argmax(want)
+    seq.append(int(step_tokens[i]))
+    want = np.asarray(models.logits(CFG, params, np.array([seq], np.int32)))[0, -1]
+    np.testing.assert_allclose(after[i], want, atol=1e-4)  # the cache the refill wrote is right
+
+
+def test_refill_rejects_bad_shapes_and_lengths(params):
+  engine = _engine(params, SamplingSettings(temperature=0.0), slots=4)
+  p, state = engine.load_params(), engine.init_decode_state()
+  with pytest.raises(ValueError, match="refill needs"):
+    engine.refill(p, state, np.zeros((3, 8), np.int32), np.ones(3, np.int32))
+  with pytest.raises(ValueError, match="the tokens given per slot"):
+    engine.refill(p, state, np.zeros((4, 8), np.int32), np.array([1, 9, 1, 1], np.int32))
+  with pytest.raises(ValueError, match="the cache has 48"):
+    engine.refill(p, state, np.zeros((4, 60), np.int32), np.array([1, 48, 1, 1], np.int32))
