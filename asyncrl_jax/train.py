@@ -17,6 +17,7 @@ from asyncrl_jax import cli
 cli.ensure_cpu_devices(4)
 
 # pylint: disable=wrong-import-position
+import collections
 import json
 import os
 import sys
@@ -233,7 +234,9 @@ def run(config, workdir: str) -> dict:
   eval_greedy = meta.get("last_eval_greedy_accuracy", meta["initial_eval_greedy_accuracy"])
   bar = tqdm(total=config.steps, initial=learner.version, desc=f"async RL (eta={eta}, {config.rl.loss})",
              unit="step", file=sys.stdout, dynamic_ncols=True)
-  t_rl = time.time()
+  # Decode counters count from here (remote decode servers may have been up, idle, for a while).
+  decode_base, t_rl = backend.decode_stats(), time.time()
+  decode, decode_seconds = collections.Counter(), 0.0  # as of the last version
   rl_tokens_this_run = 0
   wait_total = train_total = 0.0
   try:
@@ -256,6 +259,7 @@ def run(config, workdir: str) -> dict:
       trained_tokens += tokens
       rl_tokens_this_run += tokens
       max_staleness_seen = max(max_staleness_seen, batch.max_staleness_seen)
+      decode, decode_seconds = _counted_since(backend.decode_stats(), decode_base), time.time() - t_rl
       record = dict(
           version=learner.version, time=time.time() - t_start, reward=float(batch.rewards.mean()),
           accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
@@ -263,11 +267,11 @@ def run(config, workdir: str) -> dict:
           failed_rollouts=batch.failed, transfer_seconds=transfer.seconds,
           tokens_per_s=rl_tokens_this_run / max(time.time() - t_rl, 1e-9),
           learner_idle_fraction=wait_total / max(wait_total + train_total, 1e-9),
-          interrupted_sequences=backend.stats["interrupted_sequences"],
-          # cumulative decode counters (this process's decode server; tokens only when remote)
-          decode_tokens=backend.stats["tokens"], decode_slot_steps=backend.stats["slot_steps"],
-          decode_idle_seconds=backend.stats["idle_seconds"],
-          decode_interrupt_seconds=backend.stats["interrupt_seconds"],
+          interrupted_sequences=decode["interrupted_sequences"],
+          # cumulative decode counters, summed over the decode servers (idle: divide by servers)
+          decode_servers=decode["servers"], decode_tokens=decode["tokens"],
+          decode_slot_steps=decode["slot_steps"], decode_idle_seconds=decode["idle_seconds"],
+          decode_interrupt_seconds=decode["interrupt_seconds"],
           **{k: v for k, v in m.items() if k != "version"})
       if learner.version % config.learner.eval_every == 0 or learner.version == config.steps:
         eval_params = (backend.rollout_params if not remote else
@@ -317,7 +321,7 @@ def run(config, workdir: str) -> dict:
       "steps": learner.version,
       "warm_start_seconds": meta.get("warm_start_seconds"),
       "learner_idle_fraction": wait_total / max(wait_total + train_total, 1e-9),
-      "decode_slot_utilization": _slot_utilization(backend.stats, time.time() - t_rl),
+      "decode_slot_utilization": _slot_utilization(decode, decode_seconds),
       "duplicates_dropped": controller.duplicates,
       "failed_rollouts": controller.failed,
       "devices": {"rollout": dict(rollout_mesh.shape) if rollout_mesh else remote,
@@ -330,12 +334,18 @@ def run(config, workdir: str) -> dict:
   return summary
 
 
+def _counted_since(now: collections.Counter, base: collections.Counter) -> collections.Counter:
+  """Decode counters accumulated since ``base`` (the number of servers is kept as it is)."""
+  return collections.Counter({k: (v if k == "servers" else v - base[k]) for k, v in now.items()})
+
+
 def _slot_utilization(stats, seconds: float) -> Optional[float]:
   """Share of decode-slot capacity that produced tokens: occupancy of the decode steps run, times the
-  share of time the decode server was not waiting for work. ``None`` without local decode counters."""
+  share of time the decode servers were not waiting for work. ``None`` before any decode step."""
   if not stats.get("slot_steps"):
     return None
-  return stats["tokens"] / stats["slot_steps"] * max(0.0, 1.0 - stats["idle_seconds"] / max(seconds, 1e-9))
+  idle_share = stats["idle_seconds"] / max(stats["servers"], 1) / max(seconds, 1e-9)
+  return stats["tokens"] / stats["slot_steps"] * max(0.0, 1.0 - idle_share)
 
 
 def _jsonable(d: dict) -> dict:

@@ -19,6 +19,12 @@ number of policy versions, differing only in ``rl.max_staleness``. Per arm, over
   machine's cores (the CPU case: seconds per token = step / (slots x utilization) + 1 / train rate),
   and that again with the re-prefill cost of each weight update (as the arm measured it per update).
 
+``--split-cores`` runs every arm as two processes, a decode server pinned to one core and the main job
+pinned to another (one CPU device each, gRPC and jax.experimental.transfer on 127.0.0.1): separate
+rollout and learner devices, as on accelerator slices, so decoding and training overlap and the
+planner's separate-devices prediction is the one to compare with. Without it, both roles share the
+machine's cores in one process.
+
 Besides, the full run repeats eta 2 with ``rollout.on_weight_update=keep_cache`` (``--keep-cache-etas``):
 no re-prefill on new weights, decoding continues on the older weights' KV cache.
 
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +71,8 @@ def window_metrics(records: list, skip: int) -> dict:
   seconds = b["time"] - a["time"]
   tokens = sum(r["trained_tokens"] for r in rest)
   slot_steps = b["decode_slot_steps"] - a["decode_slot_steps"]
-  idle = b["decode_idle_seconds"] - a["decode_idle_seconds"]
+  # summed over the decode servers (one number per server since the counters existed)
+  idle = (b["decode_idle_seconds"] - a["decode_idle_seconds"]) / b.get("decode_servers", 1)
   decoded = b["decode_tokens"] - a["decode_tokens"]
   # re-prefill after weight updates (logged since the counter existed; 0 for older logs)
   interrupt = b.get("decode_interrupt_seconds", 0.0) - a.get("decode_interrupt_seconds", 0.0)
@@ -78,11 +86,53 @@ def window_metrics(records: list, skip: int) -> dict:
       learner_idle_fraction=1.0 - sum(r["learner_seconds"] for r in rest) / seconds,
       learner_tokens_per_s=tokens / max(sum(r["learner_seconds"] for r in rest), 1e-9),
       max_staleness_seen=max(r["max_staleness_seen"] for r in records),
-      mean_staleness=sum(r["mean_staleness"] for r in rest) / len(rest))
+      mean_staleness=sum(r["mean_staleness"] for r in rest) / len(rest),
+      transfer_seconds_per_version=sum(r["transfer_seconds"] for r in rest) / len(rest))
 
 
 def _lengths(workdir: str) -> list:
   return planner.lengths_from_log(os.path.join(workdir, "trained_prompts.jsonl"))
+
+
+def _pin(core: int):
+  return lambda: os.sched_setaffinity(0, {core})
+
+
+def run_split_arm(py: str, flags: list, workdir: str, log_prefix: str, cores: tuple) -> None:
+  """One arm as two processes on two cores: a decode server (``python -m asyncrl_jax.rollout.main``)
+  pinned to ``cores[0]`` and the main job pinned to ``cores[1]``, one CPU device each, talking gRPC
+  (requests, trajectories) and ``jax.experimental.transfer`` (weights) on 127.0.0.1. The topology of
+  separate rollout and learner slices, on one machine."""
+  os.makedirs(workdir, exist_ok=True)
+  port_file = os.path.join(workdir, "decode-port")
+  if os.path.exists(port_file):
+    os.remove(port_file)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", ASYNCRL_CPU_DEVICES="1")
+  with open(f"{log_prefix}.decode.log", "w") as log:
+    server = subprocess.Popen([py, "-m", "asyncrl_jax.rollout.main", f"--config={CONFIG}",
+                              f"--port_file={port_file}", *flags], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT, preexec_fn=_pin(cores[0]))
+  try:
+    deadline = time.time() + 300
+    while not os.path.exists(port_file):
+      if server.poll() is not None or time.time() > deadline:
+        with open(f"{log_prefix}.decode.log") as f:
+          tail = f.read()[-3000:]
+        raise RuntimeError(f"the decode server did not start (exit code {server.poll()}); log "
+                           f"{log_prefix}.decode.log:\n{tail}")
+      time.sleep(0.2)
+    with open(port_file) as f:
+      port = int(f.read())
+    run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={workdir}",
+                f"--config.rollout.addresses=127.0.0.1:{port}", *flags], f"{log_prefix}.log", env=env,
+               preexec_fn=_pin(cores[1]))
+  finally:
+    server.terminate()
+    try:
+      server.wait(30)
+    except subprocess.TimeoutExpired:
+      server.kill()
+      server.wait()
 
 
 def main(argv=None) -> int:
@@ -100,7 +150,14 @@ def main(argv=None) -> int:
   p.add_argument("--name", default="async_vs_sync", help="result file name (results/<name>.{json,md,png})")
   p.add_argument("--override", action="append", default=[],
                  help="extra --config.x=y for every arm (repeatable)")
+  p.add_argument("--split-cores", action="store_true",
+                 help="run each arm as a decode-server process pinned to one core and the main job "
+                      "pinned to another (one CPU device each): separate rollout and learner devices, "
+                      "as on accelerator slices (needs 2 cores; default: one process, shared cores)")
   args = p.parse_args(argv)
+  cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if args.split_cores else ()
+  if args.split_cores and len(cores) < 2:
+    p.error(f"--split-cores needs 2 CPU cores; this process may use {len(cores)}")
   etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
   if 0 not in etas or (2 not in etas):
     p.error("--etas must include 0 (the synchronous baseline) and 2 (the reported asynchronous arm)")
@@ -127,8 +184,12 @@ def main(argv=None) -> int:
     name = "eta" + label.replace(" ", "_")
     wd = os.path.join(work, name)
     print(f"[async_vs_sync] eta={label}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
-    run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
-          f"--config.rl.max_staleness={eta}", *common, *extra], os.path.join(work, f"{name}.log"))
+    flags = [f"--config.rl.max_staleness={eta}", *common, *extra]
+    if args.split_cores:
+      run_split_arm(py, flags, wd, os.path.join(work, name), cores)
+    else:
+      run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}", *flags],
+                 os.path.join(work, f"{name}.log"))
     arms[label] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
     with open(os.path.join(wd, "summary.json")) as f:
       summary = json.load(f)
@@ -159,16 +220,25 @@ def main(argv=None) -> int:
     cost = arm["interrupt_seconds_per_version"] / step_seconds
     u_i = straggler.simulate_async(model, epochs=100, batch=batch, slots=slots, eta=eta,
                                    interrupt_cost=cost).slot_utilization
+    c_i = planner.predict(model, rates, rollout_devices=1, learner_devices=1, eta=eta, batch=batch,
+                          epochs=100, interrupt_cost=cost)
     arm.update(predicted_tokens_per_s=c.tokens_per_s, predicted_slot_utilization=c.slot_utilization,
                predicted_shared_tokens_per_s=shared, interrupt_cost_steps=cost,
+               predicted_interrupt_tokens_per_s=c_i.tokens_per_s,
                predicted_shared_interrupt_tokens_per_s=1.0 / (step_seconds / (slots * u_i)
                                                               + 1.0 / rates.train_tok_s))
+    # the prediction for this topology: separate devices (split cores) or shared cores, with re-prefill
+    arm["predicted_topology_tokens_per_s"] = arm["predicted_interrupt_tokens_per_s" if args.split_cores
+                                                 else "predicted_shared_interrupt_tokens_per_s"]
     arm["ratio_vs_sync"] = arm["tokens_per_s"] / s["tokens_per_s"]
 
   result = dict(
       machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, skip=skip,
                                       etas=etas, keep_cache_etas=keep_cache_etas, slots=slots, batch=batch,
-                                      warm_start_steps=args.warm_start_steps, overrides=args.override),
+                                      warm_start_steps=args.warm_start_steps, overrides=args.override,
+                                      topology=("split cores: decode server on core %d, main job on core "
+                                                "%d, one CPU device each" % cores if args.split_cores
+                                                else "one process, decode and learner share the cores")),
       arms=arms,
       sync_tokens_per_s=s["tokens_per_s"], async_tokens_per_s=arms["2"]["tokens_per_s"],
       ratio=arms["2"]["tokens_per_s"] / s["tokens_per_s"],
@@ -177,6 +247,8 @@ def main(argv=None) -> int:
       predicted_shared_ratio=arms["2"]["predicted_shared_tokens_per_s"] / s["predicted_shared_tokens_per_s"],
       predicted_shared_interrupt_ratio=(arms["2"]["predicted_shared_interrupt_tokens_per_s"]
                                         / s["predicted_shared_interrupt_tokens_per_s"]),
+      predicted_interrupt_ratio=(arms["2"]["predicted_interrupt_tokens_per_s"]
+                                 / s["predicted_interrupt_tokens_per_s"]),
       async_slot_utilization=arms["2"]["slot_utilization"],
       lengths=dict(n=len(lengths), median=sync_lpt.median_len, mean=sync_lpt.mean_len,
                    mean_longest=sync_lpt.mean_longest, p_cap=sync_lpt.p_cap),
@@ -185,38 +257,48 @@ def main(argv=None) -> int:
     result["async_keep_cache_tokens_per_s"] = arms["2 keep_cache"]["tokens_per_s"]
     result["keep_cache_ratio"] = arms["2 keep_cache"]["tokens_per_s"] / s["tokens_per_s"]
     result["async_keep_cache_slot_utilization"] = arms["2 keep_cache"]["slot_utilization"]
+  topology = "separate devices" if args.split_cores else "shared cores"
   header = ["eta", "trained tok/s", "vs sync", "slot util.", "learner idle", "max staleness",
+            "weight transfer per version (s)", "re-prefill per update (decode steps)",
             "planner tok/s (separate devices)", "planner util.", "planner tok/s (shared cores)",
-            "measured / shared-cores prediction", "re-prefill per update (decode steps)",
-            "shared cores + re-prefill tok/s", "measured / that"]
+            f"{topology} + re-prefill tok/s", "measured / that"]
   rows = [[eta, a["tokens_per_s"], f"{a['ratio_vs_sync']:.2f}x", f"{a['slot_utilization']:.1%}",
-           f"{a['learner_idle_fraction']:.1%}", a["max_staleness_seen"], a["predicted_tokens_per_s"],
-           f"{a['predicted_slot_utilization']:.1%}", a["predicted_shared_tokens_per_s"],
-           f"{a['tokens_per_s'] / a['predicted_shared_tokens_per_s']:.2f}", f"{a['interrupt_cost_steps']:.1f}",
-           a["predicted_shared_interrupt_tokens_per_s"],
-           f"{a['tokens_per_s'] / a['predicted_shared_interrupt_tokens_per_s']:.2f}"]
+           f"{a['learner_idle_fraction']:.1%}", a["max_staleness_seen"],
+           f"{a['transfer_seconds_per_version']:.3f}", f"{a['interrupt_cost_steps']:.1f}",
+           a["predicted_tokens_per_s"], f"{a['predicted_slot_utilization']:.1%}",
+           a["predicted_shared_tokens_per_s"], a["predicted_topology_tokens_per_s"],
+           f"{a['tokens_per_s'] / a['predicted_topology_tokens_per_s']:.2f}"]
           for eta, a in arms.items()]  # eta: the arm's label
+  if args.split_cores:
+    where = (f"Each arm ran as two processes: a decode server pinned to core {cores[0]} and the main job "
+             f"pinned to core {cores[1]}, one CPU device each, exchanging requests and trajectories over "
+             "gRPC and weights over jax.experimental.transfer on 127.0.0.1: the topology of separate "
+             "rollout and learner slices, so decoding and training can overlap and the planner's "
+             "separate-devices model applies. ")
+  else:
+    where = ("On this CPU machine the virtual devices share the same cores, so running decode and "
+             "training at the same time does not add compute: only the slot utilization gained from "
+             "decoupling can show up, which is what the shared-cores prediction models "
+             "(--split-cores gives each role its own core). ")
   notes = (f"The main job (configs/default.py, warm start {args.warm_start_steps} supervised steps, "
            f"{steps} policy versions per arm, the first {skip} excluded from timing). "
            f"Completion lengths: median {sync_lpt.median_len:.0f}, mean {sync_lpt.mean_len:.1f}, cap "
            f"{config['data']['max_completion_len']}; {slots} decode slots, batch {batch}. Simulator on these "
            f"lengths: synchronous LPT slot utilization {sync_lpt.slot_utilization:.1%}, headroom "
            f"{sync_lpt.headroom:.2f}x. Measured eta 2 / eta 0: {result['ratio']:.2f}x "
-           f"(planner: {result['predicted_ratio']:.2f}x if rollout and learner devices were "
-           f"independent, {result['predicted_shared_ratio']:.2f}x if they share compute). On this "
-           "CPU machine the virtual devices share the same cores, so running decode and training at "
-           "the same time does not add compute: only the slot utilization gained from decoupling can "
-           "show up, which is what the shared-cores prediction models. The planner's rates come from the "
-           "eta 0 arm, so its eta 0 figure is a consistency check; the other arms test the prediction. "
-           "Each weight update re-prefills every in-flight sequence (interruptible generation); on a CPU "
-           "prefill is not much cheaper per token than decoding, so an update costs the decode server "
-           "tens of decode steps (it costs a few on accelerators, where decoding is memory-bound). The "
-           "last columns add that cost, as each arm's decode server measured it per update, to the "
-           "shared-cores prediction. Arms marked keep_cache run with rollout.on_weight_update=keep_cache: "
-           "decoding continues on the KV cache the older weights wrote, with no re-prefill.")
+           f"(planner: {result['predicted_ratio']:.2f}x if rollout and learner devices are "
+           f"independent, {result['predicted_shared_ratio']:.2f}x if they share compute). " + where +
+           "The planner's rates come from the eta 0 arm, so its eta 0 figure is a consistency check; "
+           "the other arms test the prediction. Each weight update re-prefills every in-flight sequence "
+           "(interruptible generation; slots grouped by length); on a CPU prefill is not much cheaper "
+           "per token than decoding, so an update costs the decode server several decode steps. The "
+           f"last columns add that cost, as each arm's decode server measured it per update, to the "
+           f"{topology} prediction. Arms marked keep_cache run with "
+           "rollout.on_weight_update=keep_cache: decoding continues on the KV cache the older weights "
+           "wrote, with no re-prefill.")
   out_dir = args.out
   md = write_result(args.name, result, header, rows, notes, **({"out_dir": out_dir} if out_dir else {}))
-  _plot(arms, os.path.join(os.path.dirname(md), f"{args.name}.png"))
+  _plot(arms, os.path.join(os.path.dirname(md), f"{args.name}.png"), topology)
   print(f"[async_vs_sync] wrote {md}")
   print(json.dumps(dict(sync_tokens_per_s=result["sync_tokens_per_s"],
                         async_tokens_per_s=result["async_tokens_per_s"], ratio=result["ratio"],
@@ -224,13 +306,14 @@ def main(argv=None) -> int:
                         predicted_ratio=result["predicted_ratio"],
                         predicted_shared_ratio=result["predicted_shared_ratio"],
                         predicted_shared_interrupt_ratio=result["predicted_shared_interrupt_ratio"],
+                        predicted_interrupt_ratio=result["predicted_interrupt_ratio"],
                         async_slot_utilization=result["async_slot_utilization"],
                         **{k: result[k] for k in ("async_keep_cache_tokens_per_s", "keep_cache_ratio")
                            if k in result})))
   return 0
 
 
-def _plot(arms: dict, path: str) -> None:
+def _plot(arms: dict, path: str, topology: str) -> None:
   plt = pyplot()
   plain = {a["eta"]: a for label, a in arms.items() if " " not in label}  # the recompute arms, by eta
   kept = {a["eta"]: a for label, a in arms.items() if label.endswith("keep_cache")}
@@ -238,8 +321,8 @@ def _plot(arms: dict, path: str) -> None:
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
   ax1.plot(etas, [plain[e]["tokens_per_s"] for e in etas], "o-", label="measured")
   ax1.plot(etas, [plain[e]["predicted_tokens_per_s"] for e in etas], "s--", label="planner")
-  ax1.plot(etas, [plain[e]["predicted_shared_interrupt_tokens_per_s"] for e in etas], "^:",
-           label="shared cores + re-prefill")
+  ax1.plot(etas, [plain[e]["predicted_topology_tokens_per_s"] for e in etas], "^:",
+           label=f"{topology} + re-prefill")
   if kept:
     ax1.plot(sorted(kept), [kept[e]["tokens_per_s"] for e in sorted(kept)], "D", label="measured, keep_cache")
   ax1.set_xlabel("max staleness eta")

@@ -65,12 +65,13 @@ def _fmt(x) -> str:
   return str(x)
 
 
-def run_logged(cmd: Sequence[str], log_path: str) -> None:
-  """Runs ``cmd`` in the repository root with its output in ``log_path``; on failure raises with the
-  log's tail."""
+def run_logged(cmd: Sequence[str], log_path: str, **popen_kwargs) -> None:
+  """Runs ``cmd`` in the repository root with its output in ``log_path`` (``popen_kwargs``: e.g. env);
+  on failure raises with the log's tail."""
   import subprocess  # pylint: disable=import-outside-toplevel
   with open(log_path, "w") as log:
-    proc = subprocess.run(list(cmd), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), stdout=log, stderr=subprocess.STDOUT, check=False)
+    proc = subprocess.run(list(cmd), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          stdout=log, stderr=subprocess.STDOUT, check=False, **popen_kwargs)
   if proc.returncode:
     with open(log_path) as f:
       tail = f.read()[-3000:]

@@ -159,6 +159,11 @@ def test_multi_process_topology_over_grpc_and_transfer(tmp_path):
   assert summary["max_staleness_seen"] <= 1
   metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert all(m["transfer_seconds"] > 0 for m in metrics)
+  # the decode servers' counters come over gRPC, summed over both servers
+  assert all(m["decode_servers"] == 2 for m in metrics)
+  last = metrics[-1]
+  assert 0 < last["decode_tokens"] <= last["decode_slot_steps"]
+  assert 0 < summary["decode_slot_utilization"] <= 1
   assert all((tmp_path / "servers" / f"port-{i}").exists() for i in range(2))
 
 

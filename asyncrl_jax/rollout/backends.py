@@ -2,7 +2,9 @@
 
 Both backends offer the same narrow interface to the main loop:
 ``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats``, ``start()``,
-``stop()``, ``error`` and ``stats``. Finished trajectories go to the ``on_trajectory`` callback.
+``stop()``, ``error`` and ``decode_stats()`` (the decode servers' cumulative counters, summed: tokens,
+steps, slot_steps, idle_seconds, interrupt_seconds, ...). Finished trajectories go to the
+``on_trajectory`` callback.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Callable, Optional, Sequence
 
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.server import DecodeServer
-from asyncrl_jax.rollout.service import RolloutClient
+from asyncrl_jax.rollout.service import DECODE_COUNTERS, RolloutClient
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.transfer import TransferStats, WeightSender, local_transfer, uuid_for
 
@@ -47,9 +49,9 @@ class LocalRollout:
   def error(self):
     return self.server.error
 
-  @property
-  def stats(self) -> collections.Counter:
-    return self.server.stats
+  def decode_stats(self) -> collections.Counter:
+    stats = self.server.stats  # read key by key: the decode loop's thread updates it
+    return collections.Counter({k: stats[k] for k in DECODE_COUNTERS}, servers=1)
 
   def start(self) -> None:
     self.server.start()
@@ -79,7 +81,6 @@ class RemoteRollout:
     self._stop = threading.Event()
     self._pool = futures.ThreadPoolExecutor(max_workers=len(self.clients))
     self.error: Optional[BaseException] = None
-    self.stats = collections.Counter()
 
   def submit(self, *requests: RolloutRequest) -> None:
     by_server = collections.defaultdict(list)
@@ -94,15 +95,21 @@ class RemoteRollout:
     self.sender.offer(learner_params, *uuids)
     replies = list(self._pool.map(
         lambda cu: cu[0].update_weights(version, self.sender.address, cu[1]), zip(self.clients, uuids)))
-    self.stats["weight_updates"] += 1
     return TransferStats(time.perf_counter() - t, sum(r.bytes for r in replies))
+
+  def decode_stats(self) -> collections.Counter:
+    """Every decode server's counters (one ``Health`` call each), summed. ``idle_seconds`` is summed
+    too: divide by the number of servers for the share of time they waited for work."""
+    total = collections.Counter()
+    for reply in self._pool.map(lambda c: c.health(timeout=30), self.clients):
+      total.update({k: getattr(reply, k) for k in DECODE_COUNTERS})
+    total["servers"] = len(self.clients)
+    return total
 
   def _stream(self, client: RolloutClient) -> None:
     while not self._stop.is_set():
       try:
         for t in client.stream(timeout=None):
-          self.stats["tokens"] += len(t.completion_tokens)
-          self.stats["interrupted_sequences"] += t.num_interruptions
           self._on_trajectory(t)
           if self._stop.is_set():
             return

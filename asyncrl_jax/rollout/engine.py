@@ -18,6 +18,8 @@ Beyond the JetStream API, the RL decode server uses:
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from typing import Any, Optional, Sequence
 
 import jax
@@ -34,6 +36,8 @@ from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.hf import read_hf_config
 from asyncrl_jax.rollout.sampling import SamplingSettings, sample
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -110,35 +114,57 @@ def row_bucket(n: int, num_slots: int) -> int:
   return min(1 << (n - 1).bit_length(), num_slots)
 
 
-def refill_groups(lengths_s, num_slots: int, max_len: int,
-                  call_overhead: int = 256) -> list[tuple[np.ndarray, int]]:
+def refill_groups(lengths_s, num_slots: int, max_len: int, call_overhead: int = 256,
+                  available: Optional[set] = None) -> Optional[list[tuple[np.ndarray, int, int]]]:
   """Splits the busy slots (``lengths_s > 0``) into prefill calls that waste the fewest padded tokens.
 
-  A call prefills rows of similar length: ``row_bucket(len(slots))`` rows at the width
-  ``bucket_length(longest)``. With slots sorted by length, the split into contiguous groups minimises
-  the padded tokens computed plus ``call_overhead`` tokens per call (dynamic programming over the
-  split points). One call at the longest width, the plain alternative, is one of the candidates.
+  A call prefills a group of slots of similar length as ``rows`` x ``width`` tokens. With slots sorted
+  by length, the split into contiguous groups minimises the tokens computed (padding included) plus
+  ``call_overhead`` tokens per call, by dynamic programming over the split points. One call for all
+  slots at the longest one's width, the plain alternative, is one of the candidates.
 
-  Returns [(slot indices, width)], longest group first; every busy slot is in exactly one group.
+  Args:
+    lengths_s: tokens held by each slot (0: idle).
+    num_slots: slots in the decode state.
+    max_len: cache length (the widest width).
+    call_overhead: what one more call costs, in prefilled tokens.
+    available: if given, only these ``(rows, width)`` shapes may be used (e.g. the compiled ones), a
+      group of ``k`` slots going into the cheapest shape with ``rows >= k`` and a wide enough width;
+      otherwise ``rows = row_bucket(k)`` and ``width = bucket_length(longest)``.
+
+  Returns:
+    [(slot indices, rows, width)], longest group first, every busy slot in exactly one group; None if
+    the ``available`` shapes cannot hold every busy slot.
   """
   lengths_s = np.asarray(lengths_s)
   busy = np.flatnonzero(lengths_s > 0)
   if not len(busy):
     return []
   order = busy[np.argsort(-lengths_s[busy], kind="stable")]
-  widths = [bucket_length(int(lengths_s[i]), max_len) for i in order]
+  needs = [bucket_length(int(lengths_s[i]), max_len) for i in order]
   n = len(order)
+  shape_for = {}  # width needed -> [cheapest (cost, rows, width) for k = 0..n slots, or None]
+  for need in set(needs):
+    if available is None:
+      shape_for[need] = [None] + [(row_bucket(k, num_slots) * need, row_bucket(k, num_slots), need)
+                                  for k in range(1, n + 1)]
+    else:
+      fits = [(r * w, r, w) for r, w in available if w >= need]
+      shape_for[need] = [None] + [min((f for f in fits if f[1] >= k), default=None)
+                                  for k in range(1, n + 1)]
   best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j slots (in sorted order)
-  cut = [0] * (n + 1)
+  choice = [None] * (n + 1)
   for j in range(1, n + 1):
-    for i in range(j):  # the group is order[i:j]; its width is that of order[i], the longest
-      c = best[i] + row_bucket(j - i, num_slots) * widths[i] + call_overhead
-      if c < best[j]:
-        best[j], cut[j] = c, i
+    for i in range(j):  # the group is order[i:j]; the widest slot in it is order[i]
+      shape = shape_for[needs[i]][j - i]
+      if shape is not None and best[i] + shape[0] + call_overhead < best[j]:
+        best[j], choice[j] = best[i] + shape[0] + call_overhead, (i, shape[1], shape[2])
+  if choice[n] is None:
+    return None
   groups, j = [], n
   while j:
-    i = cut[j]
-    groups.append((order[i:j], widths[i]))
+    i, rows, width = choice[j]
+    groups.append((order[i:j], rows, width))
     j = i
   return groups[::-1]
 
@@ -158,12 +184,14 @@ class Engine(engine_api.Engine):
     params: parameters to return from ``load_params`` (else ``hf_path`` is loaded, else random init).
     hf_path: a Hugging Face checkpoint directory.
     seed: sampling seed.
+    background_compile: compile refill shapes a weight update wants in a background thread and use
+      the compiled ones meanwhile (False: compile them when first needed, blocking).
   """
 
   def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
                max_target_length: int, sampling: SamplingSettings = SamplingSettings(),
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
-               hf_path: str = "", seed: int = 0):
+               hf_path: str = "", seed: int = 0, background_compile: bool = True):
     if max_target_length > config.max_seq_len:
       raise ValueError(f"max_target_length={max_target_length} exceeds model.max_seq_len="
                        f"{config.max_seq_len}")
@@ -195,6 +223,12 @@ class Engine(engine_api.Engine):
     self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
     self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
     self.refill_call_overhead = 256  # tokens one extra refill call is worth (see refill_groups)
+    # Refill shapes that a plan wants but are not compiled yet are compiled in the background, and
+    # meanwhile the compiled ones are used (one compile blocks only when none can hold the slots).
+    self.background_compile = background_compile
+    self._refill_ready: set = set()
+    self._compiling: set = set()
+    self._compile_lock = threading.Lock()
 
   # ------------------------------------------------------------------ JetStream API: properties
 
@@ -364,9 +398,19 @@ class Engine(engine_api.Engine):
       raise ValueError(f"a slot holds {lengths_s.max()} tokens; the cache has {self.max_target_length}")
     if lengths_s.max(initial=0) > tokens_sp.shape[1] or lengths_s.min(initial=0) < 0:
       raise ValueError(f"lengths must be in [0, {tokens_sp.shape[1]}] (the tokens given per slot)")
-    for slots, width in refill_groups(lengths_s, self.num_slots, self.max_target_length,
-                                      self.refill_call_overhead):
-      n = row_bucket(len(slots), self.num_slots)
+    wanted = refill_groups(lengths_s, self.num_slots, self.max_target_length, self.refill_call_overhead)
+    plan = wanted
+    if self.background_compile and wanted:
+      with self._compile_lock:
+        ready = set(self._refill_ready)
+      missing = {(rows, width) for _, rows, width in wanted} - ready
+      if missing:  # refill with compiled shapes if they can hold the slots; compile the wanted ones
+        usable = refill_groups(lengths_s, self.num_slots, self.max_target_length,
+                               self.refill_call_overhead, available=ready)
+        if usable is not None:  # (else the wanted plan runs now, compiling what it lacks)
+          self._compile_later(params, decode_state, missing)
+          plan = usable
+    for slots, n, width in plan:
       tokens = np.zeros((n, width), np.int32)
       lengths = np.ones(n, np.int32)
       slot_ids = np.full(n, self.num_slots, np.int32)  # padding rows target slot S and are dropped
@@ -376,7 +420,47 @@ class Engine(engine_api.Engine):
       slot_ids[:len(slots)] = slots
       decode_state = self._jit_refill(params, decode_state, jnp.asarray(tokens), jnp.asarray(lengths),
                                       jnp.asarray(slot_ids))
+      with self._compile_lock:
+        self._refill_ready.add((n, width))
     return decode_state
+
+  @property
+  def compiled_refill_shapes(self) -> frozenset:
+    """The (rows, width) refill shapes compiled so far (by a refill, or in the background)."""
+    with self._compile_lock:
+      return frozenset(self._refill_ready)
+
+  def refill_compiles_pending(self) -> bool:
+    with self._compile_lock:
+      return bool(self._compiling)
+
+  def _compile_later(self, params, decode_state: DecodeState, shapes) -> None:
+    """Compiles the refill for ``shapes`` ((rows, width) pairs) in a background thread, from abstract
+    arguments (no memory is allocated); a later ``refill`` then finds them in the compilation cache."""
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+    args = (jax.tree.map(spec, params), jax.tree.map(spec, decode_state))
+    with self._compile_lock:
+      todo = [s for s in sorted(shapes) if s not in self._refill_ready and s not in self._compiling]
+      self._compiling.update(todo)
+    if not todo:
+      return
+
+    def work():
+      for rows, width in todo:
+        try:
+          self._jit_refill.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
+                                 jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                 jax.ShapeDtypeStruct((rows,), jnp.int32)).compile()
+          with self._compile_lock:
+            self._refill_ready.add((rows, width))
+        except Exception:  # pylint: disable=broad-except  (the shape then compiles when a refill runs it)
+          log.warning("background compile of the %dx%d refill failed", rows, width, exc_info=True)
+        finally:
+          with self._compile_lock:
+            self._compiling.discard((rows, width))
+
+    # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it.
+    threading.Thread(target=work, name="refill-compile").start()
 
   # ------------------------------------------------------------------ jitted bodies
 

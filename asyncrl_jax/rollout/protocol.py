@@ -22,7 +22,11 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   message AckRequest     { repeated string trajectory_ids = 1; }
   message Empty {}
   message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
-                           int64 tokens = 5; string server_id = 6; string error = 7; }
+                           int64 tokens = 5; string server_id = 6; string error = 7;
+                           // cumulative decode counters since the server started
+                           int64 steps = 8; int64 slot_steps = 9; double idle_seconds = 10;
+                           double interrupt_seconds = 11; int64 weight_updates = 12;
+                           int64 interrupted_sequences = 13; }
   service Rollout {
     rpc Submit(SubmitRequest) returns (SubmitReply);
     rpc Stream(StreamRequest) returns (stream Trajectory);
@@ -70,7 +74,9 @@ _MESSAGES = {
     "Empty": [],
     "HealthReply": [("status", "string", 1), ("version", "int64", 2), ("active", "int32", 3),
                     ("queued", "int32", 4), ("tokens", "int64", 5), ("server_id", "string", 6),
-                    ("error", "string", 7)],
+                    ("error", "string", 7), ("steps", "int64", 8), ("slot_steps", "int64", 9),
+                    ("idle_seconds", "double", 10), ("interrupt_seconds", "double", 11),
+                    ("weight_updates", "int64", 12), ("interrupted_sequences", "int64", 13)],
 }
 
 METHODS = {  # name: (request, reply, server streaming)

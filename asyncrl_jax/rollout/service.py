@@ -110,8 +110,14 @@ class RolloutService:
   def Health(self, request, context):
     s = self.server
     return M["HealthReply"](status="error" if s.error else "serving", version=s.version,
-                            active=s.num_active, queued=s.num_queued, tokens=s.stats["tokens"],
-                            server_id=s.server_id, error=repr(s.error) if s.error else "")
+                            active=s.num_active, queued=s.num_queued, server_id=s.server_id,
+                            error=repr(s.error) if s.error else "",
+                            **{k: s.stats[k] for k in DECODE_COUNTERS})
+
+
+# The decode server's cumulative counters that ``Health`` reports (DecodeServer.stats keys).
+DECODE_COUNTERS = ("tokens", "steps", "slot_steps", "idle_seconds", "interrupt_seconds", "weight_updates",
+                   "interrupted_sequences")
 
 
 def _handlers(service: RolloutService) -> grpc.GenericRpcHandler:

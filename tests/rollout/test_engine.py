@@ -162,27 +162,38 @@ def test_refill_groups_split_by_length_as_computed_by_hand():
   # one call: 8 rows x 128 + 256 = 1280; {100} at 128 (1 row) + six 12s at 16 (8 rows): 384 + 384 = 768;
   # {100, 12} at 128 (2 rows) + five 12s (8 rows at 16): 512 + 384 = 896.
   groups = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=256)
-  assert [(sorted(g.tolist()), w) for g, w in groups] == [([1], 128), ([0, 2, 4, 5, 6, 7], 16)]
+  assert [(sorted(g.tolist()), r, w) for g, r, w in groups] == [([1], 1, 128), ([0, 2, 4, 5, 6, 7], 8, 16)]
   # a large per-call overhead makes one call the cheaper plan
-  (g, w), = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=5000)
-  assert sorted(g.tolist()) == [0, 1, 2, 4, 5, 6, 7] and w == 128
+  (g, r, w), = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=5000)
+  assert sorted(g.tolist()) == [0, 1, 2, 4, 5, 6, 7] and (r, w) == (8, 128)
   assert refill_groups(np.zeros(8, int), num_slots=8, max_len=128) == []
+  # Only some shapes available (compiled): {100} needs width 128, so it takes (2, 128) (cost 256) and the
+  # 12s the cheapest shape of >= 6 rows, (8, 32) (256): 256 + 256 + 2 x 256 = 1024, less than (8, 128).
+  groups = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=256,
+                         available={(2, 128), (8, 128), (8, 32), (4, 16)})
+  assert [(sorted(g.tolist()), r, w) for g, r, w in groups] == [([1], 2, 128), ([0, 2, 4, 5, 6, 7], 8, 32)]
+  # nothing wide enough for the 100-token slot: no plan
+  assert refill_groups(lengths, num_slots=8, max_len=128, available={(8, 64)}) is None
 
 
 def test_refill_groups_cover_every_busy_slot_once_at_a_wide_enough_bucket():
   from asyncrl_jax.rollout.engine import PREFILL_BUCKETS, bucket_length, refill_groups, row_bucket
   rng = np.random.default_rng(0)
-  for _ in range(50):
+  for trial in range(50):
     s = int(rng.integers(1, 97))
     lengths = np.where(rng.random(s) < 0.2, 0, rng.lognormal(3.0, 0.8, s).astype(int).clip(1, 200))
-    groups = refill_groups(lengths, num_slots=s, max_len=256)
-    covered = np.concatenate([g for g, _ in groups]) if groups else np.array([], int)
+    available = None if trial % 2 else {(s, 256), (max(1, s // 4), 64), (s, 32), (2, 128)}
+    groups = refill_groups(lengths, num_slots=s, max_len=256, available=available)
+    covered = np.concatenate([g for g, _, _ in groups]) if groups else np.array([], int)
     assert sorted(covered.tolist()) == np.flatnonzero(lengths > 0).tolist()
-    for g, w in groups:
-      assert w in PREFILL_BUCKETS + (256,) and w >= lengths[g].max()
+    for g, r, w in groups:
+      assert w in PREFILL_BUCKETS + (256,) and w >= lengths[g].max() and len(g) <= r <= s
+      assert available is None or (r, w) in available
     busy = int((lengths > 0).sum())
-    one_call = row_bucket(busy, s) * bucket_length(int(lengths.max()), 256) + 256 if busy else 0
-    assert sum(row_bucket(len(g), s) * w + 256 for g, w in groups) <= one_call
+    one_call = (s if available else row_bucket(busy, s)) * 256 if busy else 0
+    if available is None and busy:
+      one_call = row_bucket(busy, s) * bucket_length(int(lengths.max()), 256)
+    assert sum(r * w + 256 for _, r, w in groups) <= one_call + 256 * bool(busy)
 
 
 def test_refill_recomputes_every_busy_slot_as_a_full_forward(params):
@@ -219,3 +230,35 @@ def test_refill_rejects_bad_shapes_and_lengths(params):
     engine.refill(p, state, np.zeros((4, 8), np.int32), np.array([1, 9, 1, 1], np.int32))
   with pytest.raises(ValueError, match="the cache has 48"):
     engine.refill(p, state, np.zeros((4, 60), np.int32), np.array([1, 48, 1, 1], np.int32))
+
+
+def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background(params):
+  import time
+  from asyncrl_jax.rollout.engine import refill_groups
+  engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
+  engine.refill_call_overhead = 16  # so that two calls beat one at these small sizes
+  p = engine.load_params()
+  rng = np.random.default_rng(3)
+  tokens = rng.integers(3, 17, size=(8, 40)).astype(np.int32)
+
+  def check(state, lengths):
+    logits = np.asarray(state.logits)
+    for i in np.flatnonzero(lengths):
+      want = np.asarray(models.logits(CFG, params, tokens[i:i + 1, :lengths[i]]))[0, -1]
+      np.testing.assert_allclose(logits[i], want, atol=1e-4)
+
+  state = engine.init_decode_state()
+  uniform = np.full(8, 40, np.int32)
+  state = engine.refill(p, state, tokens, uniform)  # nothing compiled: the wanted plan runs, blocking
+  assert engine.compiled_refill_shapes == {(8, 48)} and not engine.refill_compiles_pending()
+  # wants the long slot alone at (1, 48) and the short ones at width 16, not one (8, 48) call
+  mixed = np.array([40, 3, 4, 2, 5, 3, 0, 6], np.int32)
+  state = engine.refill(p, state, tokens, mixed)  # runs on (8, 48) while those compile
+  check(state, mixed)
+  deadline = time.time() + 120
+  while engine.refill_compiles_pending() and time.time() < deadline:
+    time.sleep(0.05)
+  wanted = {(r, w) for _, r, w in refill_groups(mixed, 8, 48, call_overhead=16)}
+  assert (1, 48) in wanted and engine.compiled_refill_shapes == {(8, 48)} | wanted
+  state = engine.refill(p, state, tokens, mixed)  # now the wanted plan
+  check(state, mixed)

@@ -13,6 +13,7 @@ from tests.helpers import sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
+from asyncrl_jax.rollout.backends import RemoteRollout
 from asyncrl_jax.rollout.service import RolloutClient, RolloutService, serve
 from asyncrl_jax.transfer import WeightSender, uuid_for
 
@@ -63,7 +64,26 @@ def test_grpc_submit_stream_health(local_service):
     assert t.logprobs.dtype == np.float32 and len(t.versions) == len(t.completion_tokens)
     assert t.server_id == "local" and t.sampling["temperature"] == 0.0
   health = client.health()
-  assert health.status == "serving" and health.active == 0 and health.tokens > 0
+  assert health.status == "serving" and health.active == 0
+  # the decode counters: every generated token was taken, slot-steps count all 4 slots of every step
+  assert health.tokens == sum(len(t.completion_tokens) for t in got.values())
+  assert health.slot_steps == 4 * health.steps and health.steps >= 10 and health.idle_seconds >= 0
+  assert health.weight_updates == 0 and health.interrupt_seconds == 0
+
+
+def test_remote_backend_sums_the_decode_servers_counters(local_service):
+  _, client, _ = local_service
+  client.submit([RolloutRequest(prompt_tokens=[1, 4, 5, 13], max_new_tokens=6, prompt_id="q")])
+  (t,) = list(client.stream(max_trajectories=1, timeout=120))
+  health = client.health()
+  # the same server twice: every counter is counted twice
+  backend = RemoteRollout([client.address, client.address], on_trajectory=lambda t: None)
+  try:
+    stats = backend.decode_stats()
+  finally:
+    backend.stop()
+  assert stats["servers"] == 2 and stats["tokens"] == 2 * health.tokens == 2 * len(t.completion_tokens)
+  assert stats["slot_steps"] == 2 * health.slot_steps > 0
 
 
 def test_stream_deadline_and_cancellation_lose_nothing(local_service):
