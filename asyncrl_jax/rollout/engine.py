@@ -12,7 +12,7 @@ Beyond the JetStream API, the RL decode server uses:
   log-probability of every sampled token (JetStream 0.2.2's ``ResultTokens`` has no room for it);
 * ``refill(params, state, tokens [S, P], lengths [S])``: recompute every slot's cache and next-token
   logits from its tokens so far under ``params``: the interrupt after a weight update. Slots are grouped
-  by length (``refill_groups``) so that short sequences are not padded to the longest one.
+  by length (``prefill_plan``) so that short sequences are not padded to the longest one.
 """
 
 from __future__ import annotations
@@ -114,11 +114,12 @@ def row_bucket(n: int, num_slots: int) -> int:
   return min(1 << (n - 1).bit_length(), num_slots)
 
 
-def refill_groups(lengths_s, num_slots: int, max_len: int, call_overhead: int = 256,
+def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 256,
                   available: Optional[set] = None) -> Optional[list[tuple[np.ndarray, int, int]]]:
-  """Splits the busy slots (``lengths_s > 0``) into prefill calls that waste the fewest padded tokens.
+  """Splits the rows to prefill (``lengths_s > 0``) into calls that waste the fewest padded tokens.
 
-  A call prefills a group of slots of similar length as ``rows`` x ``width`` tokens. With slots sorted
+  Used for the re-prefill of every busy slot after a weight update, and for new prompts. A call
+  prefills a group of rows of similar length as ``rows`` x ``width`` tokens. With slots sorted
   by length, the split into contiguous groups minimises the tokens computed (padding included) plus
   ``call_overhead`` tokens per call, by dynamic programming over the split points. One call for all
   slots at the longest one's width, the plain alternative, is one of the candidates.
@@ -169,6 +170,84 @@ def refill_groups(lengths_s, num_slots: int, max_len: int, call_overhead: int = 
   return groups[::-1]
 
 
+class _ShapedPrefill:
+  """A jitted batched prefill ``fn(params, state, tokens [R, W], *row_args [R])`` run over a few
+  ``(R, W)`` shapes: rows are grouped by ``prefill_plan``; with ``background`` the shapes a plan wants
+  but lacks are compiled in a background thread (from abstract arguments: no memory, no compute) while
+  the compiled shapes are used, and a call blocks on compilation only when no compiled shape can hold a
+  row (it then runs all rows at the covering shape ``(num_slots, max_len)``, compiled once)."""
+
+  def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool):
+    self.fn, self.name, self.num_slots, self.max_len = fn, name, num_slots, max_len
+    self.background = background
+    self._ready: set = set()
+    self._compiling: set = set()
+    self._lock = threading.Lock()
+
+  @property
+  def compiled(self) -> frozenset:
+    with self._lock:
+      return frozenset(self._ready)
+
+  def pending(self) -> bool:
+    with self._lock:
+      return bool(self._compiling)
+
+  def __call__(self, params, state, lengths, tokens, row_args, call_overhead: int):
+    """Prefills row ``i`` (``tokens[i, :lengths[i]]``, for each ``lengths[i] > 0``) with its
+    ``row_args`` entries: ``row_args`` is a list of (int array [N], padding value)."""
+    wanted = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead)
+    plan = wanted
+    if self.background and wanted:
+      ready = self.compiled
+      missing = {(rows, width) for _, rows, width in wanted} - ready
+      if missing:
+        plan = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead, available=ready)
+        if plan is None:
+          plan = [(np.flatnonzero(np.asarray(lengths) > 0), self.num_slots, self.max_len)]
+          missing.discard((self.num_slots, self.max_len))
+        self._compile_later(params, state, missing, len(row_args))
+    for idx, rows, width in plan:
+      t = np.zeros((rows, width), np.int32)
+      w = min(width, tokens.shape[1])
+      t[:len(idx), :w] = tokens[idx, :w]
+      args = []
+      for values, pad in row_args:
+        a = np.full(rows, pad, np.int32)
+        a[:len(idx)] = values[idx]
+        args.append(jnp.asarray(a))
+      state = self.fn(params, state, jnp.asarray(t), *args)
+      with self._lock:
+        self._ready.add((rows, width))
+    return state
+
+  def _compile_later(self, params, state, shapes, num_row_args: int) -> None:
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
+    args = (jax.tree.map(spec, params), jax.tree.map(spec, state))
+    with self._lock:
+      todo = [s for s in sorted(shapes) if s not in self._ready and s not in self._compiling]
+      self._compiling.update(todo)
+    if not todo:
+      return
+
+    def work():
+      for rows, width in todo:
+        try:
+          row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+          self.fn.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
+                        *[row] * num_row_args).compile()  # a later call finds it in jit's cache
+          with self._lock:
+            self._ready.add((rows, width))
+        except Exception:  # pylint: disable=broad-except  (the shape then compiles when a call runs it)
+          log.warning("background compile of the %dx%d %s failed", rows, width, self.name, exc_info=True)
+        finally:
+          with self._lock:
+            self._compiling.discard((rows, width))
+
+    # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it.
+    threading.Thread(target=work, name=f"{self.name}-compile").start()
+
+
 class Engine(engine_api.Engine):
   """Our Flax decoder behind JetStream's Engine API, on one rollout mesh.
 
@@ -184,8 +263,9 @@ class Engine(engine_api.Engine):
     params: parameters to return from ``load_params`` (else ``hf_path`` is loaded, else random init).
     hf_path: a Hugging Face checkpoint directory.
     seed: sampling seed.
-    background_compile: compile refill shapes a weight update wants in a background thread and use
-      the compiled ones meanwhile (False: compile them when first needed, blocking).
+    background_compile: compile the batched-prefill shapes (new prompts, re-prefill after a weight
+      update) that a call wants in a background thread, using compiled ones meanwhile (False: compile
+      each when first needed, blocking the caller).
   """
 
   def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
@@ -222,13 +302,11 @@ class Engine(engine_api.Engine):
     self._jit_steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnums=(2,))
     self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
     self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
-    self.refill_call_overhead = 256  # tokens one extra refill call is worth (see refill_groups)
-    # Refill shapes that a plan wants but are not compiled yet are compiled in the background, and
-    # meanwhile the compiled ones are used (one compile blocks only when none can hold the slots).
-    self.background_compile = background_compile
-    self._refill_ready: set = set()
-    self._compiling: set = set()
-    self._compile_lock = threading.Lock()
+    self.refill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
+    self._prefill_insert_calls = _ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
+                                                max_prefill_length, background_compile)
+    self._refill_calls = _ShapedPrefill(self._jit_refill, "refill", num_slots, max_target_length,
+                                        background_compile)
 
   # ------------------------------------------------------------------ JetStream API: properties
 
@@ -354,23 +432,23 @@ class Engine(engine_api.Engine):
 
     Each slot may then generate ``max_new_tokens[i]`` tokens (default: until the cache is full).
 
-    The batch is padded to ``row_bucket`` rows (padding rows target slot ``S`` and are dropped), and the
-    width to a prefill bucket, so only a few shapes are ever compiled.
+    Prompts are grouped by length into a few calls of ``(rows, width)`` shapes (``prefill_plan``;
+    padding rows target slot ``S`` and are dropped), so only a few shapes are ever compiled.
     """
     if len(prompts) != len(slots) or not prompts:
       raise ValueError("prefill_insert needs one slot per prompt and at least one prompt")
     longest = max(len(p) for p in prompts)
     if longest > self._max_prefill:
       raise ValueError(f"a prompt has {longest} tokens, more than max_prefill_length={self._max_prefill}")
-    n = row_bucket(len(prompts), self.num_slots)
-    width = bucket_length(longest, self._max_prefill)
-    tokens = np.zeros((n, width), np.int32)
-    lengths = np.ones(n, np.int32)
-    slot_ids = np.full(n, self.num_slots, np.int32)
-    budgets = np.zeros(n, np.int32)
+    tokens = np.zeros((len(prompts), longest), np.int32)
+    lengths = np.zeros(len(prompts), np.int32)
+    slot_ids = np.zeros(len(prompts), np.int32)
+    budgets = np.zeros(len(prompts), np.int32)
     for i, (p, slot) in enumerate(zip(prompts, slots)):
       if not 0 <= slot < self.num_slots:
         raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
+      if not len(p):
+        raise ValueError(f"prompt {i} is empty")
       room = self.max_target_length - len(p)
       budget = room if max_new_tokens is None else int(max_new_tokens[i])
       if not 1 <= budget <= room:
@@ -379,15 +457,17 @@ class Engine(engine_api.Engine):
       lengths[i] = len(p)
       slot_ids[i] = slot
       budgets[i] = budget
-    return self._jit_prefill_insert(params, decode_state, jnp.asarray(tokens), jnp.asarray(lengths),
-                                    jnp.asarray(slot_ids), jnp.asarray(budgets))
+    # padding rows: length 1, slot S (dropped by the scatter), budget 0
+    return self._prefill_insert_calls(params, decode_state, lengths, tokens,
+                                      [(lengths, 1), (slot_ids, self.num_slots), (budgets, 0)],
+                                      self.refill_call_overhead)
 
   def refill(self, params, decode_state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
     """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
 
     Used when weights change: in-flight sequences continue under the new ``params`` exactly as if their
     prompt and tokens so far had been prefilled with them. Rows with length 0 are left idle. Slots are
-    prefilled in a few calls of similar lengths (``refill_groups``), not all at the longest one's width.
+    prefilled in a few calls of similar lengths (``prefill_plan``), not all at the longest one's width.
     """
     tokens_sp = np.asarray(tokens_sp, np.int32)
     lengths_s = np.asarray(lengths_s, np.int32)
@@ -398,69 +478,17 @@ class Engine(engine_api.Engine):
       raise ValueError(f"a slot holds {lengths_s.max()} tokens; the cache has {self.max_target_length}")
     if lengths_s.max(initial=0) > tokens_sp.shape[1] or lengths_s.min(initial=0) < 0:
       raise ValueError(f"lengths must be in [0, {tokens_sp.shape[1]}] (the tokens given per slot)")
-    wanted = refill_groups(lengths_s, self.num_slots, self.max_target_length, self.refill_call_overhead)
-    plan = wanted
-    if self.background_compile and wanted:
-      with self._compile_lock:
-        ready = set(self._refill_ready)
-      missing = {(rows, width) for _, rows, width in wanted} - ready
-      if missing:  # refill with compiled shapes if they can hold the slots; compile the wanted ones
-        usable = refill_groups(lengths_s, self.num_slots, self.max_target_length,
-                               self.refill_call_overhead, available=ready)
-        if usable is not None:  # (else the wanted plan runs now, compiling what it lacks)
-          self._compile_later(params, decode_state, missing)
-          plan = usable
-    for slots, n, width in plan:
-      tokens = np.zeros((n, width), np.int32)
-      lengths = np.ones(n, np.int32)
-      slot_ids = np.full(n, self.num_slots, np.int32)  # padding rows target slot S and are dropped
-      w = min(width, tokens_sp.shape[1])
-      tokens[:len(slots), :w] = tokens_sp[slots, :w]
-      lengths[:len(slots)] = lengths_s[slots]
-      slot_ids[:len(slots)] = slots
-      decode_state = self._jit_refill(params, decode_state, jnp.asarray(tokens), jnp.asarray(lengths),
-                                      jnp.asarray(slot_ids))
-      with self._compile_lock:
-        self._refill_ready.add((n, width))
-    return decode_state
+    slot_ids = np.arange(self.num_slots, dtype=np.int32)
+    return self._refill_calls(params, decode_state, lengths_s, tokens_sp,
+                              [(lengths_s, 1), (slot_ids, self.num_slots)], self.refill_call_overhead)
 
-  @property
-  def compiled_refill_shapes(self) -> frozenset:
-    """The (rows, width) refill shapes compiled so far (by a refill, or in the background)."""
-    with self._compile_lock:
-      return frozenset(self._refill_ready)
+  def compiled_shapes(self) -> dict:
+    """The (rows, width) shapes compiled so far, per batched prefill ("prefill_insert", "refill")."""
+    return {c.name: c.compiled for c in (self._prefill_insert_calls, self._refill_calls)}
 
-  def refill_compiles_pending(self) -> bool:
-    with self._compile_lock:
-      return bool(self._compiling)
-
-  def _compile_later(self, params, decode_state: DecodeState, shapes) -> None:
-    """Compiles the refill for ``shapes`` ((rows, width) pairs) in a background thread, from abstract
-    arguments (no memory is allocated); a later ``refill`` then finds them in the compilation cache."""
-    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-    args = (jax.tree.map(spec, params), jax.tree.map(spec, decode_state))
-    with self._compile_lock:
-      todo = [s for s in sorted(shapes) if s not in self._refill_ready and s not in self._compiling]
-      self._compiling.update(todo)
-    if not todo:
-      return
-
-    def work():
-      for rows, width in todo:
-        try:
-          self._jit_refill.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
-                                 jax.ShapeDtypeStruct((rows,), jnp.int32),
-                                 jax.ShapeDtypeStruct((rows,), jnp.int32)).compile()
-          with self._compile_lock:
-            self._refill_ready.add((rows, width))
-        except Exception:  # pylint: disable=broad-except  (the shape then compiles when a refill runs it)
-          log.warning("background compile of the %dx%d refill failed", rows, width, exc_info=True)
-        finally:
-          with self._compile_lock:
-            self._compiling.discard((rows, width))
-
-    # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it.
-    threading.Thread(target=work, name="refill-compile").start()
+  def compiles_pending(self) -> bool:
+    """Whether a background compilation is running."""
+    return self._prefill_insert_calls.pending() or self._refill_calls.pending()
 
   # ------------------------------------------------------------------ jitted bodies
 

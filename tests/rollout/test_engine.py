@@ -156,34 +156,34 @@ def test_engine_rejects_bad_setup(params):
     SamplingSettings(temperature=-1)
 
 
-def test_refill_groups_split_by_length_as_computed_by_hand():
-  from asyncrl_jax.rollout.engine import refill_groups
+def test_prefill_plan_split_by_length_as_computed_by_hand():
+  from asyncrl_jax.rollout.engine import prefill_plan
   lengths = np.array([12, 100, 12, 0, 12, 12, 12, 12])
   # one call: 8 rows x 128 + 256 = 1280; {100} at 128 (1 row) + six 12s at 16 (8 rows): 384 + 384 = 768;
   # {100, 12} at 128 (2 rows) + five 12s (8 rows at 16): 512 + 384 = 896.
-  groups = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=256)
+  groups = prefill_plan(lengths, num_slots=8, max_len=128, call_overhead=256)
   assert [(sorted(g.tolist()), r, w) for g, r, w in groups] == [([1], 1, 128), ([0, 2, 4, 5, 6, 7], 8, 16)]
   # a large per-call overhead makes one call the cheaper plan
-  (g, r, w), = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=5000)
+  (g, r, w), = prefill_plan(lengths, num_slots=8, max_len=128, call_overhead=5000)
   assert sorted(g.tolist()) == [0, 1, 2, 4, 5, 6, 7] and (r, w) == (8, 128)
-  assert refill_groups(np.zeros(8, int), num_slots=8, max_len=128) == []
+  assert prefill_plan(np.zeros(8, int), num_slots=8, max_len=128) == []
   # Only some shapes available (compiled): {100} needs width 128, so it takes (2, 128) (cost 256) and the
   # 12s the cheapest shape of >= 6 rows, (8, 32) (256): 256 + 256 + 2 x 256 = 1024, less than (8, 128).
-  groups = refill_groups(lengths, num_slots=8, max_len=128, call_overhead=256,
+  groups = prefill_plan(lengths, num_slots=8, max_len=128, call_overhead=256,
                          available={(2, 128), (8, 128), (8, 32), (4, 16)})
   assert [(sorted(g.tolist()), r, w) for g, r, w in groups] == [([1], 2, 128), ([0, 2, 4, 5, 6, 7], 8, 32)]
   # nothing wide enough for the 100-token slot: no plan
-  assert refill_groups(lengths, num_slots=8, max_len=128, available={(8, 64)}) is None
+  assert prefill_plan(lengths, num_slots=8, max_len=128, available={(8, 64)}) is None
 
 
-def test_refill_groups_cover_every_busy_slot_once_at_a_wide_enough_bucket():
-  from asyncrl_jax.rollout.engine import PREFILL_BUCKETS, bucket_length, refill_groups, row_bucket
+def test_prefill_plan_cover_every_busy_slot_once_at_a_wide_enough_bucket():
+  from asyncrl_jax.rollout.engine import PREFILL_BUCKETS, bucket_length, prefill_plan, row_bucket
   rng = np.random.default_rng(0)
   for trial in range(50):
     s = int(rng.integers(1, 97))
     lengths = np.where(rng.random(s) < 0.2, 0, rng.lognormal(3.0, 0.8, s).astype(int).clip(1, 200))
     available = None if trial % 2 else {(s, 256), (max(1, s // 4), 64), (s, 32), (2, 128)}
-    groups = refill_groups(lengths, num_slots=s, max_len=256, available=available)
+    groups = prefill_plan(lengths, num_slots=s, max_len=256, available=available)
     covered = np.concatenate([g for g, _, _ in groups]) if groups else np.array([], int)
     assert sorted(covered.tolist()) == np.flatnonzero(lengths > 0).tolist()
     for g, r, w in groups:
@@ -234,7 +234,7 @@ def test_refill_rejects_bad_shapes_and_lengths(params):
 
 def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background(params):
   import time
-  from asyncrl_jax.rollout.engine import refill_groups
+  from asyncrl_jax.rollout.engine import prefill_plan
   engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
   engine.refill_call_overhead = 16  # so that two calls beat one at these small sizes
   p = engine.load_params()
@@ -250,15 +250,15 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
   state = engine.init_decode_state()
   uniform = np.full(8, 40, np.int32)
   state = engine.refill(p, state, tokens, uniform)  # nothing compiled: the wanted plan runs, blocking
-  assert engine.compiled_refill_shapes == {(8, 48)} and not engine.refill_compiles_pending()
+  assert engine.compiled_shapes()["refill"] == {(8, 48)} and not engine.compiles_pending()
   # wants the long slot alone at (1, 48) and the short ones at width 16, not one (8, 48) call
   mixed = np.array([40, 3, 4, 2, 5, 3, 0, 6], np.int32)
   state = engine.refill(p, state, tokens, mixed)  # runs on (8, 48) while those compile
   check(state, mixed)
   deadline = time.time() + 120
-  while engine.refill_compiles_pending() and time.time() < deadline:
+  while engine.compiles_pending() and time.time() < deadline:
     time.sleep(0.05)
-  wanted = {(r, w) for _, r, w in refill_groups(mixed, 8, 48, call_overhead=16)}
-  assert (1, 48) in wanted and engine.compiled_refill_shapes == {(8, 48)} | wanted
+  wanted = {(r, w) for _, r, w in prefill_plan(mixed, 8, 48, call_overhead=16)}
+  assert (1, 48) in wanted and engine.compiled_shapes()["refill"] == {(8, 48)} | wanted
   state = engine.refill(p, state, tokens, mixed)  # now the wanted plan
   check(state, mixed)
