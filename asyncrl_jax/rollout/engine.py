@@ -221,6 +221,9 @@ class _ShapedPrefill:
         self._ready.add((rows, width))
     return state
 
+  def warm_up(self, params, state, num_row_args: int) -> None:
+    self._compile_later(params, state, {(self.num_slots, self.max_len)}, num_row_args)
+
   def _compile_later(self, params, state, shapes, num_row_args: int) -> None:
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
     args = (jax.tree.map(spec, params), jax.tree.map(spec, state))
@@ -485,6 +488,14 @@ class Engine(engine_api.Engine):
   def compiled_shapes(self) -> dict:
     """The (rows, width) shapes compiled so far, per batched prefill ("prefill_insert", "refill")."""
     return {c.name: c.compiled for c in (self._prefill_insert_calls, self._refill_calls)}
+
+  def warm_up(self, decode_state: DecodeState) -> None:
+    """Starts compiling, in the background, the covering shape (all slots, full width) of the new-prompt
+    prefill and of the re-prefill, so neither first call blocks on compilation (a no-op without
+    ``background_compile``). Needs no weights: shapes and shardings come from ``param_spec``."""
+    if self._refill_calls.background:
+      self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 3)
+      self._refill_calls.warm_up(self.param_spec(), decode_state, 2)
 
   def compiles_pending(self) -> bool:
     """Whether a background compilation is running."""

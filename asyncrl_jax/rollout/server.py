@@ -81,6 +81,7 @@ class DecodeServer:
     self._slots: list[Optional[_Building]] = [None] * engine.num_slots
     self._inflight: Optional[tuple] = None  # (tokens, logp, slot occupants, version) of a launched chunk
     self._state = engine.init_decode_state()
+    engine.warm_up(self._state)  # compile the batched prefills' covering shapes while weights arrive
     self._thread: Optional[threading.Thread] = None
     self._stop = threading.Event()
     self.error: Optional[BaseException] = None

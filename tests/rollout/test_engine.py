@@ -262,3 +262,13 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
   assert (1, 48) in wanted and engine.compiled_shapes()["refill"] == {(8, 48)} | wanted
   state = engine.refill(p, state, tokens, mixed)  # now the wanted plan
   check(state, mixed)
+
+
+def test_warm_up_compiles_the_covering_shapes_without_weights(params):
+  import time
+  engine = _engine(params, SamplingSettings(temperature=0.0), slots=4)
+  engine.warm_up(engine.init_decode_state())
+  deadline = time.time() + 120
+  while engine.compiles_pending() and time.time() < deadline:
+    time.sleep(0.05)
+  assert engine.compiled_shapes() == {"prefill_insert": {(4, 16)}, "refill": {(4, 48)}}
