@@ -69,6 +69,9 @@ def base_config() -> ml_collections.ConfigDict:
       # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
       # still those of the distribution each token was drawn from)
       on_weight_update="recompute",
+      # compile every batched-prefill shape (new prompts, re-prefills) in the background at start, so
+      # decoding rarely waits for a compilation
+      warm_up=True,
   ))
   c.learner = ml_collections.ConfigDict(dict(
       batch_size=32,  # trajectories per policy update (B in the staleness bound)
@@ -166,6 +169,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
   _one_of(config, "rollout.logprob_source", LOGPROB_SOURCES)
   _one_of(config, "rollout.on_weight_update", ("recompute", "keep_cache"))
+  _check(isinstance(config.rollout.warm_up, bool), "rollout.warm_up", config.rollout.warm_up,
+         "must be True or False")
   _number(config, "rollout.port", lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)",
           integer=True)
 

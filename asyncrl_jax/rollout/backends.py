@@ -30,11 +30,13 @@ class LocalRollout:
   """One decode server on this process's rollout mesh; weights move with ``jax.device_put``."""
 
   def __init__(self, engine: Engine, learner_params, version: int,
-               on_trajectory: Callable[[Trajectory], None], *, on_weight_update: str = "recompute"):
+               on_trajectory: Callable[[Trajectory], None], *, on_weight_update: str = "recompute",
+               warm_up: bool = False):
     self.engine = engine
     params, _ = local_transfer(learner_params, engine.param_shardings)
     self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
-                               on_trajectory=on_trajectory, on_weight_update=on_weight_update)
+                               on_trajectory=on_trajectory, on_weight_update=on_weight_update,
+                               warm_up=warm_up)
     self.rollout_params = params
 
   def submit(self, *requests: RolloutRequest) -> None:

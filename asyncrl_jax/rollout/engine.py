@@ -17,6 +17,7 @@ Beyond the JetStream API, the RL decode server uses:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -107,11 +108,22 @@ def bucket_length(n: int, max_len: int, buckets: Sequence[int] = PREFILL_BUCKETS
 
 
 def row_bucket(n: int, num_slots: int) -> int:
-  """Rows a batched prefill of ``n`` sequences is padded to: a power of two, or ``num_slots`` if that
-  is smaller (a few compiled shapes, never more rows than the decode state has)."""
+  """Rows a batched prefill of ``n`` sequences is padded to: a power of four, or ``num_slots`` if that
+  is smaller (few compiled shapes, never more rows than the decode state has)."""
   if not 1 <= n <= num_slots:
     raise ValueError(f"{n} rows outside [1, {num_slots}]")
-  return min(1 << (n - 1).bit_length(), num_slots)
+  rows = 1
+  while rows < n:
+    rows *= 4
+  return min(rows, num_slots)
+
+
+def prefill_shapes(num_slots: int, max_len: int) -> list[tuple[int, int]]:
+  """Every (rows, width) shape a batched prefill may use, the covering one (all slots, full width)
+  first, then by decreasing rows and width."""
+  rows = sorted({row_bucket(n, num_slots) for n in range(1, num_slots + 1)}, reverse=True)
+  widths = sorted({bucket_length(n, max_len) for n in range(1, max_len + 1)}, reverse=True)
+  return [(r, w) for r in rows for w in widths]
 
 
 def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 256,
@@ -182,6 +194,8 @@ class _ShapedPrefill:
     self.background = background
     self._ready: set = set()
     self._compiling: set = set()
+    self._queue: collections.deque = collections.deque()
+    self._working = False
     self._lock = threading.Lock()
 
   @property
@@ -222,33 +236,41 @@ class _ShapedPrefill:
     return state
 
   def warm_up(self, params, state, num_row_args: int) -> None:
-    self._compile_later(params, state, {(self.num_slots, self.max_len)}, num_row_args)
+    self._compile_later(params, state, prefill_shapes(self.num_slots, self.max_len), num_row_args)
 
   def _compile_later(self, params, state, shapes, num_row_args: int) -> None:
+    """Queues ``shapes`` (in order) for compilation by one background worker, from abstract arguments."""
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
     args = (jax.tree.map(spec, params), jax.tree.map(spec, state))
     with self._lock:
-      todo = [s for s in sorted(shapes) if s not in self._ready and s not in self._compiling]
+      todo = [s for s in shapes if s not in self._ready and s not in self._compiling]
       self._compiling.update(todo)
-    if not todo:
-      return
+      self._queue.extend((s, args, num_row_args) for s in todo)
+      start = bool(todo) and not self._working
+      self._working = self._working or start
+    if start:
+      # Not a daemon (the interpreter waits for a compilation in progress instead of exiting under it);
+      # it ends when the queue is empty. One at a time: compilations compete with decoding for the host.
+      threading.Thread(target=self._work, name=f"{self.name}-compile").start()
 
-    def work():
-      for rows, width in todo:
-        try:
-          row = jax.ShapeDtypeStruct((rows,), jnp.int32)
-          self.fn.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
-                        *[row] * num_row_args).compile()  # a later call finds it in jit's cache
-          with self._lock:
-            self._ready.add((rows, width))
-        except Exception:  # pylint: disable=broad-except  (the shape then compiles when a call runs it)
-          log.warning("background compile of the %dx%d %s failed", rows, width, self.name, exc_info=True)
-        finally:
-          with self._lock:
-            self._compiling.discard((rows, width))
-
-    # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it.
-    threading.Thread(target=work, name=f"{self.name}-compile").start()
+  def _work(self) -> None:
+    while True:
+      with self._lock:
+        if not self._queue:
+          self._working = False
+          return
+        (rows, width), args, num_row_args = self._queue.popleft()
+      try:
+        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        self.fn.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
+                      *[row] * num_row_args).compile()  # a later call finds it in jit's cache
+        with self._lock:
+          self._ready.add((rows, width))
+      except Exception:  # pylint: disable=broad-except  (the shape then compiles when a call runs it)
+        log.warning("background compile of the %dx%d %s failed", rows, width, self.name, exc_info=True)
+      finally:
+        with self._lock:
+          self._compiling.discard((rows, width))
 
 
 class Engine(engine_api.Engine):
@@ -490,9 +512,10 @@ class Engine(engine_api.Engine):
     return {c.name: c.compiled for c in (self._prefill_insert_calls, self._refill_calls)}
 
   def warm_up(self, decode_state: DecodeState) -> None:
-    """Starts compiling, in the background, the covering shape (all slots, full width) of the new-prompt
-    prefill and of the re-prefill, so neither first call blocks on compilation (a no-op without
-    ``background_compile``). Needs no weights: shapes and shardings come from ``param_spec``."""
+    """Starts compiling, in the background, every shape of the new-prompt prefill and of the re-prefill
+    (``prefill_shapes``; the covering ones first), so that calls rarely wait for a compilation or run
+    at a larger shape than they want (a no-op without ``background_compile``). Needs no weights:
+    shapes and shardings come from ``param_spec``."""
     if self._refill_calls.background:
       self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 3)
       self._refill_calls.warm_up(self.param_spec(), decode_state, 2)

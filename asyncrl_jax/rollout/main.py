@@ -38,7 +38,8 @@ def main(argv=None) -> None:
     engine = engine_from_config(config, jax.local_devices())
     # No weights until the learner pushes its current version (version -1 accepts any).
     server = DecodeServer(engine, None, version=-1, server_id=_SERVER_ID.value,
-                          on_weight_update=config.rollout.on_weight_update)
+                          on_weight_update=config.rollout.on_weight_update,
+                          warm_up=config.rollout.warm_up)
     host = config.rollout.host
     service = RolloutService(server, WeightReceiver(f"{host}:0"))
     grpc_server, port = serve(service, host=host, port=config.rollout.port)

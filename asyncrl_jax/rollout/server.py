@@ -56,11 +56,12 @@ class DecodeServer:
       which any busy slot finishes, so freed slots are refilled promptly; when nothing finishes, long
       calls amortise dispatch and host round trips. A weight update takes effect at the next call
       boundary, so this also bounds how many tokens the old weights produce after an update.
+    warm_up: start compiling every batched-prefill shape in the background now (``Engine.warm_up``).
   """
 
   def __init__(self, engine: Engine, params, *, version: int = 0, server_id: str = "decode-0",
                on_trajectory: Optional[Callable[[Trajectory], None]] = None, steps_per_call: int = 16,
-               on_weight_update: str = "recompute"):
+               on_weight_update: str = "recompute", warm_up: bool = False):
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if on_weight_update not in ON_WEIGHT_UPDATE:
@@ -81,7 +82,8 @@ class DecodeServer:
     self._slots: list[Optional[_Building]] = [None] * engine.num_slots
     self._inflight: Optional[tuple] = None  # (tokens, logp, slot occupants, version) of a launched chunk
     self._state = engine.init_decode_state()
-    engine.warm_up(self._state)  # compile the batched prefills' covering shapes while weights arrive
+    if warm_up:  # compile the batched prefills' shapes in the background, e.g. while weights arrive
+      engine.warm_up(self._state)
     self._thread: Optional[threading.Thread] = None
     self._stop = threading.Event()
     self.error: Optional[BaseException] = None

@@ -172,6 +172,11 @@ def test_prefill_plan_split_by_length_as_computed_by_hand():
   groups = prefill_plan(lengths, num_slots=8, max_len=128, call_overhead=256,
                          available={(2, 128), (8, 128), (8, 32), (4, 16)})
   assert [(sorted(g.tolist()), r, w) for g, r, w in groups] == [([1], 2, 128), ([0, 2, 4, 5, 6, 7], 8, 32)]
+  # the shapes to compile: rows 1, 4, 16, 64 and all 96 slots; widths the prefill buckets up to 144
+  from asyncrl_jax.rollout.engine import prefill_shapes
+  shapes = prefill_shapes(96, 144)
+  assert shapes[0] == (96, 144) and len(shapes) == 5 * 5
+  assert {r for r, _ in shapes} == {1, 4, 16, 64, 96} and {w for _, w in shapes} == {16, 32, 64, 128, 144}
   # nothing wide enough for the 100-token slot: no plan
   assert prefill_plan(lengths, num_slots=8, max_len=128, available={(8, 64)}) is None
 
@@ -264,11 +269,13 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
   check(state, mixed)
 
 
-def test_warm_up_compiles_the_covering_shapes_without_weights(params):
+def test_warm_up_compiles_every_prefill_shape_without_weights(params):
   import time
   engine = _engine(params, SamplingSettings(temperature=0.0), slots=4)
   engine.warm_up(engine.init_decode_state())
   deadline = time.time() + 120
   while engine.compiles_pending() and time.time() < deadline:
     time.sleep(0.05)
-  assert engine.compiled_shapes() == {"prefill_insert": {(4, 16)}, "refill": {(4, 48)}}
+  # rows: powers of four up to the 4 slots; widths: prefill buckets up to 16 (prompts), 48 (cache)
+  assert engine.compiled_shapes() == {"prefill_insert": {(1, 16), (4, 16)},
+                                      "refill": {(r, w) for r in (1, 4) for w in (16, 32, 48)}}
