@@ -163,6 +163,8 @@ def run(config, workdir: str) -> dict:
         os.remove(path)
 
   engine = engine_from_config(config, rollout_devices) if rollout_mesh else None
+  if engine is not None and config.rollout.warm_up:
+    engine.warm_up()  # in the background, during evaluation and warm start
   eval_mesh = rollout_mesh or learner_mesh
   eval_shardings = models.param_shardings(model_config, eval_mesh)
   evaluator = Evaluator.from_config(config, model_config, eval_mesh, tokenizer, eval_problems)
@@ -223,6 +225,11 @@ def run(config, workdir: str) -> dict:
                            on_weight_update=config.rollout.on_weight_update,
                            warm_up=config.rollout.warm_up)
   backend_box["backend"] = backend
+  if config.rollout.warm_up:
+    t = time.time()
+    _say("waiting for the decode servers to compile their prefill shapes (rollout.warm_up)")
+    backend.wait_until_warm()
+    _say(f"decode servers warm after {time.time() - t:.1f}s")
   backend.start()
 
   from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel

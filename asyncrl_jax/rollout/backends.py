@@ -2,7 +2,7 @@
 
 Both backends offer the same narrow interface to the main loop:
 ``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats``, ``start()``,
-``stop()``, ``error`` and ``decode_stats()`` (the decode servers' cumulative counters, summed: tokens,
+``stop()``, ``error``, ``wait_until_warm()`` and ``decode_stats()`` (the decode servers' cumulative counters, summed: tokens,
 steps, slot_steps, idle_seconds, interrupt_seconds, ...). Finished trajectories go to the
 ``on_trajectory`` callback.
 """
@@ -50,6 +50,14 @@ class LocalRollout:
   @property
   def error(self):
     return self.server.error
+
+  def wait_until_warm(self, timeout: float = 600.0) -> None:
+    """Waits until the engine compiles nothing in the background (``rollout.warm_up``)."""
+    deadline = time.time() + timeout
+    while self.engine.compiles_pending():
+      if time.time() > deadline:
+        raise TimeoutError(f"the decode server is still compiling after {timeout:.0f}s")
+      time.sleep(0.2)
 
   def decode_stats(self) -> collections.Counter:
     stats = self.server.stats  # read key by key: the decode loop's thread updates it
@@ -99,6 +107,14 @@ class RemoteRollout:
         lambda cu: cu[0].update_weights(version, self.sender.address, cu[1]), zip(self.clients, uuids)))
     return TransferStats(time.perf_counter() - t, sum(r.bytes for r in replies))
 
+  def wait_until_warm(self, timeout: float = 600.0) -> None:
+    """Waits until no decode server is compiling (``rollout.warm_up``), so that RL starts on warm servers."""
+    deadline = time.time() + timeout
+    while any(c.health(timeout=30).status == "warming_up" for c in self.clients):
+      if time.time() > deadline:
+        raise TimeoutError(f"decode servers still compiling after {timeout:.0f}s")
+      time.sleep(0.2)
+
   def decode_stats(self) -> collections.Counter:
     """Every decode server's counters (one ``Health`` call each), summed. ``idle_seconds`` is summed
     too: divide by the number of servers for the share of time they waited for work."""
@@ -120,7 +136,7 @@ class RemoteRollout:
           return
         log.warning("stream from %s broke (%r); reconnecting", client.address, e)
         try:
-          if client.health(timeout=10).status != "serving":
+          if client.health(timeout=10).status == "error":
             raise RuntimeError(f"decode server {client.address} reports an error")
         except Exception as health_error:  # pylint: disable=broad-except
           self.error = health_error

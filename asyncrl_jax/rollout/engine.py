@@ -511,11 +511,16 @@ class Engine(engine_api.Engine):
     """The (rows, width) shapes compiled so far, per batched prefill ("prefill_insert", "refill")."""
     return {c.name: c.compiled for c in (self._prefill_insert_calls, self._refill_calls)}
 
-  def warm_up(self, decode_state: DecodeState) -> None:
+  def warm_up(self, decode_state: Optional[DecodeState] = None) -> None:
     """Starts compiling, in the background, every shape of the new-prompt prefill and of the re-prefill
     (``prefill_shapes``; the covering ones first), so that calls rarely wait for a compilation or run
     at a larger shape than they want (a no-op without ``background_compile``). Needs no weights:
-    shapes and shardings come from ``param_spec``."""
+    shapes and shardings come from ``param_spec`` (and the decode state's from ``decode_state``, or
+    ``init_decode_state``'s abstract evaluation)."""
+    if decode_state is None:
+      if self._make_state is None:
+        self._make_state = self._build_make_state()
+      decode_state = jax.eval_shape(self._make_state)
     if self._refill_calls.background:
       self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 3)
       self._refill_calls.warm_up(self.param_spec(), decode_state, 2)

@@ -109,7 +109,8 @@ class RolloutService:
 
   def Health(self, request, context):
     s = self.server
-    return M["HealthReply"](status="error" if s.error else "serving", version=s.version,
+    status = "error" if s.error else "warming_up" if s.engine.compiles_pending() else "serving"
+    return M["HealthReply"](status=status, version=s.version,
                             active=s.num_active, queued=s.num_queued, server_id=s.server_id,
                             error=repr(s.error) if s.error else "",
                             **{k: s.stats[k] for k in DECODE_COUNTERS})

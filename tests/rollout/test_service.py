@@ -51,7 +51,7 @@ def local_service():
 
 
 def test_grpc_submit_stream_health(local_service):
-  params, client, _ = local_service
+  params, client, service = local_service
   prompts = [[1, 3 + i, 5, 13] for i in range(6)]
   requests = [RolloutRequest(prompt_tokens=p, max_new_tokens=10, prompt_id=f"q{i}")
               for i, p in enumerate(prompts)]
@@ -63,6 +63,10 @@ def test_grpc_submit_stream_health(local_service):
     assert list(t.completion_tokens) == _greedy_reference(CFG, params, r.prompt_tokens, 10)
     assert t.logprobs.dtype == np.float32 and len(t.versions) == len(t.completion_tokens)
     assert t.server_id == "local" and t.sampling["temperature"] == 0.0
+  deadline = time.time() + 120
+  while service.server.engine.compiles_pending() and time.time() < deadline:  # background compiles
+    assert client.health().status in ("warming_up", "serving")  # (it may finish in between)
+    time.sleep(0.05)
   health = client.health()
   assert health.status == "serving" and health.active == 0
   # the decode counters: every generated token was taken, slot-steps count all 4 slots of every step
