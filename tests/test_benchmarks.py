@@ -5,18 +5,20 @@ import pytest
 from benchmarks.async_vs_sync import window_metrics
 
 
-def _rec(t, tokens, decoded, slot_steps, idle, learner_s, stale=1, interrupt=0.0):
+def _rec(t, tokens, decoded, slot_steps, idle, learner_s, stale=1, interrupt=0.0, transfer=0.1, servers=1):
   return dict(time=t, trained_tokens=tokens, decode_tokens=decoded, decode_slot_steps=slot_steps,
               decode_idle_seconds=idle, learner_seconds=learner_s, max_staleness_seen=stale,
-              mean_staleness=stale, decode_interrupt_seconds=interrupt)
+              mean_staleness=stale, decode_interrupt_seconds=interrupt, transfer_seconds=transfer,
+              decode_servers=servers)
 
 
 def test_window_metrics_hand_computed():
   records = [_rec(10.0, 999, 900, 1000, 5.0, 3.0),  # skipped (compilation)
              _rec(12.0, 100, 1000, 1200, 5.5, 1.0, interrupt=0.2),  # start of the window
              _rec(14.0, 200, 1300, 1600, 6.0, 0.5, interrupt=0.5),
-             _rec(16.0, 300, 1500, 2000, 6.5, 0.5, stale=2, interrupt=0.8)]
+             _rec(16.0, 300, 1500, 2000, 6.5, 0.5, stale=2, interrupt=0.8, transfer=0.3)]
   m = window_metrics(records, skip=1)
+  assert m["transfer_seconds_per_version"] == pytest.approx(0.2)  # (0.1 + 0.3) / 2
   assert m["seconds"] == 4.0 and m["trained_tokens"] == 500
   assert m["tokens_per_s"] == pytest.approx(125.0)
   # 500 tokens decoded over 800 slot-steps, decode server idle 1 s of 4
@@ -30,6 +32,9 @@ def test_window_metrics_hand_computed():
   assert m["interrupt_share_of_decode"] == pytest.approx(0.6 / 3.0)
   with pytest.raises(ValueError, match="more than 3"):
     window_metrics(records[:3], skip=2)
+  # two decode servers: idle seconds are summed over both, so each waited 0.5 s of the 4
+  two = [dict(r, decode_servers=2) for r in records]
+  assert window_metrics(two, skip=1)["slot_utilization"] == pytest.approx(500 / 800 * (1 - 0.5 / 4))
 
 
 def test_straggler_benchmark_writes_its_result(tmp_path, capsys):

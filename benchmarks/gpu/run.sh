@@ -55,7 +55,9 @@ if [ "${ASYNC:-1}" = 1 ]; then
   async_model=${ASYNC_MODEL:-"--config.model.hidden_size=896 --config.model.intermediate_size=4864 \
 --config.model.num_layers=24 --config.model.num_heads=14 --config.model.num_kv_heads=2 \
 --config.learner.warm_start_lr=3e-4"}
-  overrides=(--override=--config.mesh.colocate=True)
+  # rollout.warm_up=False: compile prefill shapes when first wanted (in the background) rather than all
+  # of them up front, which at this depth could take minutes of the time budget
+  overrides=(--override=--config.mesh.colocate=True --override=--config.rollout.warm_up=False)
   for o in $async_model; do overrides+=("--override=$o"); done
   timeout 360 python3 benchmarks/async_vs_sync.py --quick --name gpu_async_vs_sync --out "$out" "${overrides[@]}"
 fi
