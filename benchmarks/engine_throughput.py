@@ -85,6 +85,12 @@ def _reference_arm(engine, params, new_tokens, rounds, seed):
   return rounds * engine.num_slots * new_tokens / elapsed
 
 
+def _wait_for_compiles(engine) -> None:
+  """Timings below are of the steady state: no background compilation competing for the cores."""
+  while engine.compiles_pending():
+    time.sleep(0.05)
+
+
 def interrupt_cost(engine, params, lengths) -> tuple[float, float]:
   """Median seconds of one interrupt (re-prefill of every slot, slot ``i`` holding ``lengths[i]``
   tokens) and of one decode step, on ``engine`` with ``params``."""
@@ -92,6 +98,7 @@ def interrupt_cost(engine, params, lengths) -> tuple[float, float]:
   state = engine.init_decode_state()
   tokens = np.full((engine.num_slots, int(lengths.max())), 5, np.int32)
   state = engine.refill(params, state, tokens, lengths)  # compile
+  _wait_for_compiles(engine)
   state, *_ = engine.step(params, state)
   jax.block_until_ready(state.logits)
   times = {"refill": [], "step": []}
@@ -118,13 +125,13 @@ def mixed_lengths(slots: int, prompt_len: int, new_tokens: int, seed: int = 0) -
 
 def grouped_vs_one_call(engine, params, lengths) -> dict:
   """Interrupt cost at mixed lengths, in decode steps: the engine's length-grouped refill, and one call
-  that pads every slot to the longest (``refill_call_overhead`` so large that one call is cheapest)."""
+  that pads every slot to the longest (``prefill_call_overhead`` so large that one call is cheapest)."""
   grouped_s, step_s = interrupt_cost(engine, params, lengths)
-  overhead, engine.refill_call_overhead = engine.refill_call_overhead, 10**12
+  overhead, engine.prefill_call_overhead = engine.prefill_call_overhead, 10**12
   try:
     one_call_s, one_call_step_s = interrupt_cost(engine, params, lengths)
   finally:
-    engine.refill_call_overhead = overhead
+    engine.prefill_call_overhead = overhead
   return dict(grouped_steps=grouped_s / step_s, one_call_steps=one_call_s / one_call_step_s,
               grouped_speedup=one_call_s / grouped_s, mean_length=float(np.mean(lengths)),
               max_length=int(np.max(lengths)))
@@ -153,6 +160,8 @@ def main(argv=None):
                   max_target_length=max_target, sampling=SamplingSettings(temperature=1.0),
                   tokenizer=_NoStop())
   params = engine.load_params()
+  engine.warm_up()  # every batched-prefill shape, as a decode server started with rollout.warm_up does
+  _wait_for_compiles(engine)
 
   _engine_arm(engine, params, args.slots, 8, seed=99, steps_per_call=args.steps_per_call)  # compile prefill buckets, insert, step
   engine_runs, reference_runs = [], []

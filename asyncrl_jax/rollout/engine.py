@@ -327,7 +327,7 @@ class Engine(engine_api.Engine):
     self._jit_steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnums=(2,))
     self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
     self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
-    self.refill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
+    self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
     self._prefill_insert_calls = _ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
                                                 max_prefill_length, background_compile)
     self._refill_calls = _ShapedPrefill(self._jit_refill, "refill", num_slots, max_target_length,
@@ -485,7 +485,7 @@ class Engine(engine_api.Engine):
     # padding rows: length 1, slot S (dropped by the scatter), budget 0
     return self._prefill_insert_calls(params, decode_state, lengths, tokens,
                                       [(lengths, 1), (slot_ids, self.num_slots), (budgets, 0)],
-                                      self.refill_call_overhead)
+                                      self.prefill_call_overhead)
 
   def refill(self, params, decode_state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
     """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
@@ -505,7 +505,7 @@ class Engine(engine_api.Engine):
       raise ValueError(f"lengths must be in [0, {tokens_sp.shape[1]}] (the tokens given per slot)")
     slot_ids = np.arange(self.num_slots, dtype=np.int32)
     return self._refill_calls(params, decode_state, lengths_s, tokens_sp,
-                              [(lengths_s, 1), (slot_ids, self.num_slots)], self.refill_call_overhead)
+                              [(lengths_s, 1), (slot_ids, self.num_slots)], self.prefill_call_overhead)
 
   def compiled_shapes(self) -> dict:
     """The (rows, width) shapes compiled so far, per batched prefill ("prefill_insert", "refill")."""

@@ -241,7 +241,7 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
   import time
   from asyncrl_jax.rollout.engine import prefill_plan
   engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
-  engine.refill_call_overhead = 16  # so that two calls beat one at these small sizes
+  engine.prefill_call_overhead = 16  # so that two calls beat one at these small sizes
   p = engine.load_params()
   rng = np.random.default_rng(3)
   tokens = rng.integers(3, 17, size=(8, 40)).astype(np.int32)
