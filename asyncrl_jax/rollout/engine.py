@@ -249,13 +249,17 @@ class _ShapedPrefill:
       start = bool(todo) and not self._working
       self._working = self._working or start
     if start:
-      # Not a daemon (the interpreter waits for a compilation in progress instead of exiting under it);
-      # it ends when the queue is empty. One at a time: compilations compete with decoding for the host.
+      # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it
+      # (the rest of the queue is dropped then). It ends when the queue is empty. One compilation at a
+      # time: they compete with decoding for the host.
       threading.Thread(target=self._work, name=f"{self.name}-compile").start()
 
   def _work(self) -> None:
     while True:
       with self._lock:
+        if not threading.main_thread().is_alive():  # the interpreter is exiting: drop the rest
+          self._compiling.difference_update(s for s, _, _ in self._queue)
+          self._queue.clear()
         if not self._queue:
           self._working = False
           return
