@@ -155,9 +155,11 @@ def main(argv=None) -> int:
                       "pinned to another (one CPU device each): separate rollout and learner devices, "
                       "as on accelerator slices (needs 2 cores; default: one process, shared cores)")
   args = p.parse_args(argv)
-  cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if args.split_cores else ()
+  pinning = hasattr(os, "sched_setaffinity")  # Linux
+  cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if args.split_cores and pinning else ()
   if args.split_cores and len(cores) < 2:
-    p.error(f"--split-cores needs 2 CPU cores; this process may use {len(cores)}")
+    p.error("--split-cores needs 2 CPU cores and core pinning (os.sched_setaffinity, Linux); "
+            f"this process may use {len(cores) if pinning else 'unknown'} cores")
   etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
   if 0 not in etas or (2 not in etas):
     p.error("--etas must include 0 (the synchronous baseline) and 2 (the reported asynchronous arm)")
