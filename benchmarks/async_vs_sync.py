@@ -87,7 +87,7 @@ def window_metrics(records: list, skip: int) -> dict:
       learner_tokens_per_s=tokens / max(sum(r["learner_seconds"] for r in rest), 1e-9),
       max_staleness_seen=max(r["max_staleness_seen"] for r in records),
       mean_staleness=sum(r["mean_staleness"] for r in rest) / len(rest),
-      transfer_seconds_per_version=sum(r["transfer_seconds"] for r in rest) / len(rest))
+      transfer_seconds_per_version=sum(r.get("transfer_seconds", 0.0) for r in rest) / len(rest))
 
 
 def _lengths(workdir: str) -> list:
@@ -107,7 +107,10 @@ def run_split_arm(py: str, flags: list, workdir: str, log_prefix: str, cores: tu
   port_file = os.path.join(workdir, "decode-port")
   if os.path.exists(port_file):
     os.remove(port_file)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", ASYNCRL_CPU_DEVICES="1")
+  flags_env = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                       if not f.startswith("--xla_force_host_platform_device_count"))
+  env = dict(os.environ, XLA_FLAGS=f"{flags_env} --xla_force_host_platform_device_count=1".strip(),
+             ASYNCRL_CPU_DEVICES="1")
   with open(f"{log_prefix}.decode.log", "w") as log:
     server = subprocess.Popen([py, "-m", "asyncrl_jax.rollout.main", f"--config={CONFIG}",
                               f"--port_file={port_file}", *flags], cwd=ROOT, env=env, stdout=log,

@@ -182,18 +182,25 @@ def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 2
   return groups[::-1]
 
 
+def _plan_tokens(plan) -> int:
+  return sum(rows * width for _, rows, width in plan)
+
+
 class _ShapedPrefill:
   """A jitted batched prefill ``fn(params, state, tokens [R, W], *row_args [R])`` run over a few
   ``(R, W)`` shapes: rows are grouped by ``prefill_plan``; with ``background`` the shapes a plan wants
   but lacks are compiled in a background thread (from abstract arguments: no memory, no compute) while
-  the compiled shapes are used, and a call blocks on compilation only when no compiled shape can hold a
-  row (it then runs all rows at the covering shape ``(num_slots, max_len)``, compiled once)."""
+  compiled shapes are used, as long as they compute at most ``MAX_DETOUR`` times the wanted plan's
+  tokens; otherwise the call runs the wanted plan, compiling what it lacks (blocking)."""
+
+  MAX_DETOUR = 4
 
   def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool):
     self.fn, self.name, self.num_slots, self.max_len = fn, name, num_slots, max_len
     self.background = background
     self._ready: set = set()
     self._compiling: set = set()
+    self._failed: set = set()  # not retried in the background
     self._queue: collections.deque = collections.deque()
     self._working = False
     self._lock = threading.Lock()
@@ -216,11 +223,12 @@ class _ShapedPrefill:
       ready = self.compiled
       missing = {(rows, width) for _, rows, width in wanted} - ready
       if missing:
-        plan = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead, available=ready)
-        if plan is None:
-          plan = [(np.flatnonzero(np.asarray(lengths) > 0), self.num_slots, self.max_len)]
-          missing.discard((self.num_slots, self.max_len))
-        self._compile_later(params, state, missing, len(row_args))
+        usable = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead, available=ready)
+        # Compiled shapes are used only if they cost at most MAX_DETOUR x the wanted plan's tokens (a
+        # large shape for a few rows costs memory as well as time); else the wanted plan runs now.
+        if usable is not None and _plan_tokens(usable) <= self.MAX_DETOUR * _plan_tokens(wanted):
+          plan = usable
+          self._compile_later(params, state, missing, len(row_args))
     for idx, rows, width in plan:
       t = np.zeros((rows, width), np.int32)
       w = min(width, tokens.shape[1])
@@ -243,7 +251,8 @@ class _ShapedPrefill:
     spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
     args = (jax.tree.map(spec, params), jax.tree.map(spec, state))
     with self._lock:
-      todo = [s for s in shapes if s not in self._ready and s not in self._compiling]
+      todo = [s for s in shapes if s not in self._ready and s not in self._compiling
+              and s not in self._failed]
       self._compiling.update(todo)
       self._queue.extend((s, args, num_row_args) for s in todo)
       start = bool(todo) and not self._working
@@ -252,7 +261,13 @@ class _ShapedPrefill:
       # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it
       # (the rest of the queue is dropped then). It ends when the queue is empty. One compilation at a
       # time: they compete with decoding for the host.
-      threading.Thread(target=self._work, name=f"{self.name}-compile").start()
+      try:
+        threading.Thread(target=self._work, name=f"{self.name}-compile").start()
+      except RuntimeError:  # e.g. the interpreter is shutting down: compile on demand instead
+        with self._lock:
+          self._compiling.difference_update(todo)
+          self._queue.clear()
+          self._working = False
 
   def _work(self) -> None:
     while True:
@@ -272,6 +287,8 @@ class _ShapedPrefill:
           self._ready.add((rows, width))
       except Exception:  # pylint: disable=broad-except  (the shape then compiles when a call runs it)
         log.warning("background compile of the %dx%d %s failed", rows, width, self.name, exc_info=True)
+        with self._lock:
+          self._failed.add((rows, width))
       finally:
         with self._lock:
           self._compiling.discard((rows, width))

@@ -21,7 +21,8 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   message AbortRequest   { string request_id = 1; }
   message AckRequest     { repeated string trajectory_ids = 1; }
   message Empty {}
-  message HealthReply    { string status = 1;  // "serving", "warming_up" (compiling), "error" int64 version = 2; int32 active = 3; int32 queued = 4;
+  // status: "serving", "warming_up" (compiling prefill shapes in the background), or "error"
+  message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
                            int64 tokens = 5; string server_id = 6; string error = 7;
                            // cumulative decode counters since the server started
                            int64 steps = 8; int64 slot_steps = 9; double idle_seconds = 10;

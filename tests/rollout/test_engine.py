@@ -254,7 +254,7 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
 
   state = engine.init_decode_state()
   uniform = np.full(8, 40, np.int32)
-  state = engine.refill(p, state, tokens, uniform)  # nothing compiled: the wanted plan runs, blocking
+  state = engine.refill(p, state, tokens, uniform)  # nothing compiled: the wanted (8, 48) runs, blocking
   assert engine.compiled_shapes()["refill"] == {(8, 48)} and not engine.compiles_pending()
   # wants the long slot alone at (1, 48) and the short ones at width 16, not one (8, 48) call
   mixed = np.array([40, 3, 4, 2, 5, 3, 0, 6], np.int32)
