@@ -222,8 +222,7 @@ def run(config, workdir: str) -> dict:
     _say(f"pushed version {learner.version} to {len(remote)} decode servers in {transfer.seconds:.2f}s")
   else:
     backend = LocalRollout(engine, learner.params, learner.version, controller.on_trajectory,
-                           on_weight_update=config.rollout.on_weight_update,
-                           warm_up=config.rollout.warm_up)
+                           on_weight_update=config.rollout.on_weight_update)
   backend_box["backend"] = backend
   if config.rollout.warm_up:
     t = time.time()

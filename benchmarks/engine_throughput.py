@@ -85,12 +85,6 @@ def _reference_arm(engine, params, new_tokens, rounds, seed):
   return rounds * engine.num_slots * new_tokens / elapsed
 
 
-def _wait_for_compiles(engine) -> None:
-  """Timings below are of the steady state: no background compilation competing for the cores."""
-  while engine.compiles_pending():
-    time.sleep(0.05)
-
-
 def interrupt_cost(engine, params, lengths) -> tuple[float, float]:
   """Median seconds of one interrupt (re-prefill of every slot, slot ``i`` holding ``lengths[i]``
   tokens) and of one decode step, on ``engine`` with ``params``."""
@@ -98,7 +92,7 @@ def interrupt_cost(engine, params, lengths) -> tuple[float, float]:
   state = engine.init_decode_state()
   tokens = np.full((engine.num_slots, int(lengths.max())), 5, np.int32)
   state = engine.refill(params, state, tokens, lengths)  # compile
-  _wait_for_compiles(engine)
+  engine.wait_for_compiles()  # time the steady state: no compilation competing for the cores
   state, *_ = engine.step(params, state)
   jax.block_until_ready(state.logits)
   times = {"refill": [], "step": []}
@@ -161,7 +155,7 @@ def main(argv=None):
                   tokenizer=_NoStop())
   params = engine.load_params()
   engine.warm_up()  # every batched-prefill shape, as a decode server started with rollout.warm_up does
-  _wait_for_compiles(engine)
+  engine.wait_for_compiles()
 
   _engine_arm(engine, params, args.slots, 8, seed=99, steps_per_call=args.steps_per_call)  # compile prefill buckets, insert, step
   engine_runs, reference_runs = [], []

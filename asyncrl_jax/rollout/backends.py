@@ -30,13 +30,11 @@ class LocalRollout:
   """One decode server on this process's rollout mesh; weights move with ``jax.device_put``."""
 
   def __init__(self, engine: Engine, learner_params, version: int,
-               on_trajectory: Callable[[Trajectory], None], *, on_weight_update: str = "recompute",
-               warm_up: bool = False):
+               on_trajectory: Callable[[Trajectory], None], *, on_weight_update: str = "recompute"):
     self.engine = engine
     params, _ = local_transfer(learner_params, engine.param_shardings)
     self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
-                               on_trajectory=on_trajectory, on_weight_update=on_weight_update,
-                               warm_up=warm_up)
+                               on_trajectory=on_trajectory, on_weight_update=on_weight_update)
     self.rollout_params = params
 
   def submit(self, *requests: RolloutRequest) -> None:
@@ -53,12 +51,8 @@ class LocalRollout:
 
   def wait_until_warm(self, timeout: float = 600.0) -> None:
     """Waits until the engine compiles nothing in the background (``rollout.warm_up``)."""
-    deadline = time.time() + timeout
-    while self.engine.compiles_pending():
-      if time.time() > deadline:  # not fatal: RL starts, and calls compile what they still lack
-        log.warning("the decode server is still compiling after %.0fs; starting anyway", timeout)
-        return
-      time.sleep(0.2)
+    if not self.engine.wait_for_compiles(timeout):  # not fatal: calls compile what they still lack
+      log.warning("the decode server is still compiling after %.0fs; starting anyway", timeout)
 
   def decode_stats(self) -> collections.Counter:
     stats = self.server.stats  # read key by key: the decode loop's thread updates it

@@ -21,6 +21,7 @@ import collections
 import functools
 import logging
 import threading
+import time
 from typing import Any, Optional, Sequence
 
 import jax
@@ -549,6 +550,15 @@ class Engine(engine_api.Engine):
   def compiles_pending(self) -> bool:
     """Whether a background compilation is running."""
     return self._prefill_insert_calls.pending() or self._refill_calls.pending()
+
+  def wait_for_compiles(self, timeout: float = 600.0) -> bool:
+    """Waits until no background compilation is running; False if ``timeout`` seconds passed first."""
+    deadline = time.time() + timeout
+    while self.compiles_pending():
+      if time.time() > deadline:
+        return False
+      time.sleep(0.05)
+    return True
 
   # ------------------------------------------------------------------ jitted bodies
 

@@ -238,7 +238,6 @@ def test_refill_rejects_bad_shapes_and_lengths(params):
 
 
 def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background(params):
-  import time
   from asyncrl_jax.rollout.engine import prefill_plan
   engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
   engine.prefill_call_overhead = 16  # so that two calls beat one at these small sizes
@@ -260,9 +259,7 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
   mixed = np.array([40, 3, 4, 2, 5, 3, 0, 6], np.int32)
   state = engine.refill(p, state, tokens, mixed)  # runs on (8, 48) while those compile
   check(state, mixed)
-  deadline = time.time() + 120
-  while engine.compiles_pending() and time.time() < deadline:
-    time.sleep(0.05)
+  assert engine.wait_for_compiles(120)
   wanted = {(r, w) for _, r, w in prefill_plan(mixed, 8, 48, call_overhead=16)}
   assert (1, 48) in wanted and engine.compiled_shapes()["refill"] == {(8, 48)} | wanted
   state = engine.refill(p, state, tokens, mixed)  # now the wanted plan
@@ -270,12 +267,9 @@ def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background
 
 
 def test_warm_up_compiles_every_prefill_shape_without_weights(params):
-  import time
   engine = _engine(params, SamplingSettings(temperature=0.0), slots=4)
   engine.warm_up(engine.init_decode_state())
-  deadline = time.time() + 120
-  while engine.compiles_pending() and time.time() < deadline:
-    time.sleep(0.05)
+  assert engine.wait_for_compiles(120)
   # rows: powers of four up to the 4 slots; widths: prefill buckets up to 16 (prompts), 48 (cache)
   assert engine.compiled_shapes() == {"prefill_insert": {(1, 16), (4, 16)},
                                       "refill": {(r, w) for r in (1, 4) for w in (16, 32, 48)}}
