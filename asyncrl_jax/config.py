@@ -21,7 +21,6 @@ import math
 from typing import Any, Callable, Iterable
 
 import ml_collections
-from ml_collections import config_dict
 
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 
@@ -84,7 +83,10 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
-      behav_weight_cap=config_dict.placeholder(float),  # decoupled PPO: drop tokens with w > cap
+      # decoupled PPO: drop tokens whose behaviour weight w = pi_prox / pi_behav is above the cap or
+      # below the floor (inf / 0 drop nothing). An uncapped w lets a few stale tokens steer the update
+      # (NOTES.md); 5.0 is what AReaL's shipped experiment configs set.
+      behav_weight_cap=5.0, behav_weight_floor=0.0,
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
       # token_mean: every policy token of the batch weighs the same (long completions weigh more);
       # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)
@@ -201,8 +203,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
           "1 - eps_low > 0")
   _number(config, "rl.eps_high", lambda v: v > 0, "a number > 0")
-  if config.rl.behav_weight_cap is not None:
-    _number(config, "rl.behav_weight_cap", lambda v: v > 1, "None or a number > 1")
+  cap = config.rl.behav_weight_cap
+  _check(isinstance(cap, (int, float)) and not isinstance(cap, bool) and not math.isnan(cap) and cap > 1,
+         "rl.behav_weight_cap", cap, "a number > 1 (inf: no cap)")
+  _number(config, "rl.behav_weight_floor", lambda v: 0 <= v < 1, "a number in [0, 1) (0: no floor)")
   _one_of(config, "rl.advantage", ADVANTAGES)
   _one_of(config, "rl.aggregation", AGGREGATIONS)
   _number(config, "rl.group_size", lambda v: v >= 1, "an integer >= 1", integer=True)

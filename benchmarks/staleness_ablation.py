@@ -14,6 +14,13 @@ ablation (rows eta, columns the losses); cells are mean +- standard deviation ov
 Accuracy is the main job's held-out metric (pass@1 over sampled completions, see
 ``asyncrl_jax.evaluation``); greedy accuracy is in the JSON. Writes
 benchmarks/results/staleness_ablation.{json,md,png}; prints one JSON object (last line).
+
+``--regime=probe`` is the regime where the objectives come apart (the decoupled-vs-naive issue):
+learning rate 3e-4, 2 optimizer updates per batch, eta 8, 80 versions, evaluated every 20, so the
+policy moves far within eta versions (KL(behaviour || current) 0.2-0.6). Its arms are naive PPO,
+decoupled PPO as shipped (behaviour-weight cap 5), decoupled PPO uncapped and DIS, 3 seeds each, no
+supervised control; it writes benchmarks/results/staleness_probe.{json,md,png} with mean +- sd at
+version 20 and at the end, and each arm's weight statistics from its metrics.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa:
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
 LOSSES = ("ppo", "decoupled_ppo", "dis")
+PROBE = dict(overrides=["--config.learner.learning_rate=3e-4", "--config.learner.ppo_minibatches=2"],
+             etas=[8], steps=80, eval_every=20, seeds=3)
+# The probe's arms: name -> (rl.loss, extra overrides).
+PROBE_ARMS = {"ppo": ("ppo", []), "decoupled_ppo": ("decoupled_ppo", []),
+              "decoupled_ppo_uncapped": ("decoupled_ppo", ["--config.rl.behav_weight_cap=inf"]),
+              "dis": ("dis", [])}
 # The seed's ablation (AReaL, 1.5B on math, AIME24): eta -> (naive PPO, decoupled PPO).
 SEED_TABLE = {0: (42.0, 42.0), 1: (41.8, 42.1), 2: (40.0, 41.8), 4: (23.3, 42.2), 8: (35.7, 41.0),
               16: (35.8, 38.7)}
@@ -57,31 +70,52 @@ def _cell(values) -> str:
   return f"{100 * np.mean(values):.1f} +- {100 * np.std(values, ddof=1):.1f}"
 
 
+def _warm_start(work: str, py: str, overrides) -> str:
+  """The arms' shared supervised warm start (made once per workdir); returns its export directory."""
+  ws_dir = os.path.join(work, "ws")
+  ws = os.path.join(ws_dir, "warm_start")
+  if not os.path.exists(os.path.join(ws, "model.safetensors")):  # a rerun keeps the arms' warm start
+    print(f"[ablation] warm start in {work}", flush=True)
+    run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
+                f"--config.data.path={os.path.join(work, 'data')}", *overrides], os.path.join(work, "ws.log"))
+  return ws
+
+
+def _run_arm(py: str, work: str, name: str, steps: int, args_list) -> dict:
+  """Runs one arm of the main job unless it finished before (a rerun resumes); returns its summary."""
+  wd = os.path.join(work, name)
+  if not os.path.exists(os.path.join(wd, "summary.json")):
+    run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}", *args_list],
+               os.path.join(work, f"{name}.log"))
+  s = _json(os.path.join(wd, "summary.json"))
+  if s["steps"] != steps:
+    raise SystemExit(f"{wd} holds a run of {s['steps']} policy versions, not {steps}: use another --workdir")
+  return s
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--regime", choices=("default", "probe"), default="default",
+                 help="probe: the regime where the objectives come apart (see the module docstring)")
   p.add_argument("--quick", action="store_true", help="eta 0, 2, 8; one seed; 100 versions per arm")
   p.add_argument("--etas", type=int, nargs="*", default=None, help="default 0 1 2 4 8 (quick: 0 2 8)")
   p.add_argument("--losses", nargs="*", default=list(LOSSES), choices=LOSSES)
-  p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2; quick 1)")
-  p.add_argument("--steps", type=int, default=100, help="policy versions per arm")
+  p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2; quick 1; probe 3)")
+  p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 100; probe 80)")
   p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm")
   args = p.parse_args(argv)
+  if args.regime == "probe":
+    return probe(args)
   etas = args.etas if args.etas is not None else ([0, 2, 8] if args.quick else [0, 1, 2, 4, 8])
   seeds = list(range(args.seeds or (1 if args.quick else 2)))
-  steps = args.steps
+  steps = args.steps or 100
   work = args.workdir or tempfile.mkdtemp(prefix="staleness_ablation_")
   os.makedirs(work, exist_ok=True)
   py, t0 = sys.executable, time.time()
   data = os.path.join(work, "data")
-
-  print(f"[ablation] warm start in {work}", flush=True)
-  ws_dir = os.path.join(work, "ws")
-  ws = os.path.join(ws_dir, "warm_start")
-  if not os.path.exists(os.path.join(ws, "model.safetensors")):  # a rerun keeps the arms' warm start
-    run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
-                f"--config.data.path={data}", *args.override], os.path.join(work, "ws.log"))
+  ws = _warm_start(work, py, args.override)
   common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}", f"--config.data.path={data}",
             f"--config.learner.eval_every={steps}", f"--config.checkpoint.every_steps={steps}", *args.override]
   runs, control = [], []
@@ -91,15 +125,9 @@ def main(argv=None) -> int:
     for loss in args.losses:
       for eta in etas:
         name = f"{loss}_eta{eta}_seed{seed}"
-        wd = os.path.join(work, name)
         print(f"[ablation] {done + 1}/{n_arms} {name} ({time.time() - t0:.0f}s so far)", flush=True)
-        if not os.path.exists(os.path.join(wd, "summary.json")):  # rerunning resumes finished arms
-          run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}",
-                f"--config.rl.loss={loss}", f"--config.rl.max_staleness={eta}", f"--config.seed={seed}",
-                *common], os.path.join(work, f"{name}.log"))
-        s = _json(os.path.join(wd, "summary.json"))
-        if s["steps"] != steps:
-          raise SystemExit(f"{wd} holds a run of {s['steps']} policy versions, not {steps}: use another --workdir")
+        s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.rl.max_staleness={eta}",
+                                             f"--config.seed={seed}", *common])
         runs.append(dict(loss=loss, eta=eta, seed=seed, initial=s["initial_eval_accuracy"],
                          final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
                          initial_greedy=s["initial_eval_greedy_accuracy"],
@@ -151,6 +179,80 @@ def main(argv=None) -> int:
   print(json.dumps({"warm_start": initial, "control": float(np.mean([c["final"] for c in control])),
                     **{f"{loss}_eta{eta}": float(np.mean(cell(loss, eta))) for loss in args.losses
                        for eta in etas}}))
+  return 0
+
+
+def _metrics(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def probe(args) -> int:
+  """The probe regime: every arm at eta 8 for 80 versions, evaluated every 20 (see module docstring)."""
+  seeds = list(range(args.seeds or PROBE["seeds"]))
+  steps = args.steps or PROBE["steps"]
+  eta = PROBE["etas"][0] if not args.etas else args.etas[0]
+  work = args.workdir or tempfile.mkdtemp(prefix="staleness_probe_")
+  os.makedirs(work, exist_ok=True)
+  py, t0 = sys.executable, time.time()
+  ws = _warm_start(work, py, args.override)
+  common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}",
+            f"--config.data.path={os.path.join(work, 'data')}", f"--config.rl.max_staleness={eta}",
+            f"--config.learner.eval_every={PROBE['eval_every']}", f"--config.checkpoint.every_steps={steps}",
+            *PROBE["overrides"], *args.override]
+  runs, n_arms = [], len(seeds) * len(PROBE_ARMS)
+  for seed in seeds:  # seed-major, so a partial run already has every arm at seed 0
+    for arm, (loss, extra) in PROBE_ARMS.items():
+      name = f"{arm}_eta{eta}_seed{seed}"
+      print(f"[probe] {len(runs) + 1}/{n_arms} {name} ({time.time() - t0:.0f}s so far)", flush=True)
+      s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
+                                           *extra])
+      history = _metrics(os.path.join(work, name, "metrics.jsonl"))
+      evals = {h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h}
+      early = [h for h in history if h["version"] <= 20]
+      runs.append(dict(arm=arm, loss=loss, seed=seed, initial=s["initial_eval_accuracy"], evals=evals,
+                       final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
+                       iw_max=max(h.get("iw_max", 0.0) for h in history),
+                       kl_behav_first20=float(np.mean([h.get("kl_behav", 0.0) for h in early])),
+                       dropped_frac=float(np.mean([h.get("dropped_frac", 0.0) for h in history])),
+                       max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"]))
+  at = lambda arm, key: [r[key] if key != "v20" else r["evals"].get(20) for r in runs if r["arm"] == arm]
+  header = ["arm", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
+            "max weight seen", "mean KL(behav||current), v1-20", "dropped tokens"]
+  rows = [[arm, _cell(at(arm, "v20")), _cell(at(arm, "final")), f"{100 * min(at(arm, 'final')):.1f}",
+           f"{max(at(arm, 'iw_max')):.3g}", f"{np.mean(at(arm, 'kl_behav_first20')):.3f}",
+           f"{100 * np.mean(at(arm, 'dropped_frac')):.2f}%"] for arm in PROBE_ARMS]
+  rows.append(["warm start (before RL)", _cell([runs[0]["initial"]]), "-", "-", "-", "-", "-"])
+  notes = (f"The probe regime: configs/default.py from one shared warm start, eta {eta}, "
+           f"{' '.join(PROBE['overrides'])}, {steps} policy versions; held-out pass@1 in % (4 samples "
+           f"at T=1 on 256 test problems), mean +- sd over {len(seeds)} seeds. `decoupled_ppo` is the "
+           "shipped default (behaviour-weight cap 5); `decoupled_ppo_uncapped` sets "
+           "rl.behav_weight_cap=inf. 'max weight seen' is the largest importance weight the loss applied "
+           "(w for decoupled PPO, the ratio to the behaviour policy for PPO and DIS).")
+  result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, eta=eta,
+                                               overrides=PROBE["overrides"] + args.override, seeds=seeds,
+                                               arms={k: v[1] for k, v in PROBE_ARMS.items()}),
+                runs=runs, seconds=time.time() - t0)
+  md = write_result("staleness_probe", result, header, rows, notes,
+                    **({"out_dir": args.out} if args.out else {}))
+  plt = pyplot()
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for arm in PROBE_ARMS:
+    rs = [r for r in runs if r["arm"] == arm]
+    xs = [0] + sorted(rs[0]["evals"])
+    ys = np.array([[r["initial"]] + [r["evals"][x] for x in xs[1:]] for r in rs])
+    ax.errorbar(xs, ys.mean(0), yerr=ys.std(0, ddof=1) if len(rs) > 1 else None, marker="o", capsize=3,
+                label=arm)
+  ax.set_xlabel("policy version")
+  ax.set_ylabel("held-out pass@1")
+  ax.set_title(f"probe regime, eta {eta}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(os.path.dirname(md), "staleness_probe.png"), dpi=120)
+  plt.close(fig)
+  print(f"[probe] wrote {md}")
+  print(json.dumps({arm: dict(v20=float(np.mean(at(arm, "v20"))), final=float(np.mean(at(arm, "final"))))
+                    for arm in PROBE_ARMS}))
   return 0
 
 

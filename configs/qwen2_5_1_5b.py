@@ -25,8 +25,7 @@ def get_config():
   c.rollout.update(num_servers=4, num_slots=128, temperature=1.0, top_p=1.0)
   c.learner.update(batch_size=512, token_budget=32768, learning_rate=2e-5, warmup_steps=10,
                    weight_decay=0.05, grad_clip=1.0)
-  c.rl.update(loss="decoupled_ppo", max_staleness=8, eps_clip=0.2, advantage="group", group_size=16,
-              behav_weight_cap=5.0)
+  c.rl.update(loss="decoupled_ppo", max_staleness=8, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)
   c.mesh.rollout.update(data=-1, fsdp=1, tensor=4)

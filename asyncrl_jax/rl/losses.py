@@ -106,32 +106,41 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
 
 
 def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_clip: float = 0.2,
-                       behav_weight_cap: Optional[float] = None, normalizer=None,
+                       behav_weight_cap: Optional[float] = None,
+                       behav_weight_floor: Optional[float] = None, normalizer=None,
                        entropy=None) -> tuple[jax.Array, Metrics]:
   """AReaL's decoupled PPO: importance-correct to the behaviour policy, trust region around prox.
 
   ``w = exp(prox_logp - behav_logp)`` (no gradient), ``u = exp(logp - prox_logp)``,
-  ``L_t = -w * min(u * A, clip(u, 1 - eps, 1 + eps) * A)``. With ``behav_weight_cap`` set, tokens with
-  ``w > cap`` get weight 0 (they stay in the normalizer). With ``prox_logp == behav_logp`` this is
-  exactly ``naive_ppo_loss`` (w = 1).
+  ``L_t = -w * min(u * A, clip(u, 1 - eps, 1 + eps) * A)``. Tokens with ``w > behav_weight_cap`` or
+  ``w < behav_weight_floor`` get weight 0 (they stay in the normalizer); ``None`` (or an infinite cap,
+  a floor of 0) drops nothing. With ``prox_logp == behav_logp`` this is exactly ``naive_ppo_loss``
+  (w = 1).
+
+  Without a cap, ``w`` is unbounded: under staleness a few tokens that the policy has since come to
+  prefer far more than when they were sampled carry weights of 10-1000 and the update follows them
+  (NOTES.md, "Decoupled PPO without a cap"); the shipped configs therefore cap it at 5, as AReaL's do.
 
   Args:
     logp: [B, T] log pi_theta, differentiable.
     prox_logp: [B, T] log-probs under the weights before this update (recomputed once per batch).
     behav_logp: [B, T] log-probs recorded when each token was sampled.
     advantages, mask, eps_clip, normalizer, entropy: as in ``naive_ppo_loss``.
-    behav_weight_cap: optional cap on ``w``.
+    behav_weight_cap: optional cap on ``w`` (tokens above it are dropped).
+    behav_weight_floor: optional floor on ``w`` (tokens below it are dropped).
   """
   mask = mask.astype(jnp.float32)
   prox_logp = jax.lax.stop_gradient(prox_logp)
   behav_logp = jax.lax.stop_gradient(behav_logp)
   log_w = _safe_log_ratio(mask, prox_logp, behav_logp)
   weight = jnp.exp(log_w)
+  dropped = jnp.zeros_like(mask, dtype=bool)
   if behav_weight_cap is not None:
-    dropped = (weight > behav_weight_cap) & (mask > 0)
-    weight = jnp.where(dropped, 0.0, weight)
-  else:
-    dropped = jnp.zeros_like(mask, dtype=bool)
+    dropped |= weight > behav_weight_cap
+  if behav_weight_floor is not None:
+    dropped |= weight < behav_weight_floor
+  dropped &= mask > 0
+  weight = jnp.where(dropped, 0.0, weight)
   log_u = _safe_log_ratio(mask, logp, prox_logp)
   per_token, clipped = _clipped_surrogate(jnp.exp(log_u), advantages, eps_clip)
   loss = jnp.sum(_masked(mask, weight * per_token)) / _normalizer(mask, normalizer)
@@ -177,7 +186,8 @@ LossFn = Callable[..., tuple[jax.Array, Metrics]]
 
 def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps_clip: float,
                 eps_low: float, eps_high: float, behav_weight_cap: Optional[float] = None,
-                normalizer=None, entropy=None) -> tuple[jax.Array, Metrics]:
+                behav_weight_floor: Optional[float] = None, normalizer=None,
+                entropy=None) -> tuple[jax.Array, Metrics]:
   """Dispatches on ``rl.loss`` (a Python string, so no traced branching).
 
   ``ppo`` uses ``behav_logp`` as pi_old; ``decoupled_ppo`` needs ``prox_logp``; ``dis`` ignores it.
@@ -189,7 +199,8 @@ def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps
     if prox_logp is None:
       raise ValueError("decoupled_ppo needs prox_logp (the prox log-prob pass)")
     return decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_clip=eps_clip,
-                              behav_weight_cap=behav_weight_cap, normalizer=normalizer,
+                              behav_weight_cap=behav_weight_cap,
+                              behav_weight_floor=behav_weight_floor, normalizer=normalizer,
                               entropy=entropy)
   if name == "dis":
     return dis_loss(logp, behav_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import jax
@@ -22,12 +23,16 @@ class LossSettings:
   eps_low: float = 0.3
   eps_high: float = 5.0
   behav_weight_cap: Optional[float] = None
+  behav_weight_floor: Optional[float] = None
   temperature: float = 1.0
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
     return cls(loss=config.rl.loss, eps_clip=config.rl.eps_clip, eps_low=config.rl.eps_low,
-               eps_high=config.rl.eps_high, behav_weight_cap=config.rl.behav_weight_cap,
+               eps_high=config.rl.eps_high,
+               behav_weight_cap=(config.rl.behav_weight_cap
+                                 if math.isfinite(config.rl.behav_weight_cap) else None),
+               behav_weight_floor=config.rl.behav_weight_floor or None,
                temperature=config.rollout.temperature or 1.0)
 
 
@@ -52,5 +57,6 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       settings.loss, logp=logp, behav_logp=batch.behav_logp, prox_logp=prox_logp,
       advantages=batch.advantages, mask=batch.mask, eps_clip=settings.eps_clip,
       eps_low=settings.eps_low, eps_high=settings.eps_high,
-      behav_weight_cap=settings.behav_weight_cap, normalizer=normalizer,
+      behav_weight_cap=settings.behav_weight_cap, behav_weight_floor=settings.behav_weight_floor,
+      normalizer=normalizer,
       entropy=jax.lax.stop_gradient(entropy))

@@ -22,10 +22,12 @@ def np_ppo(logp, old, adv, mask, eps):
   return (per * mask).sum() / n, grad
 
 
-def np_decoupled(logp, prox, behav, adv, mask, eps, cap=None):
+def np_decoupled(logp, prox, behav, adv, mask, eps, cap=None, floor=None):
   w = np.exp(prox - behav)
   if cap is not None:
     w = np.where(w > cap, 0.0, w)
+  if floor is not None:
+    w = np.where(w < floor, 0.0, w)
   u = np.exp(logp - prox)
   unclipped, clipped = u * adv, np.clip(u, 1 - eps, 1 + eps) * adv
   n = max(mask.sum(), 1.0)
@@ -136,6 +138,36 @@ def test_dis_matches_numpy(seed):
   ref_loss, ref_grad = np_dis(logp, behav, adv, mask, 0.8, 1.3)
   assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
   np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("cap,floor", [(None, None), (5.0, None), (None, 0.2), (5.0, 0.2)])
+def test_decoupled_matches_numpy_at_stale_inputs(cap, floor):
+  """Behaviour far from prox (log-ratios of +-3, weights up to ~e^6 as in the eta 8 probe), logp a
+  step away from prox so the clip is active on some tokens: value, gradient and drop count."""
+  logp, prox, behav, adv, mask = _random_inputs(7, shape=(6, 16), spread=0.3)
+  rng = np.random.default_rng(8)
+  behav = prox - rng.normal(0, 2.0, behav.shape)
+  w = np.exp(prox - behav)
+  assert (w > 5).sum() >= 5 and (w < 0.2).sum() >= 5 and w.max() > 50  # really stale
+  fn = lambda lp: losses.decoupled_ppo_loss(lp, *_f32(prox, behav, adv, mask), eps_clip=0.2,
+                                            behav_weight_cap=cap, behav_weight_floor=floor)
+  (loss, m), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logp, jnp.float32))
+  ref_loss, ref_grad = np_decoupled(logp, prox, behav, adv, mask, 0.2, cap, floor)
+  assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
+  np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
+  dropped = ((w > (cap or np.inf)) | (w < (floor or 0.0))) * mask
+  assert float(m["dropped_frac"]) == pytest.approx(dropped.sum() / mask.sum(), abs=1e-6)
+  if cap is not None or floor is not None:
+    assert dropped.sum() > 0
+
+
+def test_an_infinite_cap_and_a_zero_floor_drop_nothing():
+  logp, prox, behav, adv, mask = _f32(*_random_inputs(9, spread=2.0))
+  plain = losses.decoupled_ppo_loss(logp, prox, behav, adv, mask)
+  same = losses.decoupled_ppo_loss(logp, prox, behav, adv, mask, behav_weight_cap=float("inf"),
+                                   behav_weight_floor=0.0)
+  assert float(plain[0]) == float(same[0])
+  assert float(same[1]["dropped_frac"]) == 0.0
 
 
 # ----------------------------------------------------------------------------- invariants
