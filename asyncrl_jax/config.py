@@ -52,7 +52,7 @@ def base_config() -> ml_collections.ConfigDict:
       task="arithmetic",  # built-in task; "jsonl" / "tfds" read prepared math data
       path="",  # file or TFDS data_dir for non-built-in tasks
       tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
-      max_prompt_len=48, max_completion_len=160, shuffle_buffer=1024,
+      max_prompt_len=48, max_completion_len=160,
       min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
       num_train=20000, num_test=500,  # built-in task: problems per split
       seed=0,  # built-in task: generator seed of the problems (the run's seed drives everything else)
@@ -60,7 +60,8 @@ def base_config() -> ml_collections.ConfigDict:
       eval_samples=4,  # sampled completions per held-out problem (pass@1); 0 = greedy accuracy only
   ))
   c.rollout = ml_collections.ConfigDict(dict(
-      num_servers=1, num_slots=32, temperature=1.0, top_p=1.0, top_k=0,
+      num_slots=32,  # per decode server (one per rollout host, or per address in rollout.addresses)
+      temperature=1.0, top_p=1.0, top_k=0,
       logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
       host="127.0.0.1", port=0,
       addresses="",  # "host:port,..." of decode-server processes; "" = decode in this process
@@ -87,6 +88,7 @@ def base_config() -> ml_collections.ConfigDict:
       # below the floor (inf / 0 drop nothing). An uncapped w lets a few stale tokens steer the update
       # (NOTES.md); 5.0 is what AReaL's shipped experiment configs set.
       behav_weight_cap=5.0, behav_weight_floor=0.0,
+      behav_weight_clip=float("inf"),  # decoupled PPO: kept tokens weigh min(w, clip) (inf: no truncation)
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
       # token_mean: every policy token of the batch weighs the same (long completions weigh more);
       # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)
@@ -150,7 +152,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.data.task != "arithmetic":
     _check(bool(config.data.path), "data.path", config.data.path,
            f"required (a file or directory) when data.task={config.data.task!r}")
-  for f in ("data.max_prompt_len", "data.max_completion_len", "data.shuffle_buffer", "data.num_train",
+  for f in ("data.max_prompt_len", "data.max_completion_len", "data.num_train",
             "data.num_test", "data.eval_problems"):
     _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "data.seed", lambda v: v >= 0, "an integer >= 0", integer=True)
@@ -164,8 +166,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"data.max_prompt_len + data.max_completion_len = {total} must be <= model.max_seq_len "
            f"({config.model.max_seq_len})")
 
-  for f in ("rollout.num_servers", "rollout.num_slots"):
-    _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "rollout.num_slots", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "rollout.temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
   _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
   _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
@@ -207,7 +208,12 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _check(isinstance(cap, (int, float)) and not isinstance(cap, bool) and not math.isnan(cap) and cap > 1,
          "rl.behav_weight_cap", cap, "a number > 1 (inf: no cap)")
   _number(config, "rl.behav_weight_floor", lambda v: 0 <= v < 1, "a number in [0, 1) (0: no floor)")
+  clip = config.rl.behav_weight_clip
+  _check(isinstance(clip, (int, float)) and not isinstance(clip, bool) and not math.isnan(clip)
+         and clip > 0, "rl.behav_weight_clip", clip, "a number > 0 (inf: no truncation)")
   _one_of(config, "rl.advantage", ADVANTAGES)
+  _check(config.rl.advantage != "value", "rl.advantage", config.rl.advantage,
+         "not implemented yet: the main job trains no value model, so only 'group' runs")
   _one_of(config, "rl.aggregation", AGGREGATIONS)
   _number(config, "rl.group_size", lambda v: v >= 1, "an integer >= 1", integer=True)
   if config.rl.advantage == "group":

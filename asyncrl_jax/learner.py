@@ -31,6 +31,12 @@ from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 
 
+def idle_fraction(learner_seconds: float, seconds: float) -> float:
+  """Share of ``seconds`` of wall time in which the learner was not updating (``learner_seconds``
+  busy): the one definition the main job's metrics and the benchmarks use."""
+  return max(0.0, 1.0 - learner_seconds / max(seconds, 1e-9))
+
+
 def make_optimizer(learner_config, total_steps: int) -> optax.GradientTransformation:
   """AdamW with global-norm clipping and linear warmup then cosine decay to 10%."""
   lr = learner_config.learning_rate

@@ -27,7 +27,7 @@ from absl import app, flags, logging
 from asyncrl_jax import models, sharding
 from asyncrl_jax.jetstream_compat import orchestrator, server_lib
 from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.rollout.sampling import SamplingSettings
+from asyncrl_jax.models.sampling import SamplingSettings
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face directory (config.json + safetensors).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "Directory with tokenizer.json; '' = built-in "

@@ -17,12 +17,10 @@ from asyncrl_jax import cli
 cli.ensure_cpu_devices(4)
 
 # pylint: disable=wrong-import-position
-import collections
 import json
 import os
 import sys
 import time
-from typing import Optional
 
 import jax
 import numpy as np
@@ -33,12 +31,14 @@ from asyncrl_jax.checkpoint import Checkpointer
 from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
+from asyncrl_jax import learner as learner_lib
 from asyncrl_jax.learner import Learner
 from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rl.staleness import StalenessManager
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
 from asyncrl_jax.transfer import local_transfer
@@ -162,7 +162,7 @@ def run(config, workdir: str) -> dict:
       if os.path.exists(path):
         os.remove(path)
 
-  engine = engine_from_config(config, rollout_devices) if rollout_mesh else None
+  engine = engine_from_config(config, rollout_mesh, model_config) if rollout_mesh else None
   if engine is not None and config.rollout.warm_up:
     engine.warm_up()  # in the background, during evaluation and warm start
   eval_mesh = rollout_mesh or learner_mesh
@@ -243,22 +243,19 @@ def run(config, workdir: str) -> dict:
              unit="step", file=sys.stdout, dynamic_ncols=True)
   # Decode counters count from here (remote decode servers may have been up, idle, for a while).
   decode_base, t_rl = backend.decode_stats(), time.time()
-  decode, decode_seconds = collections.Counter(), 0.0  # as of the last version
+  decode, decode_seconds = DecodeStats(), 0.0  # as of the last version
   rl_tokens_this_run = 0
-  wait_total = train_total = 0.0
+  train_total = 0.0  # seconds the learner spent updating since RL started
   try:
     controller.pump()
     while learner.version < config.steps:
       if backend.error is not None:
         raise RuntimeError(f"rollout failed: {backend.error!r}")
-      t = time.time()
       batch = controller.next_batch(learner.version, timeout=5.0)
-      wait_total += time.time() - t
       if batch is None:
         continue
-      t = time.time()
       m = learner.train(batch.sequences)
-      train_total += time.time() - t
+      train_total += m["learner_seconds"]
       transfer = backend.update_weights(learner.params, learner.version)
       manager.set_version(learner.version)
       controller.pump()
@@ -266,19 +263,16 @@ def run(config, workdir: str) -> dict:
       trained_tokens += tokens
       rl_tokens_this_run += tokens
       max_staleness_seen = max(max_staleness_seen, batch.max_staleness_seen)
-      decode, decode_seconds = _counted_since(backend.decode_stats(), decode_base), time.time() - t_rl
+      decode, decode_seconds = backend.decode_stats().since(decode_base), time.time() - t_rl
       record = dict(
           version=learner.version, time=time.time() - t_start, reward=float(batch.rewards.mean()),
           accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
           max_staleness_seen=batch.max_staleness_seen, mean_staleness=batch.mean_staleness,
           failed_rollouts=batch.failed, transfer_seconds=transfer.seconds,
           tokens_per_s=rl_tokens_this_run / max(time.time() - t_rl, 1e-9),
-          learner_idle_fraction=wait_total / max(wait_total + train_total, 1e-9),
-          interrupted_sequences=decode["interrupted_sequences"],
-          # cumulative decode counters, summed over the decode servers (idle: divide by servers)
-          decode_servers=decode["servers"], decode_tokens=decode["tokens"],
-          decode_slot_steps=decode["slot_steps"], decode_idle_seconds=decode["idle_seconds"],
-          decode_interrupt_seconds=decode["interrupt_seconds"],
+          learner_idle_fraction=learner_lib.idle_fraction(train_total, time.time() - t_rl),
+          # cumulative decode counters since RL started, summed over the decode servers
+          **decode.as_metrics(),
           **{k: v for k, v in m.items() if k != "version"})
       if learner.version % config.learner.eval_every == 0 or learner.version == config.steps:
         eval_params = (backend.rollout_params if not remote else
@@ -327,8 +321,8 @@ def run(config, workdir: str) -> dict:
       "loss": config.rl.loss,
       "steps": learner.version,
       "warm_start_seconds": meta.get("warm_start_seconds"),
-      "learner_idle_fraction": wait_total / max(wait_total + train_total, 1e-9),
-      "decode_slot_utilization": _slot_utilization(decode, decode_seconds),
+      "learner_idle_fraction": learner_lib.idle_fraction(train_total, time.time() - t_rl),
+      "decode_slot_utilization": decode.slot_utilization(decode_seconds),
       "duplicates_dropped": controller.duplicates,
       "failed_rollouts": controller.failed,
       "devices": {"rollout": dict(rollout_mesh.shape) if rollout_mesh else remote,
@@ -339,20 +333,6 @@ def run(config, workdir: str) -> dict:
   _plot(history, summary, os.path.join(workdir, "progress.png"))
   _print_summary(summary)
   return summary
-
-
-def _counted_since(now: collections.Counter, base: collections.Counter) -> collections.Counter:
-  """Decode counters accumulated since ``base`` (the number of servers is kept as it is)."""
-  return collections.Counter({k: (v if k == "servers" else v - base[k]) for k, v in now.items()})
-
-
-def _slot_utilization(stats, seconds: float) -> Optional[float]:
-  """Share of decode-slot capacity that produced tokens: occupancy of the decode steps run, times the
-  share of time the decode servers were not waiting for work. ``None`` before any decode step."""
-  if not stats.get("slot_steps"):
-    return None
-  idle_share = stats["idle_seconds"] / max(stats["servers"], 1) / max(seconds, 1e-9)
-  return stats["tokens"] / stats["slot_steps"] * max(0.0, 1.0 - idle_share)
 
 
 def _jsonable(d: dict) -> dict:

@@ -50,6 +50,8 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
+from asyncrl_jax.learner import idle_fraction as learner_idle_fraction  # noqa: E402  pylint: disable=wrong-import-position
+from asyncrl_jax.rollout.stats import DecodeStats  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
 from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402
@@ -70,21 +72,19 @@ def window_metrics(records: list, skip: int) -> dict:
   b = rest[-1]
   seconds = b["time"] - a["time"]
   tokens = sum(r["trained_tokens"] for r in rest)
-  slot_steps = b["decode_slot_steps"] - a["decode_slot_steps"]
-  # summed over the decode servers (one number per server since the counters existed)
-  idle = (b["decode_idle_seconds"] - a["decode_idle_seconds"]) / b.get("decode_servers", 1)
-  decoded = b["decode_tokens"] - a["decode_tokens"]
-  # re-prefill after weight updates (logged since the counter existed; 0 for older logs)
-  interrupt = b.get("decode_interrupt_seconds", 0.0) - a.get("decode_interrupt_seconds", 0.0)
+  decode = DecodeStats.from_metrics(b).since(DecodeStats.from_metrics(a))
+  idle = decode.idle_seconds / max(decode.servers, 1)
+  interrupt = decode.interrupt_seconds
+  learner_seconds = sum(r["learner_seconds"] for r in rest)
   return dict(
       interrupt_seconds=interrupt, interrupt_seconds_per_version=interrupt / len(rest),
       interrupt_share_of_decode=interrupt / max(seconds - idle, 1e-9),
       tokens_per_s=tokens / seconds, seconds=seconds, trained_tokens=tokens,
-      slot_utilization=decoded / max(slot_steps, 1) * max(0.0, 1.0 - idle / seconds),
-      slot_occupancy=decoded / max(slot_steps, 1),
-      decode_busy_seconds=seconds - idle, slot_steps=slot_steps,
-      learner_idle_fraction=1.0 - sum(r["learner_seconds"] for r in rest) / seconds,
-      learner_tokens_per_s=tokens / max(sum(r["learner_seconds"] for r in rest), 1e-9),
+      slot_utilization=decode.slot_utilization(seconds) or 0.0,
+      slot_occupancy=decode.tokens / max(decode.slot_steps, 1),
+      decode_busy_seconds=seconds - idle, slot_steps=decode.slot_steps,
+      learner_idle_fraction=learner_idle_fraction(learner_seconds, seconds),
+      learner_tokens_per_s=tokens / max(learner_seconds, 1e-9),
       max_staleness_seen=max(r["max_staleness_seen"] for r in records),
       mean_staleness=sum(r["mean_staleness"] for r in rest) / len(rest),
       transfer_seconds_per_version=sum(r.get("transfer_seconds", 0.0) for r in rest) / len(rest))

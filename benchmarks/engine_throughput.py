@@ -176,7 +176,7 @@ def main(argv=None):
       "decode_step_s": step_s,
       "interrupt_cost_in_steps": refill_s / step_s,
       "interrupt_mixed": mixed,
-      "slot_utilization": stats["tokens"] / stats["slot_steps"],
+      "slot_utilization": stats.tokens / stats.slot_steps,
       "engine_runs_tok_s": engine_runs,
       "reference_runs_tok_s": reference_runs,
       "machine": machine(),

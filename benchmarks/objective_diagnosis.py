@@ -110,6 +110,10 @@ def analyze(args) -> None:
   model_config = config_lib.model_config(config)
   eps = saved["rl"]["eps_clip"]
   versions = sorted(int(p[-8:-4]) for p in glob.glob(os.path.join(diag, "batch_*.npz")))
+  recorded = set(versions)
+  if args.versions:
+    lo, hi = (int(x) for x in args.versions.split(":"))
+    versions = [v for v in versions if lo <= v <= hi]
   param_cache: dict[int, dict] = {}
   like = None
 
@@ -140,7 +144,7 @@ def analyze(args) -> None:
     mbs = batching.pack_sequences(seqs, saved["learner"]["token_budget"])
     median_len = float(np.median([s.mask.sum() for s in seqs]))
     prox_p = params_at(v)
-    next_p = params_at(v + 1) if v + 1 in versions else None
+    next_p = params_at(v + 1) if v + 1 in recorded else None
     n_tok = batching.total_policy_tokens(mbs)
     stats = dict(w=[], adv=[], seq_len=[], align=[], interrupted_align=[], ref_err=[])
     grads = {}
@@ -148,7 +152,7 @@ def analyze(args) -> None:
       b = batching.TokenBatch(*[jnp.asarray(x) for x in b])
       m = np.asarray(b.mask) > 0
       prox = np.asarray(logp_fn(prox_p, b))
-      behav, adv = np.asarray(b.behav_logp), np.asarray(b.advantages)
+      behav, adv, lw = np.asarray(b.behav_logp), np.asarray(b.advantages), np.asarray(b.loss_weight)
       w = np.exp(np.minimum(np.where(m, prox - behav, 0.0), losses.MAX_LOG_RATIO))
       stats["w"].append(w[m])
       stats["adv"].append(adv[m])
@@ -176,7 +180,8 @@ def analyze(args) -> None:
             e = err[r][sel]
             stats["interrupted_align"].append(e[~np.isnan(e)])
       # subsets of the first update's gradient
-      base = w * adv / n_tok
+      base = w * adv * lw / n_tok
+      base_tm = w * adv / n_tok  # the same batch under token-mean aggregation (no loss weights)
       keep_naive = ~(((adv > 0) & (w > 1 + eps)) | ((adv < 0) & (w < 1 - eps)))
       subsets = {
           "decoupled": m,
@@ -185,19 +190,24 @@ def analyze(args) -> None:
           "extra_over_naive": m & ~keep_naive,
           "extra_pos_adv": m & ~keep_naive & (adv > 0),
           "long_half": m & (lens > median_len),
+          "w_lt02": m & (w < 0.2),
+          "w_lt02_neg_adv": m & (w < 0.2) & (adv < 0),
+          "w_in_02_5": m & (w >= 0.2) & (w <= 5),
       }
-      for name, sel in subsets.items():
-        g = grad_fn(prox_p, b, jnp.asarray(np.where(sel, base, 0.0), jnp.float32))
+      coefs = {name: np.where(sel, base, 0.0) for name, sel in subsets.items()}
+      coefs.update(token_mean=np.where(m, base_tm, 0.0), token_mean_w_gt5=np.where(m & (w > 5), base_tm, 0.0))
+      for name, coef in coefs.items():
+        g = grad_fn(prox_p, b, jnp.asarray(coef, jnp.float32))
         grads[name] = g if name not in grads else jax.tree.map(jnp.add, grads[name], g)
       # gradient wrt logp against the formula, at logp one version on (clipping active)
       if next_p is not None:
         logp = jnp.asarray(logp_fn(next_p, b))
         g_lp = np.asarray(jax.grad(lambda lp: losses.decoupled_ppo_loss(
             lp, jnp.asarray(prox), b.behav_logp, b.advantages, b.mask, eps_clip=eps,
-            normalizer=n_tok)[0])(logp))
+            normalizer=n_tok, loss_weight=b.loss_weight)[0])(logp))
         u_r = np.exp(np.where(m, np.asarray(logp) - prox, 0.0))
         active = ~(((adv > 0) & (u_r > 1 + eps)) | ((adv < 0) & (u_r < 1 - eps)))
-        ref = np.where(m & active, -w * u_r * adv / n_tok, 0.0)
+        ref = np.where(m & active, -w * u_r * adv * lw / n_tok, 0.0)
         scale = np.abs(ref).max() + 1e-30
         stats["ref_err"].append(np.array([np.abs(g_lp - ref).max() / scale]))
     w_all, adv_all = np.concatenate(stats["w"]), np.concatenate(stats["adv"])
@@ -211,7 +221,8 @@ def analyze(args) -> None:
         w_q50=float(np.quantile(w_all, 0.5)), w_q99=float(np.quantile(w_all, 0.99)),
         w_max=float(w_all.max()), frac_w_gt5=float((w_all > 5).mean()),
         frac_w_lt02=float((w_all < 0.2).mean()),
-        kl_behav_prox=float(np.mean(np.expm1(-log_w) + log_w)),  # k3 of KL(behav || prox)
+        # k3 estimate of KL(behav || prox) from the behaviour policy's samples: E[(w - 1) - log w]
+        kl_behav_prox=float(np.mean(np.expm1(log_w) - log_w)),
         frac_extra_over_naive=float((~(((adv_all > 0) & (w_all > 1 + eps)) |
                                        ((adv_all < 0) & (w_all < 1 - eps)))).mean()),
         grad_norm_decoupled=norm["decoupled"], grad_norm_naive=norm["naive"],
@@ -220,6 +231,11 @@ def analyze(args) -> None:
         share_extra=norm["extra_over_naive"] / max(norm["decoupled"], 1e-30),
         share_extra_pos=norm["extra_pos_adv"] / max(norm["decoupled"], 1e-30),
         share_long_half=norm["long_half"] / max(norm["decoupled"], 1e-30),
+        share_w_gt5_token_mean=norm["token_mean_w_gt5"] / max(norm["token_mean"], 1e-30),
+        share_w_lt02=norm["w_lt02"] / max(norm["decoupled"], 1e-30),
+        share_w_lt02_neg_adv=norm["w_lt02_neg_adv"] / max(norm["decoupled"], 1e-30),
+        cos_kept_02_5=cos("w_in_02_5", "decoupled"), cos_kept_02_5_naive=cos("w_in_02_5", "naive"),
+        frac_w_lt02_neg_adv=float(((w_all < 0.2) & (adv_all < 0)).mean()),
         align_max=float(align.max()), align_tokens=int(align.size),
         interrupted_tokens=int(sum(x.size for x in stats["interrupted_align"])),
         interrupted_align_max=float(max((x.max() for x in stats["interrupted_align"] if x.size),
@@ -230,8 +246,9 @@ def analyze(args) -> None:
     print(json.dumps(row), flush=True)
   with open(os.path.join(args.workdir, "diagnosis.json"), "w") as f:
     json.dump(dict(config=saved["rl"], rows=rows), f, indent=2)
-  keys = ["version", "w_q50", "w_q99", "w_max", "frac_w_gt5", "kl_behav_prox", "grad_norm_decoupled",
-          "grad_norm_naive", "cos_naive_decoupled", "share_w_gt5", "share_extra", "align_max"]
+  keys = ["version", "w_q99", "w_max", "frac_w_gt5", "kl_behav_prox", "grad_norm_decoupled",
+          "cos_naive_decoupled", "share_w_gt5", "share_w_gt5_token_mean", "share_extra_pos", "align_max",
+          "interrupted_align_max"]
   print(" ".join(f"{k:>12}" for k in keys))
   for r in rows[::10]:
     print(" ".join(f"{r[k]:>12.4g}" if isinstance(r[k], float) else f"{r[k]:>12}" for k in keys))
@@ -248,6 +265,7 @@ def main(argv=None) -> int:
   r.add_argument("--override", action="append", default=[])
   a = sub.add_parser("analyze")
   a.add_argument("--workdir", required=True)
+  a.add_argument("--versions", default="", help="FIRST:LAST (inclusive); default every recorded version")
   args = p.parse_args(argv)
   record(args) if args.mode == "record" else analyze(args)
   return 0

@@ -72,6 +72,7 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("rl.eps_clip", 1.5, r"rl.eps_clip=1.5 is not allowed"),
     ("rl.eps_low", 1.0, r"rl.eps_low=1.0 is not allowed"),
     ("rl.eps_high", 0.0, r"rl.eps_high=0.0 is not allowed"),
+    ("rl.advantage", "value", r"rl.advantage='value' is not allowed: not implemented yet"),
     ("rl.behav_weight_cap", 1.0, r"rl.behav_weight_cap=1.0 is not allowed: a number > 1 \(inf: no cap\)"),
     ("rl.behav_weight_cap", float("nan"), r"rl.behav_weight_cap=nan is not allowed"),
     ("rl.behav_weight_floor", 1.0, r"rl.behav_weight_floor=1.0 is not allowed: a number in \[0, 1\)"),

@@ -1,26 +1,36 @@
 """The policy model: a Qwen2/Llama-family decoder, its KV cache, and Hugging Face import/export."""
 
+import jax
+
 from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_logits, count_params, decode,
                                     init_cache, init_params, logits, param_shardings)
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
-from asyncrl_jax.models.hf import CheckpointError, config_from_hf, config_to_hf, export_hf, load_hf
+from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf, load_hf,
+                                   read_hf_config)
 from asyncrl_jax.models.transformer import KVCache
+
+
+def config_of(config) -> ModelConfig:
+  """The architecture an experiment config describes, without loading weights: ``model.hf_path``'s
+  ``config.json`` when set, else the ``model`` section."""
+  if config.model.hf_path:
+    return config_from_hf(read_hf_config(config.model.hf_path), config.model.hf_path,
+                          dtype=config.model.param_dtype)
+  return ModelConfig.from_mapping(config.model.to_dict())
 
 
 def from_config(config, mesh):
   """``(ModelConfig, params)`` on ``mesh``: from ``model.hf_path`` when set (architecture and weights
   in ``model.param_dtype``), else the ``model`` section's architecture, randomly initialised from
   ``seed``."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   if config.model.hf_path:
     return load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.param_dtype)
-  model_config = config_lib.model_config(config)
+  model_config = ModelConfig.from_mapping(config.model.to_dict())
   return model_config, init_params(model_config, jax.random.key(config.seed), mesh=mesh)
 
 
 __all__ = [
     "ModelConfig", "ModelConfigError", "CheckpointError", "KVCache", "abstract_params", "apply_decode",
-    "apply_logits", "config_from_hf", "config_to_hf", "count_params", "decode", "export_hf", "from_config",
+    "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params", "decode", "export_hf", "from_config",
     "init_cache", "init_params", "load_hf", "logits", "param_shardings",
 ]

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.sampling import SamplingSettings, sample
 
 
 def greedy_generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: jax.Array, *,
@@ -35,10 +36,8 @@ def greedy_generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_le
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "eos_id", "mesh", "settings"))
 def generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: jax.Array, key=None, *,
              max_new_tokens: int, eos_id: int, mesh: Optional[Mesh] = None, settings=None):
-  """Like ``greedy_generate``; with ``settings`` (a ``rollout.SamplingSettings`` with temperature > 0)
+  """Like ``greedy_generate``; with ``settings`` (a ``models.sampling.SamplingSettings`` with temperature > 0)
   and a PRNG ``key``, tokens are sampled from the same transformed distribution the engine samples."""
-  # the engine's own token choice (argmax at temperature 0); imported here: rollout imports models
-  from asyncrl_jax.rollout.sampling import SamplingSettings, sample  # pylint: disable=import-outside-toplevel
   settings = settings or SamplingSettings(temperature=0.0)
   if settings.temperature > 0 and key is None:
     raise ValueError("sampling needs a PRNG key")

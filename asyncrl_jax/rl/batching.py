@@ -22,7 +22,9 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-DEFAULT_ROW_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+from asyncrl_jax import bucketing
+
+DEFAULT_ROW_BUCKETS = bucketing.ROW_BUCKETS
 
 
 class PackingError(ValueError):
@@ -69,11 +71,11 @@ def pack(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
 
 
 def bucket(n: int, buckets: Sequence[int] = DEFAULT_ROW_BUCKETS) -> int:
-  """Smallest bucket >= n."""
-  for b in buckets:
-    if b >= n:
-      return b
-  raise PackingError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+  """Smallest bucket >= n (``bucketing.bucket``), as a PackingError when none holds it."""
+  try:
+    return bucketing.bucket(n, buckets)
+  except bucketing.BucketError as e:
+    raise PackingError(str(e)) from None
 
 
 class MicroBatchPlan(NamedTuple):
@@ -110,6 +112,7 @@ class SequenceData(NamedTuple):
   behav_logp: np.ndarray  # float32 [n]
   advantages: np.ndarray  # float32 [n]
   versions: np.ndarray  # int32 [n]: policy version that sampled the token (-1 off policy tokens)
+  loss_weight: Optional[np.ndarray] = None  # float32 [n]: per-token weight of the loss; None: 1
 
 
 def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0
@@ -137,12 +140,13 @@ class TokenBatch(NamedTuple):
   behav_logp: np.ndarray
   advantages: np.ndarray
   versions: np.ndarray
+  loss_weight: np.ndarray  # 1 unless the aggregation weighs tokens (see weight_sequences_equally)
 
 
 def _check_sequence(i: int, s: SequenceData) -> int:
   n = len(s.tokens)
   for name in SequenceData._fields:
-    if len(getattr(s, name)) != n:
+    if getattr(s, name) is not None and len(getattr(s, name)) != n:
       raise PackingError(f"sequence {i}: field {name} has {len(getattr(s, name))} entries, "
                          f"tokens has {n}")
   if n and s.mask[0]:
@@ -160,7 +164,7 @@ def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]]
   out = TokenBatch(tokens=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32),
                    segment_ids=np.zeros(shape, np.int32), mask=np.zeros(shape, np.float32),
                    behav_logp=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
-                   versions=np.full(shape, -1, np.int32))
+                   versions=np.full(shape, -1, np.int32), loss_weight=np.zeros(shape, np.float32))
   for r, row in enumerate(rows):
     start = 0
     for seg, i in enumerate(row, start=1):
@@ -176,6 +180,7 @@ def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]]
       out.behav_logp[r, sl] = s.behav_logp
       out.advantages[r, sl] = s.advantages
       out.versions[r, sl] = s.versions
+      out.loss_weight[r, sl] = 1.0 if s.loss_weight is None else s.loss_weight
       start += n
   return out
 
@@ -221,17 +226,17 @@ def total_policy_tokens(batches: Sequence[TokenBatch]) -> float:
 
 
 def weight_sequences_equally(sequences: Sequence[SequenceData]) -> list[SequenceData]:
-  """Rescales advantages so that the token-mean loss becomes a mean over sequences.
+  """Per-token loss weights that turn the token-mean loss into a mean over sequences.
 
-  Sequence ``i`` with ``n_i`` policy tokens gets its advantages multiplied by ``(T / N) / n_i``, where
-  ``T`` is the policy-token total and ``N`` the number of sequences with policy tokens. Divided by the
-  usual normaliser ``T``, token ``t`` of sequence ``i`` then weighs ``A_t / (N n_i)``: each sequence
-  contributes the mean of its tokens, and sequences count equally whatever their length.
+  Sequence ``i`` with ``n_i`` policy tokens gets ``loss_weight = (T / N) / n_i``, where ``T`` is the
+  policy-token total and ``N`` the number of sequences with policy tokens. Divided by the usual
+  normaliser ``T``, token ``t`` of sequence ``i`` then weighs ``1 / (N n_i)``: each sequence contributes
+  the mean of its tokens, and sequences count equally whatever their length. Advantages are untouched.
   """
   counts = [float(np.sum(s.mask)) for s in sequences]
   live = [n for n in counts if n > 0]
   if not live:
     return list(sequences)
   per_sequence = sum(live) / len(live)
-  return [s._replace(advantages=(s.advantages * (per_sequence / n)).astype(np.float32)) if n > 0 else s
+  return [s._replace(loss_weight=np.full(len(s.tokens), per_sequence / n, np.float32)) if n > 0 else s
           for s, n in zip(sequences, counts)]

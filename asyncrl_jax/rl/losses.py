@@ -3,9 +3,14 @@
 All arrays are ``[B, T]`` (any shape works, as long as all agree). ``mask`` is 1 on policy tokens (sampled
 actions) and 0 elsewhere (prompt, tool output, padding). ``advantages`` are already per token.
 
-Aggregation: every loss is the token mean over the global batch,
+Aggregation: every loss is the (weighted) token mean over the global batch,
 
-    loss = sum_t mask_t * L_t / normalizer,   normalizer = max(sum_t mask_t, 1)  (default),
+    loss = sum_t mask_t * c_t * L_t / normalizer,   normalizer = max(sum_t mask_t, 1)  (default),
+
+where ``c_t`` is the optional per-token ``loss_weight`` (1 by default; sequence-mean aggregation sets
+``c_t = (T / N) / n_i`` on the tokens of sequence ``i``, see ``batching.weight_sequences_equally``).
+Every ``L_t`` is linear in ``A_t`` for ``c_t > 0``, so weighting the loss is the same as weighting the
+advantages, but advantages stay advantages.
 
 and tokens dropped by a cap or by the DIS interval stay in the normalizer, so dropping never inflates
 the remaining tokens' gradient. Pass ``normalizer`` explicitly when one global batch is split into
@@ -50,6 +55,13 @@ def _normalizer(mask, normalizer):
   return jnp.maximum(jnp.asarray(normalizer, jnp.float32), 1.0)
 
 
+def _weighted_sum(mask, loss_weight, per_token):
+  """``sum_t mask_t * c_t * L_t`` (``c = loss_weight``, 1 when None), NaN-free for padding content."""
+  if loss_weight is not None:
+    per_token = _masked(mask, loss_weight) * per_token
+  return jnp.sum(_masked(mask, per_token))
+
+
 def _mean(mask, x):
   return jnp.sum(_masked(mask, x)) / jnp.maximum(jnp.sum(mask), 1.0)
 
@@ -80,7 +92,7 @@ def _common_metrics(mask, weight, log_ratio_behav, entropy) -> Metrics:
 
 
 def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
-                   normalizer=None, entropy=None) -> tuple[jax.Array, Metrics]:
+                   normalizer=None, entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
   """PPO with a single ``pi_old`` (here the behaviour policy): the baseline that breaks under staleness.
 
   ``r = exp(logp - old_logp)``, ``L_t = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)``.
@@ -93,12 +105,13 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
     eps_clip: clip range.
     normalizer: optional denominator (see module docstring).
     entropy: optional [B, T] per-token entropy, for metrics only.
+    loss_weight: optional [B, T] per-token weight ``c_t >= 0`` of the loss (see module docstring).
   """
   mask = mask.astype(jnp.float32)
   log_ratio = _safe_log_ratio(mask, logp, jax.lax.stop_gradient(old_logp))
   ratio = jnp.exp(log_ratio)
   per_token, clipped = _clipped_surrogate(ratio, advantages, eps_clip)
-  loss = jnp.sum(_masked(mask, per_token)) / _normalizer(mask, normalizer)
+  loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, ratio, log_ratio, entropy)
   metrics.update(clipped_frac=_mean(mask, clipped.astype(jnp.float32)),
                  dropped_frac=jnp.zeros((), jnp.float32))
@@ -107,15 +120,17 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
 
 def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_clip: float = 0.2,
                        behav_weight_cap: Optional[float] = None,
-                       behav_weight_floor: Optional[float] = None, normalizer=None,
-                       entropy=None) -> tuple[jax.Array, Metrics]:
+                       behav_weight_floor: Optional[float] = None,
+                       behav_weight_clip: Optional[float] = None, normalizer=None,
+                       entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
   """AReaL's decoupled PPO: importance-correct to the behaviour policy, trust region around prox.
 
   ``w = exp(prox_logp - behav_logp)`` (no gradient), ``u = exp(logp - prox_logp)``,
   ``L_t = -w * min(u * A, clip(u, 1 - eps, 1 + eps) * A)``. Tokens with ``w > behav_weight_cap`` or
   ``w < behav_weight_floor`` get weight 0 (they stay in the normalizer); ``None`` (or an infinite cap,
-  a floor of 0) drops nothing. With ``prox_logp == behav_logp`` this is exactly ``naive_ppo_loss``
-  (w = 1).
+  a floor of 0) drops nothing. ``behav_weight_clip`` truncates instead of dropping: the weight of a
+  kept token is ``min(w, clip)`` (V-trace's truncated importance weight). With
+  ``prox_logp == behav_logp`` this is exactly ``naive_ppo_loss`` (w = 1).
 
   Without a cap, ``w`` is unbounded: under staleness a few tokens that the policy has since come to
   prefer far more than when they were sampled carry weights of 10-1000 and the update follows them
@@ -125,9 +140,10 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
     logp: [B, T] log pi_theta, differentiable.
     prox_logp: [B, T] log-probs under the weights before this update (recomputed once per batch).
     behav_logp: [B, T] log-probs recorded when each token was sampled.
-    advantages, mask, eps_clip, normalizer, entropy: as in ``naive_ppo_loss``.
+    advantages, mask, eps_clip, normalizer, entropy, loss_weight: as in ``naive_ppo_loss``.
     behav_weight_cap: optional cap on ``w`` (tokens above it are dropped).
     behav_weight_floor: optional floor on ``w`` (tokens below it are dropped).
+    behav_weight_clip: optional truncation of ``w`` (kept tokens weigh ``min(w, clip)``).
   """
   mask = mask.astype(jnp.float32)
   prox_logp = jax.lax.stop_gradient(prox_logp)
@@ -141,9 +157,11 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
     dropped |= weight < behav_weight_floor
   dropped &= mask > 0
   weight = jnp.where(dropped, 0.0, weight)
+  if behav_weight_clip is not None:
+    weight = jnp.minimum(weight, behav_weight_clip)
   log_u = _safe_log_ratio(mask, logp, prox_logp)
   per_token, clipped = _clipped_surrogate(jnp.exp(log_u), advantages, eps_clip)
-  loss = jnp.sum(_masked(mask, weight * per_token)) / _normalizer(mask, normalizer)
+  loss = _weighted_sum(mask, loss_weight, weight * per_token) / _normalizer(mask, normalizer)
   log_ratio_behav = _safe_log_ratio(mask, logp, behav_logp)
   metrics = _common_metrics(mask, weight, log_ratio_behav, entropy)
   metrics.update(clipped_frac=_mean(mask, (clipped & ~dropped).astype(jnp.float32)),
@@ -153,7 +171,7 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
 
 
 def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: float,
-             normalizer=None, entropy=None) -> tuple[jax.Array, Metrics]:
+             normalizer=None, entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
   """SAO's DIS: keep a token's importance weight only strictly inside ``(1 - eps_low, 1 + eps_high)``.
 
   ``rho = exp(logp - behav_logp)``, ``keep = (1 - eps_low < rho < 1 + eps_high)`` (decided without
@@ -163,7 +181,7 @@ def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: fl
   Args:
     logp: [B, T] log pi_theta, differentiable.
     behav_logp: [B, T] log-probs recorded when each token was sampled.
-    advantages, mask, normalizer, entropy: as in ``naive_ppo_loss``.
+    advantages, mask, normalizer, entropy, loss_weight: as in ``naive_ppo_loss``.
     eps_low: 0 < eps_low < 1.
     eps_high: > 0.
   """
@@ -174,7 +192,7 @@ def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: fl
   keep = (rho_sg > 1.0 - eps_low) & (rho_sg < 1.0 + eps_high) & (mask > 0)
   rho = jnp.exp(jnp.where(keep, log_rho, 0.0))  # no exp of dropped tokens' values in the gradient path
   per_token = jnp.where(keep, -rho * advantages, 0.0)
-  loss = jnp.sum(per_token) / _normalizer(mask, normalizer)
+  loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, rho_sg, log_rho, entropy)
   metrics.update(clipped_frac=jnp.zeros((), jnp.float32),
                  dropped_frac=_mean(mask, ((~keep) & (mask > 0)).astype(jnp.float32)))
@@ -186,25 +204,27 @@ LossFn = Callable[..., tuple[jax.Array, Metrics]]
 
 def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps_clip: float,
                 eps_low: float, eps_high: float, behav_weight_cap: Optional[float] = None,
-                behav_weight_floor: Optional[float] = None, normalizer=None,
-                entropy=None) -> tuple[jax.Array, Metrics]:
+                behav_weight_floor: Optional[float] = None,
+                behav_weight_clip: Optional[float] = None, normalizer=None,
+                entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
   """Dispatches on ``rl.loss`` (a Python string, so no traced branching).
 
   ``ppo`` uses ``behav_logp`` as pi_old; ``decoupled_ppo`` needs ``prox_logp``; ``dis`` ignores it.
   """
   if name == "ppo":
     return naive_ppo_loss(logp, behav_logp, advantages, mask, eps_clip=eps_clip,
-                          normalizer=normalizer, entropy=entropy)
+                          normalizer=normalizer, entropy=entropy, loss_weight=loss_weight)
   if name == "decoupled_ppo":
     if prox_logp is None:
       raise ValueError("decoupled_ppo needs prox_logp (the prox log-prob pass)")
     return decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_clip=eps_clip,
                               behav_weight_cap=behav_weight_cap,
-                              behav_weight_floor=behav_weight_floor, normalizer=normalizer,
-                              entropy=entropy)
+                              behav_weight_floor=behav_weight_floor,
+                              behav_weight_clip=behav_weight_clip, normalizer=normalizer,
+                              entropy=entropy, loss_weight=loss_weight)
   if name == "dis":
     return dis_loss(logp, behav_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                    normalizer=normalizer, entropy=entropy)
+                    normalizer=normalizer, entropy=entropy, loss_weight=loss_weight)
   raise ValueError(f"rl.loss={name!r}: must be one of ('ppo', 'decoupled_ppo', 'dis')")
 
 

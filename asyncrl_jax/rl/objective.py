@@ -24,6 +24,7 @@ class LossSettings:
   eps_high: float = 5.0
   behav_weight_cap: Optional[float] = None
   behav_weight_floor: Optional[float] = None
+  behav_weight_clip: Optional[float] = None
   temperature: float = 1.0
 
   @classmethod
@@ -33,6 +34,8 @@ class LossSettings:
                behav_weight_cap=(config.rl.behav_weight_cap
                                  if math.isfinite(config.rl.behav_weight_cap) else None),
                behav_weight_floor=config.rl.behav_weight_floor or None,
+               behav_weight_clip=(config.rl.behav_weight_clip
+                                  if math.isfinite(config.rl.behav_weight_clip) else None),
                temperature=config.rollout.temperature or 1.0)
 
 
@@ -58,5 +61,6 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       advantages=batch.advantages, mask=batch.mask, eps_clip=settings.eps_clip,
       eps_low=settings.eps_low, eps_high=settings.eps_high,
       behav_weight_cap=settings.behav_weight_cap, behav_weight_floor=settings.behav_weight_floor,
-      normalizer=normalizer,
+      behav_weight_clip=settings.behav_weight_clip,
+      normalizer=normalizer, loss_weight=batch.loss_weight,
       entropy=jax.lax.stop_gradient(entropy))

@@ -1,7 +1,7 @@
 """The rollout side: a JetStream engine for our model, the RL decode server, streaming, serving."""
 
 from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.rollout.sampling import SamplingSettings
+from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
 

@@ -2,9 +2,8 @@
 
 Both backends offer the same narrow interface to the main loop:
 ``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats``, ``start()``,
-``stop()``, ``error``, ``wait_until_warm()`` and ``decode_stats()`` (the decode servers' cumulative counters, summed: tokens,
-steps, slot_steps, idle_seconds, interrupt_seconds, ...). Finished trajectories go to the
-``on_trajectory`` callback.
+``stop()``, ``error``, ``wait_until_warm()`` and ``decode_stats()`` (the decode servers' cumulative
+counters, summed: a ``DecodeStats``). Finished trajectories go to the ``on_trajectory`` callback.
 """
 
 from __future__ import annotations
@@ -19,7 +18,9 @@ from typing import Callable, Optional, Sequence
 
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.server import DecodeServer
-from asyncrl_jax.rollout.service import DECODE_COUNTERS, RolloutClient
+from asyncrl_jax.rollout import protocol
+from asyncrl_jax.rollout.service import RolloutClient
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.transfer import TransferStats, WeightSender, local_transfer, uuid_for
 
@@ -54,9 +55,8 @@ class LocalRollout:
     if not self.engine.wait_for_compiles(timeout):  # not fatal: calls compile what they still lack
       log.warning("the decode server is still compiling after %.0fs; starting anyway", timeout)
 
-  def decode_stats(self) -> collections.Counter:
-    stats = self.server.stats  # read key by key: the decode loop's thread updates it
-    return collections.Counter({k: stats[k] for k in DECODE_COUNTERS}, servers=1)
+  def decode_stats(self) -> DecodeStats:
+    return self.server.stats.copy()  # a snapshot: the decode loop's thread keeps counting
 
   def start(self) -> None:
     self.server.start()
@@ -111,14 +111,11 @@ class RemoteRollout:
         return
       time.sleep(0.2)
 
-  def decode_stats(self) -> collections.Counter:
-    """Every decode server's counters (one ``Health`` call each), summed. ``idle_seconds`` is summed
-    too: divide by the number of servers for the share of time they waited for work."""
-    total = collections.Counter()
-    for reply in self._pool.map(lambda c: c.health(timeout=30), self.clients):
-      total.update({k: getattr(reply, k) for k in DECODE_COUNTERS})
-    total["servers"] = len(self.clients)
-    return total
+  def decode_stats(self) -> DecodeStats:
+    """Every decode server's counters (one ``Health`` call each), summed (``servers`` counts them;
+    ``idle_seconds`` is summed too)."""
+    replies = self._pool.map(lambda c: c.health(timeout=30), self.clients)
+    return sum((protocol.stats_from_pb(r.stats) for r in replies), DecodeStats(servers=0))
 
   def _stream(self, client: RolloutClient) -> None:
     while not self._stop.is_set():

@@ -17,10 +17,7 @@ Beyond the JetStream API, the RL decode server uses:
 
 from __future__ import annotations
 
-import collections
 import functools
-import logging
-import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -30,19 +27,14 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from asyncrl_jax import config as config_lib
 from asyncrl_jax import models
 from asyncrl_jax import sharding as sharding_lib
-from asyncrl_jax.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
+from asyncrl_jax.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.models.hf import read_hf_config
-from asyncrl_jax.rollout.sampling import SamplingSettings, sample
+from asyncrl_jax.rollout.compile_cache import ShapedPrefill
+from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer
+from asyncrl_jax.models.sampling import SamplingSettings, sample
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
-
-log = logging.getLogger(__name__)
-
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-
 
 @struct.dataclass
 class Prefix:
@@ -60,239 +52,6 @@ class DecodeState:
   generated: jax.Array  # [S] tokens generated since the slot was filled
   budget: jax.Array  # [S] tokens the slot may still generate; 0 = idle (finished or never filled)
   rng: jax.Array
-
-
-class JetStreamTokenizer(tokenizer_api.Tokenizer):
-  """Adapts our tokenizer to JetStream's tokenizer interface (encode pads to a prefill bucket)."""
-
-  def __init__(self, tokenizer: Tokenizer, max_prefill_length: int):
-    self._tok = tokenizer
-    self._max = max_prefill_length
-
-  def encode(self, s: str, **kwargs):
-    ids = self._tok.encode_prompt(s) if kwargs.get("is_bos", True) else self._tok.encode(s)
-    max_len = kwargs.get("max_prefill_length") or self._max
-    if len(ids) > max_len:
-      raise ValueError(f"prompt has {len(ids)} tokens, more than max_prefill_length={max_len}")
-    padded = bucket_length(len(ids), max_len)
-    out = np.full(padded, self._tok.pad_id, np.int32)
-    out[:len(ids)] = ids
-    return (jnp.asarray(out) if kwargs.get("jax_padding", True) else out), len(ids)
-
-  def decode(self, token_ids, **kwargs):
-    return self._tok.decode(token_ids)
-
-  @property
-  def pad_id(self) -> int:
-    return self._tok.pad_id
-
-  @property
-  def eos_id(self) -> int:
-    return self._tok.eos_id
-
-  @property
-  def bos_id(self) -> int:
-    return self._tok.bos_id if self._tok.bos_id is not None else self._tok.pad_id
-
-  @property
-  def stop_tokens(self) -> set[int]:
-    return set(self._tok.stop_ids)
-
-
-def bucket_length(n: int, max_len: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int:
-  for b in buckets:
-    if n <= b <= max_len:
-      return b
-  if n <= max_len:
-    return max_len
-  raise ValueError(f"length {n} exceeds {max_len}")
-
-
-def row_bucket(n: int, num_slots: int) -> int:
-  """Rows a batched prefill of ``n`` sequences is padded to: a power of four, or ``num_slots`` if that
-  is smaller (few compiled shapes, never more rows than the decode state has)."""
-  if not 1 <= n <= num_slots:
-    raise ValueError(f"{n} rows outside [1, {num_slots}]")
-  rows = 1
-  while rows < n:
-    rows *= 4
-  return min(rows, num_slots)
-
-
-def prefill_shapes(num_slots: int, max_len: int) -> list[tuple[int, int]]:
-  """Every (rows, width) shape a batched prefill may use, the covering one (all slots, full width)
-  first, then by decreasing rows and width."""
-  rows = sorted({row_bucket(n, num_slots) for n in range(1, num_slots + 1)}, reverse=True)
-  widths = sorted({bucket_length(n, max_len) for n in range(1, max_len + 1)}, reverse=True)
-  return [(r, w) for r in rows for w in widths]
-
-
-def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 256,
-                  available: Optional[set] = None) -> Optional[list[tuple[np.ndarray, int, int]]]:
-  """Splits the rows to prefill (``lengths_s > 0``) into calls that waste the fewest padded tokens.
-
-  Used for the re-prefill of every busy slot after a weight update, and for new prompts. A call
-  prefills a group of rows of similar length as ``rows`` x ``width`` tokens. With slots sorted
-  by length, the split into contiguous groups minimises the tokens computed (padding included) plus
-  ``call_overhead`` tokens per call, by dynamic programming over the split points. One call for all
-  slots at the longest one's width, the plain alternative, is one of the candidates.
-
-  Args:
-    lengths_s: tokens held by each slot (0: idle).
-    num_slots: slots in the decode state.
-    max_len: cache length (the widest width).
-    call_overhead: what one more call costs, in prefilled tokens.
-    available: if given, only these ``(rows, width)`` shapes may be used (e.g. the compiled ones), a
-      group of ``k`` slots going into the cheapest shape with ``rows >= k`` and a wide enough width;
-      otherwise ``rows = row_bucket(k)`` and ``width = bucket_length(longest)``.
-
-  Returns:
-    [(slot indices, rows, width)], longest group first, every busy slot in exactly one group; None if
-    the ``available`` shapes cannot hold every busy slot.
-  """
-  lengths_s = np.asarray(lengths_s)
-  busy = np.flatnonzero(lengths_s > 0)
-  if not len(busy):
-    return []
-  order = busy[np.argsort(-lengths_s[busy], kind="stable")]
-  needs = [bucket_length(int(lengths_s[i]), max_len) for i in order]
-  n = len(order)
-  shape_for = {}  # width needed -> [cheapest (cost, rows, width) for k = 0..n slots, or None]
-  for need in set(needs):
-    if available is None:
-      shape_for[need] = [None] + [(row_bucket(k, num_slots) * need, row_bucket(k, num_slots), need)
-                                  for k in range(1, n + 1)]
-    else:
-      fits = [(r * w, r, w) for r, w in available if w >= need]
-      shape_for[need] = [None] + [min((f for f in fits if f[1] >= k), default=None)
-                                  for k in range(1, n + 1)]
-  best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j slots (in sorted order)
-  choice = [None] * (n + 1)
-  for j in range(1, n + 1):
-    for i in range(j):  # the group is order[i:j]; the widest slot in it is order[i]
-      shape = shape_for[needs[i]][j - i]
-      if shape is not None and best[i] + shape[0] + call_overhead < best[j]:
-        best[j], choice[j] = best[i] + shape[0] + call_overhead, (i, shape[1], shape[2])
-  if choice[n] is None:
-    return None
-  groups, j = [], n
-  while j:
-    i, rows, width = choice[j]
-    groups.append((order[i:j], rows, width))
-    j = i
-  return groups[::-1]
-
-
-def _plan_tokens(plan) -> int:
-  return sum(rows * width for _, rows, width in plan)
-
-
-class _ShapedPrefill:
-  """A jitted batched prefill ``fn(params, state, tokens [R, W], *row_args [R])`` run over a few
-  ``(R, W)`` shapes: rows are grouped by ``prefill_plan``; with ``background`` the shapes a plan wants
-  but lacks are compiled in a background thread (from abstract arguments: no memory, no compute) while
-  compiled shapes are used, as long as they compute at most ``MAX_DETOUR`` times the wanted plan's
-  tokens; otherwise the call runs the wanted plan, compiling what it lacks (blocking)."""
-
-  MAX_DETOUR = 4
-
-  def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool):
-    self.fn, self.name, self.num_slots, self.max_len = fn, name, num_slots, max_len
-    self.background = background
-    self._ready: set = set()
-    self._compiling: set = set()
-    self._failed: set = set()  # not retried in the background
-    self._queue: collections.deque = collections.deque()
-    self._working = False
-    self._lock = threading.Lock()
-
-  @property
-  def compiled(self) -> frozenset:
-    with self._lock:
-      return frozenset(self._ready)
-
-  def pending(self) -> bool:
-    with self._lock:
-      return bool(self._compiling)
-
-  def __call__(self, params, state, lengths, tokens, row_args, call_overhead: int):
-    """Prefills row ``i`` (``tokens[i, :lengths[i]]``, for each ``lengths[i] > 0``) with its
-    ``row_args`` entries: ``row_args`` is a list of (int array [N], padding value)."""
-    wanted = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead)
-    plan = wanted
-    if self.background and wanted:
-      ready = self.compiled
-      missing = {(rows, width) for _, rows, width in wanted} - ready
-      if missing:
-        usable = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead, available=ready)
-        # Compiled shapes are used only if they cost at most MAX_DETOUR x the wanted plan's tokens (a
-        # large shape for a few rows costs memory as well as time); else the wanted plan runs now.
-        if usable is not None and _plan_tokens(usable) <= self.MAX_DETOUR * _plan_tokens(wanted):
-          plan = usable
-          self._compile_later(params, state, missing, len(row_args))
-    for idx, rows, width in plan:
-      t = np.zeros((rows, width), np.int32)
-      w = min(width, tokens.shape[1])
-      t[:len(idx), :w] = tokens[idx, :w]
-      args = []
-      for values, pad in row_args:
-        a = np.full(rows, pad, np.int32)
-        a[:len(idx)] = values[idx]
-        args.append(jnp.asarray(a))
-      state = self.fn(params, state, jnp.asarray(t), *args)
-      with self._lock:
-        self._ready.add((rows, width))
-    return state
-
-  def warm_up(self, params, state, num_row_args: int) -> None:
-    self._compile_later(params, state, prefill_shapes(self.num_slots, self.max_len), num_row_args)
-
-  def _compile_later(self, params, state, shapes, num_row_args: int) -> None:
-    """Queues ``shapes`` (in order) for compilation by one background worker, from abstract arguments."""
-    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-    args = (jax.tree.map(spec, params), jax.tree.map(spec, state))
-    with self._lock:
-      todo = [s for s in shapes if s not in self._ready and s not in self._compiling
-              and s not in self._failed]
-      self._compiling.update(todo)
-      self._queue.extend((s, args, num_row_args) for s in todo)
-      start = bool(todo) and not self._working
-      self._working = self._working or start
-    if start:
-      # Not a daemon: the interpreter waits for a compilation in progress instead of exiting under it
-      # (the rest of the queue is dropped then). It ends when the queue is empty. One compilation at a
-      # time: they compete with decoding for the host.
-      try:
-        threading.Thread(target=self._work, name=f"{self.name}-compile").start()
-      except RuntimeError:  # e.g. the interpreter is shutting down: compile on demand instead
-        with self._lock:
-          self._compiling.difference_update(todo)
-          self._queue.clear()
-          self._working = False
-
-  def _work(self) -> None:
-    while True:
-      with self._lock:
-        if not threading.main_thread().is_alive():  # the interpreter is exiting: drop the rest
-          self._compiling.difference_update(s for s, _, _ in self._queue)
-          self._queue.clear()
-        if not self._queue:
-          self._working = False
-          return
-        (rows, width), args, num_row_args = self._queue.popleft()
-      try:
-        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        self.fn.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
-                      *[row] * num_row_args).compile()  # a later call finds it in jit's cache
-        with self._lock:
-          self._ready.add((rows, width))
-      except Exception:  # pylint: disable=broad-except  (the shape then compiles when a call runs it)
-        log.warning("background compile of the %dx%d %s failed", rows, width, self.name, exc_info=True)
-        with self._lock:
-          self._failed.add((rows, width))
-      finally:
-        with self._lock:
-          self._compiling.discard((rows, width))
 
 
 class Engine(engine_api.Engine):
@@ -350,9 +109,9 @@ class Engine(engine_api.Engine):
     self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
     self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
     self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
-    self._prefill_insert_calls = _ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
+    self._prefill_insert_calls = ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
                                                 max_prefill_length, background_compile)
-    self._refill_calls = _ShapedPrefill(self._jit_refill, "refill", num_slots, max_target_length,
+    self._refill_calls = ShapedPrefill(self._jit_refill, "refill", num_slots, max_target_length,
                                         background_compile)
 
   # ------------------------------------------------------------------ JetStream API: properties
@@ -644,12 +403,9 @@ def sampling_settings(config) -> SamplingSettings:
                           top_p=config.rollout.top_p, logprob_source=config.rollout.logprob_source)
 
 
-def engine_from_config(config, devices, *, params=None) -> "Engine":
-  """The engine an experiment config describes, on ``devices``."""
-  mesh = sharding_lib.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
-  model_config = (models.config_from_hf(read_hf_config(config.model.hf_path),
-                                        config.model.hf_path, dtype=config.model.param_dtype)
-                  if config.model.hf_path else config_lib.model_config(config))
+def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=None) -> "Engine":
+  """The engine an experiment config describes, on the rollout ``mesh`` (built by the caller, who owns
+  it) for ``model_config`` (``models.config_of(config)``)."""
   return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,

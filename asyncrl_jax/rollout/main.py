@@ -21,6 +21,7 @@ import threading
 import jax
 from absl import app, flags, logging
 
+from asyncrl_jax import models, sharding
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.service import RolloutService, serve
@@ -35,7 +36,8 @@ def main(argv=None) -> None:
   def _main(args):
     del args
     config = cli.validated(_CONFIG.value)
-    engine = engine_from_config(config, jax.local_devices())
+    mesh = sharding.make_mesh(jax.local_devices(), config.mesh.rollout.to_dict(), role="mesh.rollout")
+    engine = engine_from_config(config, mesh, models.config_of(config))
     # No weights until the learner pushes its current version (version -1 accepts any).
     server = DecodeServer(engine, None, version=-1, server_id=_SERVER_ID.value,
                           on_weight_update=config.rollout.on_weight_update,

@@ -21,13 +21,12 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   message AbortRequest   { string request_id = 1; }
   message AckRequest     { repeated string trajectory_ids = 1; }
   message Empty {}
+  // cumulative decode counters since the server started: one field per field of
+  // rollout.stats.DecodeStats, in its order (int64 for counts, double for seconds), numbered from 1
+  message DecodeStats    { int64 tokens = 1; int64 steps = 2; int64 slot_steps = 3; ... }
   // status: "serving", "warming_up" (compiling prefill shapes in the background), or "error"
   message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
-                           int64 tokens = 5; string server_id = 6; string error = 7;
-                           // cumulative decode counters since the server started
-                           int64 steps = 8; int64 slot_steps = 9; double idle_seconds = 10;
-                           double interrupt_seconds = 11; int64 weight_updates = 12;
-                           int64 interrupted_sequences = 13; }
+                           string server_id = 6; string error = 7; DecodeStats stats = 14; }
   service Rollout {
     rpc Submit(SubmitRequest) returns (SubmitReply);
     rpc Stream(StreamRequest) returns (stream Trajectory);
@@ -40,11 +39,13 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
 
 PACKAGE = "asyncrl.rollout.v1"
@@ -73,11 +74,12 @@ _MESSAGES = {
     "AbortRequest": [("request_id", "string", 1)],
     "AckRequest": [("trajectory_ids", "string*", 1)],
     "Empty": [],
+    # New counters go at the end of DecodeStats, so existing field numbers keep their meaning.
+    "DecodeStats": [(f.name, "double" if f.type in (float, "float") else "int64", i)
+                    for i, f in enumerate(dataclasses.fields(DecodeStats), start=1)],
     "HealthReply": [("status", "string", 1), ("version", "int64", 2), ("active", "int32", 3),
-                    ("queued", "int32", 4), ("tokens", "int64", 5), ("server_id", "string", 6),
-                    ("error", "string", 7), ("steps", "int64", 8), ("slot_steps", "int64", 9),
-                    ("idle_seconds", "double", 10), ("interrupt_seconds", "double", 11),
-                    ("weight_updates", "int64", 12), ("interrupted_sequences", "int64", 13)],
+                    ("queued", "int32", 4), ("server_id", "string", 6), ("error", "string", 7),
+                    ("stats", ".DecodeStats", 14)],
 }
 
 METHODS = {  # name: (request, reply, server streaming)
@@ -146,3 +148,11 @@ def trajectory_from_pb(m) -> Trajectory:
       sampling=json.loads(m.sampling_json or "{}"), tokenizer_id=m.tokenizer_id,
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
       started_at=m.started_at, finished_at=m.finished_at)
+
+
+def stats_to_pb(stats: DecodeStats):
+  return MESSAGES["DecodeStats"](**dataclasses.asdict(stats))
+
+
+def stats_from_pb(message) -> DecodeStats:
+  return DecodeStats(**{f.name: getattr(message, f.name) for f in dataclasses.fields(DecodeStats)})

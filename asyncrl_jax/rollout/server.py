@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory, _Building
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class DecodeServer:
     self._thread: Optional[threading.Thread] = None
     self._stop = threading.Event()
     self.error: Optional[BaseException] = None
-    self.stats = collections.Counter()
+    self.stats = DecodeStats()  # the decode loop's thread counts; readers take .copy()
     self._meta = dict(logprob_source=engine.sampling.logprob_source if engine.sampling.temperature
                       else "model", sampling=engine.sampling.as_dict(),
                       tokenizer_id=engine.tokenizer.identity, server_id=server_id)
@@ -182,7 +183,7 @@ class DecodeServer:
           and self.num_active == 0 and self._inflight is None and not self._stop.is_set():
         t = time.perf_counter()
         self._wake.wait(timeout=0.5)
-        self.stats["idle_seconds"] += time.perf_counter() - t
+        self.stats.idle_seconds += time.perf_counter() - t
       pending, self._pending = self._pending, None
       aborts, self._aborts = self._aborts, set()
     if pending is not None or aborts:
@@ -205,7 +206,7 @@ class DecodeServer:
       for i in active:  # their pending next-token logits came from the weights being replaced
         if self._slots[i].next_token_version is None:
           self._slots[i].next_token_version = old_version
-      self.stats["continued_sequences"] += len(active)
+      self.stats.continued_sequences += len(active)
     elif active:
       width = max(len(self._slots[i].request.prompt_tokens) + len(self._slots[i].tokens) for i in active)
       tokens = np.zeros((self.engine.num_slots, width), np.int32)
@@ -218,9 +219,9 @@ class DecodeServer:
         b.interruptions += 1
       self._state = self.engine.refill(self._params, self._state, tokens, lengths)
       jax.block_until_ready(self._state.logits)
-      self.stats["interrupted_sequences"] += len(active)
-      self.stats["interrupt_seconds"] += time.perf_counter() - t
-    self.stats["weight_updates"] += 1
+      self.stats.interrupted_sequences += len(active)
+      self.stats.interrupt_seconds += time.perf_counter() - t
+    self.stats.weight_updates += 1
 
   def _apply_aborts(self, aborts: set[str]) -> None:
     for i, b in enumerate(self._slots):
@@ -267,7 +268,7 @@ class DecodeServer:
       error = self._validate(request)
       if error:
         self._emit(_Building(request).finish("error", error=error, **self._meta))
-        self.stats["rejected_requests"] += 1
+        self.stats.rejected_requests += 1
         continue
       starting.append(request)
     if not starting:
@@ -278,7 +279,7 @@ class DecodeServer:
                                              [r.max_new_tokens for r in starting])
     for slot, request in zip(slots, starting):
       self._slots[slot] = _Building(request)
-    self.stats["started"] += len(starting)
+    self.stats.started += len(starting)
 
   def _launch(self) -> tuple:
     self._state, tokens, logp, n = self.engine.steps(self._params, self._state, self.steps_per_call)
@@ -301,8 +302,8 @@ class DecodeServer:
     if k == 0:  # nothing was busy on the device when the chunk ran
       return
     tokens, logp = tokens[:, :k], logp[:, :k]
-    self.stats["steps"] += k
-    self.stats["slot_steps"] += k * self.engine.num_slots
+    self.stats.steps += k
+    self.stats.slot_steps += k * self.engine.num_slots
     is_stop = np.isin(tokens, self._stop_ids)
     first_stop = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1), k)
     for i, b in enumerate(occupants):
@@ -316,7 +317,7 @@ class DecodeServer:
       if take and b.next_token_version is not None:
         b.versions[-take] = b.next_token_version
         b.next_token_version = None
-      self.stats["tokens"] += take
+      self.stats.tokens += take
       if take == first_stop[i] + 1:  # the stop token itself was taken
         self._finish(i, "eos")
       elif len(b.tokens) >= b.request.max_new_tokens:
@@ -326,7 +327,7 @@ class DecodeServer:
     b = self._slots[slot]
     self._slots[slot] = None
     b.done = True
-    self.stats[f"finished_{reason}"] += 1
+    self.stats.count_finished(reason)
     self._emit(b.finish(reason, error=error, **self._meta))
 
   def _fail_all(self, message: str) -> None:

@@ -113,12 +113,7 @@ class RolloutService:
     return M["HealthReply"](status=status, version=s.version,
                             active=s.num_active, queued=s.num_queued, server_id=s.server_id,
                             error=repr(s.error) if s.error else "",
-                            **{k: s.stats[k] for k in DECODE_COUNTERS})
-
-
-# The decode server's cumulative counters that ``Health`` reports (DecodeServer.stats keys).
-DECODE_COUNTERS = ("tokens", "steps", "slot_steps", "idle_seconds", "interrupt_seconds", "weight_updates",
-                   "interrupted_sequences")
+                            stats=protocol.stats_to_pb(s.stats.copy()))
 
 
 def _handlers(service: RolloutService) -> grpc.GenericRpcHandler:

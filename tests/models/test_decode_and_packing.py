@@ -118,7 +118,7 @@ def test_fused_greedy_generate_matches_full_forward_argmax(params):
 
 def test_sampled_generate_follows_the_model_distribution(params):
   from asyncrl_jax.models.generate import generate
-  from asyncrl_jax.rollout.sampling import SamplingSettings
+  from asyncrl_jax.models.sampling import SamplingSettings
   prompt = _rand_tokens((1, 5), seed=3)
   rows = 4000
   prompt_bp = np.repeat(prompt, rows, axis=0)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.helpers import max_abs_diff, sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
@@ -146,13 +146,52 @@ def _seq(n_prompt, n_completion, adv):
 
 
 def test_weight_sequences_equally_hand_values():
-  # Policy tokens 2 and 6 (T = 8, N = 2): factors (8/2)/2 = 2 and (8/2)/6 = 2/3.
+  # Policy tokens 2 and 6 (T = 8, N = 2): weights (8/2)/2 = 2 and (8/2)/6 = 2/3.
   seqs = [_seq(3, 2, 1.0), _seq(1, 6, -0.5), _seq(4, 0, 0.0)]
   out = batching.weight_sequences_equally(seqs)
-  np.testing.assert_allclose(out[0].advantages, [0, 0, 0, 2, 2])
-  np.testing.assert_allclose(out[1].advantages, [0] + [-0.5 * 2 / 3] * 6, rtol=1e-6)
-  np.testing.assert_array_equal(out[2].advantages, seqs[2].advantages)  # no policy tokens: untouched
-  # Token-mean of the rescaled advantages == sequence-mean of the originals: (1 + (-0.5)) / 2.
-  total = sum(float(np.sum(s.advantages * s.mask)) for s in out)
+  np.testing.assert_allclose(out[0].loss_weight, [2] * 5)
+  np.testing.assert_allclose(out[1].loss_weight, [2 / 3] * 7, rtol=1e-6)
+  assert out[2].loss_weight is None  # no policy tokens: untouched
+  for a, b in zip(seqs, out):
+    np.testing.assert_array_equal(a.advantages, b.advantages)  # advantages stay advantages
+  # Weighted token mean == sequence mean of the advantages: (1 + (-0.5)) / 2.
+  total = sum(float(np.sum(s.advantages * s.mask * s.loss_weight)) for s in out[:2])
   assert total / 8 == pytest.approx((1.0 - 0.5) / 2)
+  packed = batching.pack_sequences(out, 64)[0]
+  assert float(np.sum(packed.loss_weight * packed.mask)) == pytest.approx(8.0)  # = T: the scale is kept
   assert batching.weight_sequences_equally([]) == []
+
+
+def _old_advantage_rescaling(sequences):
+  """How sequence-mean aggregation used to work: advantages multiplied by (T / N) / n_i."""
+  counts = [float(np.sum(s.mask)) for s in sequences]
+  live = [n for n in counts if n > 0]
+  per = sum(live) / len(live)
+  return [s._replace(advantages=(s.advantages * (per / n)).astype(np.float32)) if n else s
+          for s, n in zip(sequences, counts)]
+
+
+@pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo", "dis"])
+def test_loss_weights_equal_the_old_advantage_rescaling(params, loss):
+  """Sequence-mean as per-token loss weights gives the same loss and gradients, for every loss,
+  as rescaling the advantages did (every L_t is linear in A_t for a positive factor)."""
+  rng = np.random.default_rng(5)
+  seqs = [_sequence(rng, 3, int(n), CFG.vocab_size) for n in rng.integers(2, 40, size=7)]
+  seqs = [s._replace(advantages=(s.mask * rng.normal()).astype(np.float32)) for s in seqs]
+  settings = LossSettings(loss=loss, eps_clip=0.2, eps_low=0.3, eps_high=0.5, behav_weight_cap=2.0)
+  prox_params = jax.tree.map(lambda x: x * 0.97, params)
+
+  def loss_and_grad(sequences):
+    (b,) = batching.pack_sequences(sequences, 512)
+    b = jax.tree.map(jnp.asarray, b)
+    prox = compute_logprobs(CFG, prox_params, b.tokens, b.positions, b.segment_ids)
+    fn = lambda p: micro_batch_loss(p, b, prox if loss == "decoupled_ppo" else None, jnp.sum(b.mask),
+                                    model=CFG, settings=settings)[0]
+    return jax.value_and_grad(fn)(params)
+
+  new_loss, new_grad = loss_and_grad(batching.weight_sequences_equally(seqs))
+  old_loss, old_grad = loss_and_grad(_old_advantage_rescaling(seqs))
+  unweighted, _ = loss_and_grad(seqs)
+  assert float(new_loss) == pytest.approx(float(old_loss), rel=1e-5, abs=1e-7)
+  assert max_abs_diff(new_grad, old_grad) < 1e-6
+  assert abs(float(unweighted) - float(old_loss)) > 1e-4  # the weighting changes the loss at all

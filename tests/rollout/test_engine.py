@@ -9,7 +9,7 @@ from tests.helpers import sharp_params
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import Engine, SamplingSettings
-from asyncrl_jax.rollout.sampling import sample, sampling_logits
+from asyncrl_jax.models.sampling import sample, sampling_logits
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)
@@ -157,7 +157,7 @@ def test_engine_rejects_bad_setup(params):
 
 
 def test_prefill_plan_split_by_length_as_computed_by_hand():
-  from asyncrl_jax.rollout.engine import prefill_plan
+  from asyncrl_jax.rollout.prefill_plan import prefill_plan
   lengths = np.array([12, 100, 12, 0, 12, 12, 12, 12])
   # one call: 8 rows x 128 + 256 = 1280; {100} at 128 (1 row) + six 12s at 16 (8 rows): 384 + 384 = 768;
   # {100, 12} at 128 (2 rows) + five 12s (8 rows at 16): 512 + 384 = 896.
@@ -173,7 +173,7 @@ def test_prefill_plan_split_by_length_as_computed_by_hand():
                          available={(2, 128), (8, 128), (8, 32), (4, 16)})
   assert [(sorted(g.tolist()), r, w) for g, r, w in groups] == [([1], 2, 128), ([0, 2, 4, 5, 6, 7], 8, 32)]
   # the shapes to compile: rows 1, 4, 16, 64 and all 96 slots; widths the prefill buckets up to 144
-  from asyncrl_jax.rollout.engine import prefill_shapes
+  from asyncrl_jax.rollout.prefill_plan import prefill_shapes
   shapes = prefill_shapes(96, 144)
   assert shapes[0] == (96, 144) and len(shapes) == 5 * 5
   assert {r for r, _ in shapes} == {1, 4, 16, 64, 96} and {w for _, w in shapes} == {16, 32, 64, 128, 144}
@@ -182,7 +182,7 @@ def test_prefill_plan_split_by_length_as_computed_by_hand():
 
 
 def test_prefill_plan_cover_every_busy_slot_once_at_a_wide_enough_bucket():
-  from asyncrl_jax.rollout.engine import PREFILL_BUCKETS, bucket_length, prefill_plan, row_bucket
+  from asyncrl_jax.rollout.prefill_plan import PREFILL_BUCKETS, bucket_length, prefill_plan, row_bucket
   rng = np.random.default_rng(0)
   for trial in range(50):
     s = int(rng.integers(1, 97))
@@ -238,7 +238,7 @@ def test_refill_rejects_bad_shapes_and_lengths(params):
 
 
 def test_refill_uses_compiled_shapes_while_better_ones_compile_in_the_background(params):
-  from asyncrl_jax.rollout.engine import prefill_plan
+  from asyncrl_jax.rollout.prefill_plan import prefill_plan
   engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
   engine.prefill_call_overhead = 16  # so that two calls beat one at these small sizes
   p = engine.load_params()

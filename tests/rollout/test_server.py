@@ -103,7 +103,7 @@ def test_interrupted_trajectories_record_versions_and_new_logprobs(params_a, par
   for t in interrupted:
     assert t.version_segments() == [(0, 0, m), (1, m, 20)]
     assert abs(_recompute(params_a, t)[m:] - t.logprobs[m:]).max() > 1e-3  # really new weights
-  assert server.stats["interrupted_sequences"] == 4
+  assert server.stats.interrupted_sequences == 4
 
 
 def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_b):
@@ -120,7 +120,7 @@ def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_
 
 def test_keep_cache_update_continues_on_the_old_cache_without_re_prefill(params_a, params_b):
   server, request, t = _greedy_with_update(params_a, params_b, "keep_cache")
-  assert server.stats["interrupted_sequences"] == 0 and server.stats["continued_sequences"] == 1
+  assert server.stats.interrupted_sequences == 0 and server.stats.continued_sequences == 1
   assert t.num_interruptions == 0
   # The first token after the update is drawn from logits the old weights computed: it keeps version 0.
   s = int(np.argmax(t.versions == 7)) - 1
@@ -185,7 +185,7 @@ def test_continuous_batching_keeps_slots_busy_and_stops_at_eos(params_a):
       assert len(t.completion_tokens) == 24
     assert t.logprob_source == "sampling" and t.sampling["temperature"] == 1.0
     assert t.tokenizer_id == "builtin-arithmetic-v1" and t.group_id >= 0
-  idle = server.stats["slot_steps"] - server.stats["tokens"]
+  idle = server.stats.slot_steps - server.stats.tokens
   # A finished slot idles for one step (the step launched before its result was read), then is refilled;
   # otherwise slots idle only once the queue has run dry at the end (at most 4 slots x 24 steps).
   assert idle <= 16 * 1 + 4 * 24

@@ -1,5 +1,6 @@
 """The rollout gRPC service in process, and a decode server in its own process receiving weights."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 from tests.helpers import sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
-from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
+from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol
 from asyncrl_jax.rollout.backends import RemoteRollout
 from asyncrl_jax.rollout.service import RolloutClient, RolloutService, serve
 from asyncrl_jax.transfer import WeightSender, uuid_for
@@ -70,13 +71,15 @@ def test_grpc_submit_stream_health(local_service):
   health = client.health()
   assert health.status == "serving" and health.active == 0
   # the decode counters: every generated token was taken, slot-steps count all 4 slots of every step
-  assert health.tokens == sum(len(t.completion_tokens) for t in got.values())
-  assert health.slot_steps == 4 * health.steps and health.steps >= 10 and health.idle_seconds >= 0
-  assert health.weight_updates == 0 and health.interrupt_seconds == 0
+  stats = health.stats
+  assert stats.tokens == sum(len(t.completion_tokens) for t in got.values())
+  assert stats.slot_steps == 4 * stats.steps and stats.steps >= 10 and stats.idle_seconds >= 0
+  assert stats.weight_updates == 0 and stats.interrupt_seconds == 0
+  assert stats.started == 6 and stats.finished_eos + stats.finished_length == 6
 
 
 def test_remote_backend_sums_the_decode_servers_counters(local_service):
-  _, client, _ = local_service
+  _, client, service = local_service
   client.submit([RolloutRequest(prompt_tokens=[1, 4, 5, 13], max_new_tokens=6, prompt_id="q")])
   (t,) = list(client.stream(max_trajectories=1, timeout=120))
   health = client.health()
@@ -86,8 +89,14 @@ def test_remote_backend_sums_the_decode_servers_counters(local_service):
     stats = backend.decode_stats()
   finally:
     backend.stop()
-  assert stats["servers"] == 2 and stats["tokens"] == 2 * health.tokens == 2 * len(t.completion_tokens)
-  assert stats["slot_steps"] == 2 * health.slot_steps > 0
+  assert stats.servers == 2 and stats.tokens == 2 * health.stats.tokens == 2 * len(t.completion_tokens)
+  assert stats.slot_steps == 2 * health.stats.slot_steps > 0
+  assert stats.finished_eos + stats.finished_length == 2 * 1 and stats.started == 2
+  # every counter of the record crosses the wire (a field missing from the proto reads as 0)
+  one = protocol.stats_from_pb(health.stats)
+  here = service.server.stats.copy()  # idle time keeps growing while the server waits
+  assert dataclasses.replace(one, idle_seconds=0.0) == dataclasses.replace(here, idle_seconds=0.0)
+  assert one.steps > 0 and one.started == 1
 
 
 def test_stream_deadline_and_cancellation_lose_nothing(local_service):
