@@ -84,11 +84,11 @@ def base_config() -> ml_collections.ConfigDict:
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
-      # decoupled PPO: drop tokens whose behaviour weight w = pi_prox / pi_behav is above the cap or
-      # below the floor (inf / 0 drop nothing). An uncapped w lets a few stale tokens steer the update
-      # (NOTES.md); 5.0 is what AReaL's shipped experiment configs set.
-      behav_weight_cap=5.0, behav_weight_floor=0.0,
-      behav_weight_clip=float("inf"),  # decoupled PPO: kept tokens weigh min(w, clip) (inf: no truncation)
+      # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
+      # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
+      # 1, no cap: in the eta 8 probe the cap alone (AReaL's 5) removed the stale tokens that correct the
+      # policy's current mistakes and an unbounded w let a few tokens steer the update (NOTES.md).
+      behav_weight_cap=float("inf"), behav_weight_floor=0.0, behav_weight_clip=1.0,
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
       # token_mean: every policy token of the batch weighs the same (long completions weigh more);
       # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)

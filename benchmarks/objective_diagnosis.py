@@ -193,6 +193,8 @@ def analyze(args) -> None:
           "w_lt02": m & (w < 0.2),
           "w_lt02_neg_adv": m & (w < 0.2) & (adv < 0),
           "w_in_02_5": m & (w >= 0.2) & (w <= 5),
+          "w_gt5_neg_adv": m & (w > 5) & (adv < 0),
+          "w_gt1_neg_adv": m & (w > 1) & (adv < 0),
       }
       coefs = {name: np.where(sel, base, 0.0) for name, sel in subsets.items()}
       coefs.update(token_mean=np.where(m, base_tm, 0.0), token_mean_w_gt5=np.where(m & (w > 5), base_tm, 0.0))
@@ -233,6 +235,9 @@ def analyze(args) -> None:
         share_long_half=norm["long_half"] / max(norm["decoupled"], 1e-30),
         share_w_gt5_token_mean=norm["token_mean_w_gt5"] / max(norm["token_mean"], 1e-30),
         share_w_lt02=norm["w_lt02"] / max(norm["decoupled"], 1e-30),
+        share_w_gt5_neg_adv=norm["w_gt5_neg_adv"] / max(norm["decoupled"], 1e-30),
+        frac_w_gt5_neg_adv=float(((w_all > 5) & (adv_all < 0)).mean()),
+        cos_w_gt1_neg_adv_naive=cos("w_gt1_neg_adv", "naive"),
         share_w_lt02_neg_adv=norm["w_lt02_neg_adv"] / max(norm["decoupled"], 1e-30),
         cos_kept_02_5=cos("w_in_02_5", "decoupled"), cos_kept_02_5_naive=cos("w_in_02_5", "naive"),
         frac_w_lt02_neg_adv=float(((w_all < 0.2) & (adv_all < 0)).mean()),

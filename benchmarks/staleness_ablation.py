@@ -18,7 +18,8 @@ benchmarks/results/staleness_ablation.{json,md,png}; prints one JSON object (las
 ``--regime=probe`` is the regime where the objectives come apart (the decoupled-vs-naive issue):
 learning rate 3e-4, 2 optimizer updates per batch, eta 8, 80 versions, evaluated every 20, so the
 policy moves far within eta versions (KL(behaviour || current) 0.2-0.6). Its arms are naive PPO,
-decoupled PPO as shipped (behaviour-weight cap 5), decoupled PPO uncapped and DIS, 3 seeds each, no
+decoupled PPO as shipped (behaviour weight truncated at 1), decoupled PPO with no guard and DIS, 3
+seeds each, with AReaL's cap-5 guard alone and synchronous PPO (eta 0) as one-seed context; no
 supervised control; it writes benchmarks/results/staleness_probe.{json,md,png} with mean +- sd at
 version 20 and at the end, and each arm's weight statistics from its metrics.
 """
@@ -47,14 +48,21 @@ CONFIG = os.path.join(ROOT, "configs", "default.py")
 LOSSES = ("ppo", "decoupled_ppo", "dis")
 PROBE = dict(overrides=["--config.learner.learning_rate=3e-4", "--config.learner.ppo_minibatches=2"],
              etas=[8], steps=80, eval_every=20, seeds=3)
-# The probe's arms: name -> (rl.loss, extra overrides).
-PROBE_ARMS = {"ppo": ("ppo", []), "decoupled_ppo": ("decoupled_ppo", []),
-              "decoupled_ppo_uncapped": ("decoupled_ppo", ["--config.rl.behav_weight_cap=inf"]),
-              "dis": ("dis", [])}
+# The probe's arms: name -> (rl.loss, extra overrides, seeds (None: --seeds), eta (None: the probe's)).
+# Single-seed rows are context: AReaL's shipped guard alone, and synchronous PPO in the same regime.
+PROBE_ARMS = {
+    "ppo": ("ppo", [], None, None),
+    "decoupled_ppo": ("decoupled_ppo", [], None, None),
+    "decoupled_ppo_uncapped": ("decoupled_ppo", ["--config.rl.behav_weight_cap=inf",
+                                                 "--config.rl.behav_weight_clip=inf"], None, None),
+    "dis": ("dis", [], None, None),
+    "decoupled_ppo_cap5": ("decoupled_ppo", ["--config.rl.behav_weight_cap=5",
+                                             "--config.rl.behav_weight_clip=inf"], 1, None),
+    "ppo_synchronous": ("ppo", [], 1, 0),
+}
 # The seed's ablation (AReaL, 1.5B on math, AIME24): eta -> (naive PPO, decoupled PPO).
 SEED_TABLE = {0: (42.0, 42.0), 1: (41.8, 42.1), 2: (40.0, 41.8), 4: (23.3, 42.2), 8: (35.7, 41.0),
               16: (35.8, 38.7)}
-
 
 def _json(path: str) -> dict:
   with open(path) as f:
@@ -197,41 +205,49 @@ def probe(args) -> int:
   py, t0 = sys.executable, time.time()
   ws = _warm_start(work, py, args.override)
   common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}",
-            f"--config.data.path={os.path.join(work, 'data')}", f"--config.rl.max_staleness={eta}",
+            f"--config.data.path={os.path.join(work, 'data')}",
             f"--config.learner.eval_every={PROBE['eval_every']}", f"--config.checkpoint.every_steps={steps}",
             *PROBE["overrides"], *args.override]
-  runs, n_arms = [], len(seeds) * len(PROBE_ARMS)
-  for seed in seeds:  # seed-major, so a partial run already has every arm at seed 0
-    for arm, (loss, extra) in PROBE_ARMS.items():
-      name = f"{arm}_eta{eta}_seed{seed}"
-      print(f"[probe] {len(runs) + 1}/{n_arms} {name} ({time.time() - t0:.0f}s so far)", flush=True)
-      s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
-                                           *extra])
-      history = _metrics(os.path.join(work, name, "metrics.jsonl"))
-      evals = {h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h}
-      early = [h for h in history if h["version"] <= 20]
-      runs.append(dict(arm=arm, loss=loss, seed=seed, initial=s["initial_eval_accuracy"], evals=evals,
-                       final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
-                       iw_max=max(h.get("iw_max", 0.0) for h in history),
-                       kl_behav_first20=float(np.mean([h.get("kl_behav", 0.0) for h in early])),
-                       dropped_frac=float(np.mean([h.get("dropped_frac", 0.0) for h in history])),
-                       max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"]))
+  plan = [(seed, arm) for seed in seeds for arm, spec in PROBE_ARMS.items()  # seed-major: a partial
+          if spec[2] is None or seed < spec[2]]                                 # run has all of seed 0
+  runs = []
+  for seed, arm in plan:
+    loss, extra, _, arm_eta = PROBE_ARMS[arm]
+    arm_eta = eta if arm_eta is None else arm_eta
+    name = f"{arm}_eta{arm_eta}_seed{seed}"
+    print(f"[probe] {len(runs) + 1}/{len(plan)} {name} ({time.time() - t0:.0f}s so far)", flush=True)
+    s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
+                                         f"--config.rl.max_staleness={arm_eta}", *extra])
+    history = _metrics(os.path.join(work, name, "metrics.jsonl"))
+    evals = {h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h}
+    early = [h for h in history if h["version"] <= 20]
+    runs.append(dict(arm=arm, loss=loss, seed=seed, eta=arm_eta, initial=s["initial_eval_accuracy"],
+                     evals=evals, final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
+                     iw_max=max(h.get("iw_max", 0.0) for h in history),
+                     kl_behav_first20=float(np.mean([h.get("kl_behav", 0.0) for h in early])),
+                     dropped_frac=float(np.mean([h.get("dropped_frac", 0.0) for h in history])),
+                     max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"]))
   at = lambda arm, key: [r[key] if key != "v20" else r["evals"].get(20) for r in runs if r["arm"] == arm]
-  header = ["arm", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
+  header = ["arm", "eta", "seeds", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
             "max weight seen", "mean KL(behav||current), v1-20", "dropped tokens"]
-  rows = [[arm, _cell(at(arm, "v20")), _cell(at(arm, "final")), f"{100 * min(at(arm, 'final')):.1f}",
+  rows = [[arm, at(arm, "eta")[0], len(at(arm, "final")), _cell(at(arm, "v20")), _cell(at(arm, "final")),
+           f"{100 * min(at(arm, 'final')):.1f}",
            f"{max(at(arm, 'iw_max')):.3g}", f"{np.mean(at(arm, 'kl_behav_first20')):.3f}",
            f"{100 * np.mean(at(arm, 'dropped_frac')):.2f}%"] for arm in PROBE_ARMS]
-  rows.append(["warm start (before RL)", _cell([runs[0]["initial"]]), "-", "-", "-", "-", "-"])
+  rows.append(["warm start (before RL)", "-", "-", _cell([runs[0]["initial"]]), "-", "-", "-", "-", "-"])
   notes = (f"The probe regime: configs/default.py from one shared warm start, eta {eta}, "
            f"{' '.join(PROBE['overrides'])}, {steps} policy versions; held-out pass@1 in % (4 samples "
-           f"at T=1 on 256 test problems), mean +- sd over {len(seeds)} seeds. `decoupled_ppo` is the "
-           "shipped default (behaviour-weight cap 5); `decoupled_ppo_uncapped` sets "
-           "rl.behav_weight_cap=inf. 'max weight seen' is the largest importance weight the loss applied "
-           "(w for decoupled PPO, the ratio to the behaviour policy for PPO and DIS).")
+           f"at T=1 on 256 test problems), mean +- sd over the seeds. `decoupled_ppo` is the shipped "
+           "default (behaviour weight truncated at 1, no cap); `decoupled_ppo_uncapped` has no guard "
+           "(cap and truncation inf); `decoupled_ppo_cap5` is AReaL's shipped guard alone (drop tokens "
+           "with w > 5); `ppo_synchronous` is naive PPO at eta 0, the oracle. 'max weight seen' is the "
+           "largest importance weight the loss applied (w for decoupled PPO, the ratio to the behaviour "
+           "policy for PPO and DIS).")
   result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, eta=eta,
                                                overrides=PROBE["overrides"] + args.override, seeds=seeds,
-                                               arms={k: v[1] for k, v in PROBE_ARMS.items()}),
+                                               arms={k: dict(loss=v[0], overrides=v[1], seeds=v[2] or len(seeds),
+                                                             eta=eta if v[3] is None else v[3])
+                                                     for k, v in PROBE_ARMS.items()}),
                 runs=runs, seconds=time.time() - t0)
   md = write_result("staleness_probe", result, header, rows, notes,
                     **({"out_dir": args.out} if args.out else {}))

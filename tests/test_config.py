@@ -36,28 +36,34 @@ def test_every_config_validates(path):
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
-def test_shipped_configs_set_the_behaviour_weight_bounds_the_readme_states(path):
-  """Without a cap, decoupled PPO fell below naive PPO at eta 8 (NOTES.md): every shipped config must
-  carry the cap and floor the README documents, and a config that changes them must say so there."""
+def test_shipped_configs_set_the_behaviour_weight_guards_the_readme_states(path):
+  """Decoupled PPO without a guard fell below naive PPO at eta 8 (NOTES.md): every shipped config must
+  carry the cap, floor and truncation the README documents, and a config that changes them must say so
+  there."""
   with open(os.path.join(ROOT, "README.md")) as f:
     readme = f.read()
-  cap = re.search(r"`rl\.behav_weight_cap`\s+\(default ([0-9.]+)", readme)
-  floor = re.search(r"`rl\.behav_weight_floor`\s+\(default ([0-9.]+)", readme)
-  assert cap and floor, "README.md must state the defaults of rl.behav_weight_cap and rl.behav_weight_floor"
+  stated = {}
+  for field in ("behav_weight_cap", "behav_weight_floor", "behav_weight_clip"):
+    found = re.search(rf"`rl\.{field}`\s+\(default ([0-9.]+|inf)\)", readme)
+    assert found, f"README.md must state the default of rl.{field}"
+    stated[field] = float(found.group(1))
   cfg = config_lib.validate(_load(path))
-  assert cfg.rl.behav_weight_cap == float(cap.group(1)) == 5.0
-  assert cfg.rl.behav_weight_floor == float(floor.group(1))
+  assert {k: cfg.rl[k] for k in stated} == stated
+  assert cfg.rl.behav_weight_clip == 1.0  # the truncation is what the probe supports (NOTES.md)
 
 
-def test_an_infinite_cap_is_the_uncapped_objective_and_parses_from_the_command_line():
-  out = _run_cli("--config.rl.behav_weight_cap=inf")
+def test_guards_parse_from_the_command_line_and_inf_turns_them_off():
+  out = _run_cli("--config.rl.behav_weight_cap=5", "--config.rl.behav_weight_clip=inf")
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "rl.behav_weight_cap: inf" in out.stdout
+  assert "rl.behav_weight_cap: 5.0" in out.stdout and "rl.behav_weight_clip: inf" in out.stdout
   from asyncrl_jax.rl.objective import LossSettings  # pylint: disable=import-outside-toplevel
+  shipped = LossSettings.from_config(_load(os.path.join(ROOT, "configs", "default.py")))
+  assert (shipped.behav_weight_cap, shipped.behav_weight_floor, shipped.behav_weight_clip) == (None, None, 1.0)
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
-  cfg.rl.behav_weight_cap = float("inf")
-  assert LossSettings.from_config(config_lib.validate(cfg)).behav_weight_cap is None
-  assert LossSettings.from_config(_load(os.path.join(ROOT, "configs", "default.py"))).behav_weight_cap == 5.0
+  cfg.rl.behav_weight_clip = float("inf")
+  cfg.rl.behav_weight_cap = 5.0
+  off = LossSettings.from_config(config_lib.validate(cfg))
+  assert (off.behav_weight_cap, off.behav_weight_clip) == (5.0, None)
 
 
 def test_real_model_config_has_qwen2_5_1_5b_shape():
@@ -76,6 +82,7 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("rl.behav_weight_cap", 1.0, r"rl.behav_weight_cap=1.0 is not allowed: a number > 1 \(inf: no cap\)"),
     ("rl.behav_weight_cap", float("nan"), r"rl.behav_weight_cap=nan is not allowed"),
     ("rl.behav_weight_floor", 1.0, r"rl.behav_weight_floor=1.0 is not allowed: a number in \[0, 1\)"),
+    ("rl.behav_weight_clip", 0.0, r"rl.behav_weight_clip=0.0 is not allowed: a number > 0 \(inf: no truncation\)"),
     ("rl.group_size", 5,
      r"learner.batch_size=\d+ is not allowed: must be a multiple of rl.group_size \(5\)"),
     ("model.num_kv_heads", 3, r"model.num_heads=4 must be a multiple of model.num_kv_heads=3"),

@@ -132,9 +132,11 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   kept token is ``min(w, clip)`` (V-trace's truncated importance weight). With
   ``prox_logp == behav_logp`` this is exactly ``naive_ppo_loss`` (w = 1).
 
-  Without a cap, ``w`` is unbounded: under staleness a few tokens that the policy has since come to
-  prefer far more than when they were sampled carry weights of 10-1000 and the update follows them
-  (NOTES.md, "Decoupled PPO without a cap"); the shipped configs therefore cap it at 5, as AReaL's do.
+  Under staleness ``w`` is heavy-tailed (up to 10-1000 at eta 8 in the built-in probe). Unbounded, a
+  few tokens steer the update; dropped above a cap (AReaL's guard), the stale tokens that the policy
+  has come to prefer although they scored badly, which carry most of the corrective signal, are lost.
+  The shipped configs truncate instead (``behav_weight_clip=1``): no stale token weighs more than a
+  fresh one (NOTES.md, "Decoupled PPO under staleness").
 
   Args:
     logp: [B, T] log pi_theta, differentiable.

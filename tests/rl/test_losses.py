@@ -22,12 +22,14 @@ def np_ppo(logp, old, adv, mask, eps):
   return (per * mask).sum() / n, grad
 
 
-def np_decoupled(logp, prox, behav, adv, mask, eps, cap=None, floor=None):
+def np_decoupled(logp, prox, behav, adv, mask, eps, cap=None, floor=None, clip=None):
   w = np.exp(prox - behav)
   if cap is not None:
     w = np.where(w > cap, 0.0, w)
   if floor is not None:
     w = np.where(w < floor, 0.0, w)
+  if clip is not None:
+    w = np.minimum(w, clip)
   u = np.exp(logp - prox)
   unclipped, clipped = u * adv, np.clip(u, 1 - eps, 1 + eps) * adv
   n = max(mask.sum(), 1.0)
@@ -140,8 +142,9 @@ def test_dis_matches_numpy(seed):
   np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("cap,floor", [(None, None), (5.0, None), (None, 0.2), (5.0, 0.2)])
-def test_decoupled_matches_numpy_at_stale_inputs(cap, floor):
+@pytest.mark.parametrize("cap,floor,clip", [(None, None, None), (5.0, None, None), (None, 0.2, None),
+                                            (5.0, 0.2, None), (None, None, 1.0), (5.0, None, 2.0)])
+def test_decoupled_matches_numpy_at_stale_inputs(cap, floor, clip):
   """Behaviour far from prox (log-ratios of +-3, weights up to ~e^6 as in the eta 8 probe), logp a
   step away from prox so the clip is active on some tokens: value, gradient and drop count."""
   logp, prox, behav, adv, mask = _random_inputs(7, shape=(6, 16), spread=0.3)
@@ -150,15 +153,19 @@ def test_decoupled_matches_numpy_at_stale_inputs(cap, floor):
   w = np.exp(prox - behav)
   assert (w > 5).sum() >= 5 and (w < 0.2).sum() >= 5 and w.max() > 50  # really stale
   fn = lambda lp: losses.decoupled_ppo_loss(lp, *_f32(prox, behav, adv, mask), eps_clip=0.2,
-                                            behav_weight_cap=cap, behav_weight_floor=floor)
+                                            behav_weight_cap=cap, behav_weight_floor=floor,
+                                            behav_weight_clip=clip)
   (loss, m), grad = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(logp, jnp.float32))
-  ref_loss, ref_grad = np_decoupled(logp, prox, behav, adv, mask, 0.2, cap, floor)
+  ref_loss, ref_grad = np_decoupled(logp, prox, behav, adv, mask, 0.2, cap, floor, clip)
   assert float(loss) == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
   np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-4, atol=1e-6)
   dropped = ((w > (cap or np.inf)) | (w < (floor or 0.0))) * mask
   assert float(m["dropped_frac"]) == pytest.approx(dropped.sum() / mask.sum(), abs=1e-6)
   if cap is not None or floor is not None:
     assert dropped.sum() > 0
+  if clip is not None:  # truncation keeps every token but none weighs more than the clip
+    assert float(m["iw_max"]) <= clip + 1e-6 and float(m["dropped_frac"]) == pytest.approx(
+        dropped.sum() / mask.sum(), abs=1e-6)
 
 
 def test_an_infinite_cap_and_a_zero_floor_drop_nothing():
@@ -181,6 +188,12 @@ def test_decoupled_reduces_exactly_to_ppo_at_staleness_zero(seed):
   dec = jax.value_and_grad(lambda lp: losses.decoupled_ppo_loss(lp, behav, behav, adv, mask)[0])(logp)
   assert float(ppo[0]) == float(dec[0])
   np.testing.assert_array_equal(np.asarray(ppo[1]), np.asarray(dec[1]))
+  # ... and so does it with the shipped guards (w = 1 is neither dropped nor truncated)
+  guarded = jax.value_and_grad(lambda lp: losses.decoupled_ppo_loss(
+      lp, behav, behav, adv, mask, behav_weight_cap=5.0, behav_weight_floor=0.2,
+      behav_weight_clip=1.0)[0])(logp)
+  assert float(ppo[0]) == float(guarded[0])
+  np.testing.assert_array_equal(np.asarray(ppo[1]), np.asarray(guarded[1]))
 
 
 def _exact_log_ratio_for(target):
