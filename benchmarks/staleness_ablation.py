@@ -229,7 +229,7 @@ def probe(args) -> int:
                      max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"]))
   at = lambda arm, key: [r[key] if key != "v20" else r["evals"].get(20) for r in runs if r["arm"] == arm]
   header = ["arm", "eta", "seeds", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
-            "max weight seen", "mean KL(behav||current), v1-20", "dropped tokens"]
+            "max weight seen", "KL(behaviour, current), mean v1-20", "dropped tokens"]
   rows = [[arm, at(arm, "eta")[0], len(at(arm, "final")), _cell(at(arm, "v20")), _cell(at(arm, "final")),
            f"{100 * min(at(arm, 'final')):.1f}",
            f"{max(at(arm, 'iw_max')):.3g}", f"{np.mean(at(arm, 'kl_behav_first20')):.3f}",
@@ -242,7 +242,16 @@ def probe(args) -> int:
            "(cap and truncation inf); `decoupled_ppo_cap5` is AReaL's shipped guard alone (drop tokens "
            "with w > 5); `ppo_synchronous` is naive PPO at eta 0, the oracle. 'max weight seen' is the "
            "largest importance weight the loss applied (w for decoupled PPO, the ratio to the behaviour "
-           "policy for PPO and DIS).")
+           "policy for PPO and DIS). A rerun resumes finished arms, so arms may come from earlier "
+           "commits with the same losses.\n\nThe cause (benchmarks/objective_diagnosis.py on a recorded run "
+           "without a guard; NOTES.md): no bug (behaviour log-probs match recomputation to 2e-5, also "
+           "across interrupted generations; the gradient matches a numpy reference). Under eta 8 the "
+           "weight w = pi_prox / pi_behav is heavy-tailed (maximum 100-350) and the ~1% of tokens with "
+           "w > 5 carry 50-100% of the gradient norm. Unbounded, they include good tokens already "
+           "reinforced since sampling, a feedback loop naive PPO's clip excludes; dropped above a cap "
+           "(AReaL's 5), they take with them the stale mistakes the policy has come to prefer, whose "
+           "push-down is most of the corrective signal (naive PPO keeps it). Truncating w at 1 keeps "
+           "every token at no more than a fresh token's weight, and is the shipped default.")
   result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, eta=eta,
                                                overrides=PROBE["overrides"] + args.override, seeds=seeds,
                                                arms={k: dict(loss=v[0], overrides=v[1], seeds=v[2] or len(seeds),
@@ -261,7 +270,7 @@ def probe(args) -> int:
                 label=arm)
   ax.set_xlabel("policy version")
   ax.set_ylabel("held-out pass@1")
-  ax.set_title(f"probe regime, eta {eta}")
+  ax.set_title(f"probe regime, eta {eta} (ppo_synchronous: eta 0)")
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(os.path.dirname(md), "staleness_probe.png"), dpi=120)

@@ -45,40 +45,47 @@ def test_admission_follows_the_staleness_bound():
   ctl.close()
 
 
+def _answered(ctl, r, right: bool, version: int = 0):
+  """A finished trajectory for request ``r`` whose completion is the right answer or a wrong one."""
+  t = _finish(r, version)
+  answer = ctl._groups[r.group_id].prompt.answer  # pylint: disable=protected-access
+  t.completion_tokens = np.asarray(TOK.encode("#" + (answer if right else answer + "1")), np.int32)
+  t.logprobs = np.zeros(len(t.completion_tokens), np.float32)
+  t.versions = np.full(len(t.completion_tokens), version, np.int32)
+  return t
+
+
 def test_batches_in_admission_order_with_group_advantages_and_dedupe():
   ctl, mgr, submitted = _make(eta=1, batch=4, group=2)
   ctl.pump()
-  rewards_seen = []
-  ctl._rewards._fn = lambda text, answer: rewards_seen.append(1) or (1.0 if "p0-s0" in text else 0.0)
-  # Deliver batch 1's trajectories first, then batch 0's, and one duplicate.
-  order = submitted[4:8] + submitted[0:4]
-  for r in order:
-    ctl.on_trajectory(_finish(r, 0))
-  ctl.on_trajectory(_finish(submitted[0], 0))
+  # Sample 0 of prompt 0 and both samples of prompt 2 answer right; every other sample is wrong.
+  right = {"p0-s0", "p2-s0", "p2-s1"}
+  # Deliver batch 1's trajectories first, then batch 0's, and one duplicate (a wrong copy: dropped).
+  for r in submitted[4:8] + submitted[0:4]:
+    ctl.on_trajectory(_answered(ctl, r, r.request_id in right))
+  ctl.on_trajectory(_answered(ctl, submitted[0], False))
   b0 = ctl.next_batch(version=0, timeout=10)
   assert b0.prompt_indices == [0, 1] and ctl.duplicates == 1
   assert len(b0.sequences) == 4 and b0.max_staleness_seen == 0
   b1 = ctl.next_batch(version=1, timeout=10)
   assert b1.prompt_indices == [2, 3] and b1.max_staleness_seen == 1
-  # Group-relative advantages: reward minus the group mean, on completion tokens only.
-  for s in b0.sequences:
-    assert np.all(s.advantages[s.mask == 0] == 0)
+  # Group-relative advantages (reward minus the group mean), by hand: prompt 0 holds one right and one
+  # wrong sample (+0.5, -0.5); prompts 1, 2 and 3 are all-equal groups (0). Prompt tokens carry 0.
+  want = {"p0-s0": 0.5, "p0-s1": -0.5, "p1-s0": 0.0, "p1-s1": 0.0, "p2-s0": 0.0, "p2-s1": 0.0,
+          "p3-s0": 0.0, "p3-s1": 0.0}
+  for b in (b0, b1):
+    for t, s in zip(b.trajectories, b.sequences):
+      np.testing.assert_allclose(s.advantages[s.mask > 0], want[t.trajectory_id])
+      assert np.all(s.advantages[s.mask == 0] == 0)
+  assert b0.rewards.tolist() == [1.0, 0.0, 0.0, 0.0] and b1.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
   ctl.close()
 
 
 def test_group_advantage_values():
   ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()
-  answers = {r.request_id: i % 2 == 0 for i, r in enumerate(submitted)}
-  ctl._rewards._fn = lambda text, answer: 1.0 if text.endswith("#" + answer) else 0.0
-  for r in submitted:
-    t = _finish(r, 0)
-    right = answers[r.request_id]
-    answer = ctl._groups[r.group_id].prompt.answer  # pylint: disable=protected-access
-    t.completion_tokens = np.asarray(TOK.encode("#" + (answer if right else answer + "1")), np.int32)
-    t.logprobs = np.zeros(len(t.completion_tokens), np.float32)
-    t.versions = np.zeros(len(t.completion_tokens), np.int32)
-    ctl.on_trajectory(t)
+  for i, r in enumerate(submitted):
+    ctl.on_trajectory(_answered(ctl, r, i % 2 == 0))
   b = ctl.next_batch(version=0, timeout=10)
   adv = sorted(float(s.advantages[s.mask > 0][0]) for s in b.sequences)
   # every group of two holds one right (reward 1) and one wrong (0) answer: advantages +-0.5
@@ -147,3 +154,38 @@ def test_next_batch_times_out_without_data():
   ctl, _, _ = _make()
   assert ctl.next_batch(version=0, timeout=0.2) is None
   ctl.close()
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_admission_order_bounds_staleness_with_random_stragglers(eta):
+  """The controller and staleness manager the main loop runs, fed by a fake decode server that finishes
+  requests after heavy-tailed delays (so later requests often overtake earlier ones): batches come in
+  admission order and none holds data older than eta, and with eta > 0 the run is really asynchronous."""
+  batch, group, slots = 4, 2, 12
+  ctl, mgr, submitted = _make(eta=eta, batch=batch, group=group, slots=slots)
+  rng = np.random.default_rng(eta)
+  running, delivered, taken = [], set(), 0  # running: (finish time, request, version at submission)
+  version, clock, seen = 0, 0.0, []
+  ctl.pump()
+  while version < 25:
+    for r in submitted[taken:]:
+      running.append((clock + float(rng.lognormal(0.0, 1.5)), r, version))
+    taken = len(submitted)
+    assert len(running) <= slots  # the manager never over-admits
+    wanted = {f"p{i}-s{j}" for i in range(version * 2, version * 2 + 2) for j in range(group)}
+    if wanted <= delivered:
+      b = ctl.next_batch(version=version, timeout=10)
+      assert b is not None and b.prompt_indices == [version * 2, version * 2 + 1]
+      seen.append(b.max_staleness_seen)
+      version += 1
+      mgr.set_version(version)
+      ctl.pump()
+      continue
+    running.sort(key=lambda x: x[0])
+    clock, r, v = running.pop(0)
+    delivered.add(r.request_id)
+    ctl.on_trajectory(_finish(r, v))
+  ctl.close()
+  assert max(seen) <= eta
+  if eta:
+    assert max(seen) >= 1
