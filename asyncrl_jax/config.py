@@ -126,11 +126,12 @@ def _get(config, field: str):
   return node
 
 
-def _number(config, field: str, ok: Callable[[float], bool], allowed: str, integer: bool = False):
+def _number(config, field: str, ok: Callable[[float], bool], allowed: str, integer: bool = False,
+            allow_inf: bool = False):
   value = _get(config, field)
   is_num = isinstance(value, int) if integer else isinstance(value, (int, float))
-  _check(is_num and not isinstance(value, bool) and math.isfinite(value) and ok(value), field, value,
-         allowed)
+  finite = is_num and (math.isfinite(value) or (allow_inf and value == math.inf))
+  _check(is_num and not isinstance(value, bool) and finite and ok(value), field, value, allowed)
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -204,13 +205,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
           "1 - eps_low > 0")
   _number(config, "rl.eps_high", lambda v: v > 0, "a number > 0")
-  cap = config.rl.behav_weight_cap
-  _check(isinstance(cap, (int, float)) and not isinstance(cap, bool) and not math.isnan(cap) and cap > 1,
-         "rl.behav_weight_cap", cap, "a number > 1 (inf: no cap)")
+  _number(config, "rl.behav_weight_cap", lambda v: v > 1, "a number > 1 (inf: no cap)", allow_inf=True)
   _number(config, "rl.behav_weight_floor", lambda v: 0 <= v < 1, "a number in [0, 1) (0: no floor)")
-  clip = config.rl.behav_weight_clip
-  _check(isinstance(clip, (int, float)) and not isinstance(clip, bool) and not math.isnan(clip)
-         and clip > 0, "rl.behav_weight_clip", clip, "a number > 0 (inf: no truncation)")
+  _number(config, "rl.behav_weight_clip", lambda v: v > 0, "a number > 0 (inf: no truncation)",
+          allow_inf=True)
   _one_of(config, "rl.advantage", ADVANTAGES)
   _check(config.rl.advantage != "value", "rl.advantage", config.rl.advantage,
          "not implemented yet: the main job trains no value model, so only 'group' runs")

@@ -225,8 +225,9 @@ def analyze(args) -> None:
         frac_w_lt02=float((w_all < 0.2).mean()),
         # k3 estimate of KL(behav || prox) from the behaviour policy's samples: E[(w - 1) - log w]
         kl_behav_prox=float(np.mean(np.expm1(log_w) - log_w)),
-        frac_extra_over_naive=float((~(((adv_all > 0) & (w_all > 1 + eps)) |
-                                       ((adv_all < 0) & (w_all < 1 - eps)))).mean()),
+        # tokens naive PPO's clip removes at the first update and decoupled PPO keeps
+        frac_extra_over_naive=float((((adv_all > 0) & (w_all > 1 + eps)) |
+                                     ((adv_all < 0) & (w_all < 1 - eps))).mean()),
         grad_norm_decoupled=norm["decoupled"], grad_norm_naive=norm["naive"],
         cos_naive_decoupled=cos("naive", "decoupled"),
         share_w_gt5=norm["w_gt5"] / max(norm["decoupled"], 1e-30), cos_w_gt5=cos("w_gt5", "decoupled"),
@@ -246,7 +247,6 @@ def analyze(args) -> None:
         interrupted_align_max=float(max((x.max() for x in stats["interrupted_align"] if x.size),
                                         default=0.0)),
         grad_ref_rel_err=float(max(x.max() for x in stats["ref_err"])) if stats["ref_err"] else None)
-    row["frac_extra_over_naive"] = 1.0 - row["frac_extra_over_naive"]
     rows.append(row)
     print(json.dumps(row), flush=True)
   with open(os.path.join(args.workdir, "diagnosis.json"), "w") as f:

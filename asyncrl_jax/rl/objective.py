@@ -15,6 +15,11 @@ from asyncrl_jax.rl.batching import TokenBatch
 from asyncrl_jax.rl.logprobs import token_logprobs
 
 
+def _finite_or_none(x: float) -> Optional[float]:
+  """A guard of ``inf`` is no guard at all (``None``: nothing traced for it)."""
+  return x if math.isfinite(x) else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
   """Static (hashable) loss options, taken from the ``rl`` config section."""
@@ -31,11 +36,9 @@ class LossSettings:
   def from_config(cls, config) -> "LossSettings":
     return cls(loss=config.rl.loss, eps_clip=config.rl.eps_clip, eps_low=config.rl.eps_low,
                eps_high=config.rl.eps_high,
-               behav_weight_cap=(config.rl.behav_weight_cap
-                                 if math.isfinite(config.rl.behav_weight_cap) else None),
+               behav_weight_cap=_finite_or_none(config.rl.behav_weight_cap),
                behav_weight_floor=config.rl.behav_weight_floor or None,
-               behav_weight_clip=(config.rl.behav_weight_clip
-                                  if math.isfinite(config.rl.behav_weight_clip) else None),
+               behav_weight_clip=_finite_or_none(config.rl.behav_weight_clip),
                temperature=config.rollout.temperature or 1.0)
 
 

@@ -1,7 +1,7 @@
 """A decode server's counters as one typed record, and the figures derived from them.
 
-``DecodeStats`` is what the decode loop counts, what the ``Health`` RPC carries (one proto field per
-counter, ``protocol.HEALTH_COUNTERS`` lists them from this class), what the main job logs as
+``DecodeStats`` is what the decode loop counts, what the ``Health`` RPC carries (a ``DecodeStats``
+message that ``protocol`` generates from this class, one field per field), what the main job logs as
 ``decode_*`` columns of ``metrics.jsonl`` and what the benchmarks read back. Slot utilization, the
 figure derived from them, has its one implementation here.
 """
@@ -73,4 +73,3 @@ class DecodeStats:
       return None
     idle_share = self.idle_seconds / max(self.servers, 1) / max(seconds, 1e-9)
     return self.tokens / self.slot_steps * max(0.0, 1.0 - idle_share)
-
