@@ -135,12 +135,31 @@ def _number(config, field: str, ok: Callable[[float], bool], allowed: str, integ
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checks every field; returns the config or raises ConfigError naming the offending field."""
-  expected = base_config()
-  _check_same_fields(config, expected, "")
+  """Checks every field; returns the config or raises ConfigError naming the offending field.
+
+  Sections are checked in the order of ``base_config``; a check across two sections runs with the
+  later one, once the fields it combines have passed their own checks. The first offending field in
+  that order is the one reported.
+  """
+  _check_same_fields(config, base_config(), "")
+  _validate_run(config)
+  _validate_model(config)
+  _validate_data(config)
+  _validate_rollout(config)
+  _validate_learner(config)
+  _validate_rl(config)
+  _validate_mesh(config)
+  _validate_checkpoint(config)
+  return config
+
+
+def _validate_run(config) -> None:
   _number(config, "seed", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "steps", lambda v: v >= 0, "an integer >= 0", integer=True)
 
+
+def _validate_model(config) -> None:
+  """An inline architecture must build a ModelConfig; with ``hf_path`` the checkpoint decides."""
   if not config.model.hf_path:
     try:
       model_config(config)
@@ -149,6 +168,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _one_of(config, "model.dtype", DTYPES)
   _one_of(config, "model.param_dtype", DTYPES)
 
+
+def _validate_data(config) -> None:
+  """Task and data location, sizes, and (inline model only) prompt + completion within max_seq_len."""
   _one_of(config, "data.task", TASKS)
   if config.data.task != "arithmetic":
     _check(bool(config.data.path), "data.path", config.data.path,
@@ -167,6 +189,8 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
            f"data.max_prompt_len + data.max_completion_len = {total} must be <= model.max_seq_len "
            f"({config.model.max_seq_len})")
 
+
+def _validate_rollout(config) -> None:
   _number(config, "rollout.num_slots", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "rollout.temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
   _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -178,6 +202,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rollout.port", lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)",
           integer=True)
 
+
+def _validate_learner(config) -> None:
+  """Optimizer and batch settings; (inline model only) one micro-batch must hold the longest sequence."""
   _number(config, "learner.batch_size", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.token_budget", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.learning_rate", lambda v: v > 0, "a number > 0")
@@ -198,6 +225,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _check(config.learner.token_budget >= longest, "learner.token_budget", config.learner.token_budget,
            f"must be >= the longest sequence (data.max_prompt_len + data.max_completion_len = {longest})")
 
+
+def _validate_rl(config) -> None:
+  """Objective, clipping and behaviour-weight guards, advantages; group advantages need whole groups."""
   _one_of(config, "rl.loss", LOSSES)
   _number(config, "rl.max_staleness", lambda v: v >= 0, "an integer >= 0 (eta; 0 = synchronous)",
           integer=True)
@@ -222,6 +252,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _number(config, "rl.gamma", lambda v: 0 <= v <= 1, "a number in [0, 1]")
   _number(config, "rl.gae_lambda", lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
+
+def _validate_mesh(config) -> None:
+  """The device split, colocation (not with remote decode servers), and each role's mesh axes."""
   _number(config, "mesh.rollout_fraction", lambda v: 0 < v < 1, "a number strictly between 0 and 1")
   _check(isinstance(config.mesh.colocate, bool), "mesh.colocate", config.mesh.colocate, "must be True or False")
   _check(not (config.mesh.colocate and config.rollout.addresses.strip()), "mesh.colocate", True,
@@ -235,9 +268,10 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     n_auto = sum(config.mesh[role][a] == -1 for a in ("data", "fsdp", "tensor"))
     _check(n_auto <= 1, f"mesh.{role}", dict(config.mesh[role]), "at most one axis may be -1")
 
+
+def _validate_checkpoint(config) -> None:
   _number(config, "checkpoint.every_steps", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "checkpoint.max_to_keep", lambda v: v >= 1, "an integer >= 1", integer=True)
-  return config
 
 
 def _check_same_fields(config, expected, prefix: str) -> None:

@@ -9,18 +9,17 @@ checkpoint or ``model.hf_path`` is given.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
 from asyncrl_jax import models
 from asyncrl_jax import sharding as sharding_lib
+from asyncrl_jax import update as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import token_logprobs
@@ -33,6 +32,15 @@ def demonstration(tokenizer: Tokenizer, question: str, solution: str) -> batchin
                                 tokenizer.encode(solution) + [tokenizer.eos_id])
 
 
+def nll_loss(model_config: ModelConfig, mesh: Mesh):
+  """The warm start's loss for the update loop: negative log-likelihood of the policy tokens (weighted
+  by ``loss_weight``), normalised by the update's policy-token count."""
+  def loss(params, b, _, normalizer):
+    logp = token_logprobs(model_config, params, b.tokens, b.positions, b.segment_ids, mesh=mesh)
+    return -jnp.sum(logp * b.mask * b.loss_weight) / normalizer, {}
+  return loss
+
+
 def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence[dict],
                tokenizer: Tokenizer, *, steps: int, batch_size: int, learning_rate: float, seed: int,
                token_budget: int, progress: Optional[Callable[[int, float], None]] = None,
@@ -42,70 +50,41 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   ``schedule``: ``cosine`` decays ``learning_rate`` to 10% over ``steps``; ``constant`` keeps it (for
   continuing a finished warm start at its final rate). ``max_seconds`` stops early at a wall-time budget
   (each step is then waited for, so the budget is measured, not dispatched). Gradients are clipped to
-  global norm ``grad_clip``. Each step packs its batch into fixed-shape micro-batches (as the learner
-  does) whose gradients are summed, so the compiled step does not depend on how many there are.
+  global norm ``grad_clip``. Each step is one update of the shared update loop (``asyncrl_jax.update``,
+  as the learner's): the batch is packed into fixed-shape micro-batches whose gradients are summed.
   Returns ``(params, last loss)``; the number of steps run is passed to ``progress`` last.
   """
   if not examples:
     raise ValueError("warm start needs at least one example")
   if not {"question", "solution"} <= set(examples[0]):
     raise ValueError(f"warm start examples need 'question' and 'solution' fields; got {sorted(examples[0])}")
-  if schedule not in ("cosine", "constant"):
-    raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
   if steps < 1:
     raise ValueError(f"steps={steps} must be >= 1")
   if max_seconds is not None and not 0 < max_seconds < float("inf"):
     raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
-  shardings = models.param_shardings(model_config, mesh)
-  params = jax.device_put(params, shardings)
-  if not grad_clip > 0:
-    raise ValueError(f"grad_clip={grad_clip} must be > 0")
-  optimizer = optax.chain(optax.clip_by_global_norm(grad_clip),
-                          optax.adamw(optax.cosine_decay_schedule(learning_rate, max(steps, 1), 0.1)
-                                      if schedule == "cosine" else learning_rate))
-  opt_state = jax.jit(optimizer.init)(params)
-  rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
-
-  def loss_fn(p, b, normalizer):
-    logp = token_logprobs(model_config, p, b.tokens, b.positions, b.segment_ids, mesh=mesh)
-    return -jnp.sum(logp * b.mask) / normalizer
-
-  grad_fn = jax.jit(jax.value_and_grad(loss_fn))
-  add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def apply(p, s, grads):
-    updates, s = optimizer.update(grads, s, p)
-    return optax.apply_updates(p, updates), s
-
+  optimizer = update_lib.make_optimizer(learning_rate=learning_rate, total_steps=steps,
+                                        grad_clip=grad_clip, schedule=schedule)
+  updater = update_lib.Updater(model_config, params, mesh, optimizer, token_budget=token_budget,
+                               losses={"nll": nll_loss(model_config, mesh)})
   rng = np.random.default_rng(seed)
-  batch_sharding = sharding_lib.batch_sharding(mesh, 2)
   sequences = {}  # example index -> its tokenized demonstration (examples recur across steps)
-  loss = float("nan")
   t0 = time.time()
   for i in range(steps):
     idx = rng.integers(0, len(examples), batch_size)
     for j in idx:
       if j not in sequences:
         sequences[j] = demonstration(tokenizer, examples[j]["question"], examples[j]["solution"])
-    mbs = batching.pack_sequences([sequences[j] for j in idx], token_budget)
-    normalizer = jnp.float32(batching.total_policy_tokens(mbs))
-    loss_arr, grads = 0.0, None
-    for b in mbs:
-      l, g = grad_fn(params, jax.device_put(batching.pad_rows(b, rows_multiple), batch_sharding), normalizer)
-      loss_arr += l
-      grads = g if grads is None else add(grads, g)
-    params, opt_state = apply(params, opt_state, grads)
+    per_mb, _ = updater.update(*updater.place([sequences[j] for j in idx]), loss="nll")
+    loss = sum(m["loss"] for m in per_mb)
     out_of_time = False
     if max_seconds is not None:
-      jax.block_until_ready(loss_arr)
+      jax.block_until_ready(loss)
       out_of_time = time.time() - t0 >= max_seconds
     if progress is not None and (i % 10 == 0 or i == steps - 1 or out_of_time):
-      loss = float(loss_arr)
-      progress(i + 1, loss)
+      progress(i + 1, float(loss))
     if out_of_time:
       break
-  return params, float(loss_arr)
+  return updater.params, float(loss)
 
 
 def main(argv=None) -> None:

@@ -74,12 +74,12 @@ def main(argv=None) -> int:
   batches = [make_sequences(rng, 32 + heavy_tailed_lengths(rng, args.batch, args.median, args.sigma,
                                                            args.cap, minimum=1), mc.vocab_size, prompt_len=32)
              for _ in range(args.repeats + 1)]
-  learner.train(batches[0])  # compile
+  learner.train(batches[0], version=learner.version)  # compile
   _prox_pass(learner, batches[0], args.token_budget)
   times, prox_times, policy_tokens, all_tokens = [], [], [], []
   for b in batches[1:]:
     t = time.perf_counter()
-    learner.train(b)  # reads metrics back at the end, so the update has finished
+    learner.train(b, version=learner.version)  # reads metrics back at the end, so the update has finished
     times.append(time.perf_counter() - t)
     prox_times.append(_prox_pass(learner, b, args.token_budget))
     policy_tokens.append(sum(float(s.mask.sum()) for s in b))

@@ -28,11 +28,21 @@ def test_there_are_configs():
   assert {"default.py", "qwen2_5_1_5b.py"} <= names
 
 
+def _set(cfg, field, value):
+  """``cfg[a][b][c] = value`` for ``field="a.b.c"`` (any depth, top-level fields included)."""
+  *sections, name = field.split(".")
+  node = cfg
+  for section in sections:
+    node = node[section]
+  node[name] = value
+
+
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
 def test_every_config_validates(path):
-  cfg = config_lib.validate(_load(path))
-  assert set(cfg.keys()) >= {"model", "data", "rollout", "learner", "rl", "mesh", "checkpoint"}
-  assert cfg.rl.loss in config_lib.LOSSES
+  cfg = _load(path)
+  before = cfg.to_dict()
+  assert config_lib.validate(cfg) is cfg  # entry points write `config = validate(config)`
+  assert cfg.to_dict() == before  # validation never rewrites a value
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
@@ -91,11 +101,82 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("mesh.rollout_fraction", 1.0, r"mesh.rollout_fraction=1.0 is not allowed"),
     ("data.max_completion_len", 500, r"data.max_completion_len=500 is not allowed: .* model.max_seq_len"),
     ("learner.token_budget", 10, r"learner.token_budget=10 is not allowed"),
+    ("seed", -1, r"seed=-1 is not allowed: an integer >= 0"),
+    ("steps", True, r"steps=True is not allowed: an integer >= 0"),  # a bool is not a count
+    ("model.param_dtype", "int8", r"model.param_dtype='int8'.* must be one of"),
+    ("data.task", "csv", r"data.task='csv' is not allowed: must be one of \('arithmetic', 'jsonl', 'tfds'\)"),
+    ("data.task", "jsonl", r"data.path='' is not allowed: required .* when data.task='jsonl'"),
+    ("data.max_prompt_len", 0, r"data.max_prompt_len=0 is not allowed: an integer >= 1"),
+    ("data.eval_samples", -1, r"data.eval_samples=-1 is not allowed"),
+    ("data.max_terms", 1, r"data.max_terms=1 is not allowed: an integer >= data.min_terms \(2\)"),
+    ("rollout.num_slots", 0, r"rollout.num_slots=0 is not allowed: an integer >= 1"),
+    ("rollout.temperature", -0.5, r"rollout.temperature=-0.5 is not allowed"),
+    ("rollout.top_k", -1, r"rollout.top_k=-1 is not allowed"),
+    ("rollout.logprob_source", "both", r"rollout.logprob_source='both' is not allowed: must be one of"),
+    ("rollout.on_weight_update", "drop", r"rollout.on_weight_update='drop' is not allowed: must be one of"),
+    ("rollout.port", 65536, r"rollout.port=65536 is not allowed: a port in \[0, 65535\]"),
+    ("learner.learning_rate", 0.0, r"learner.learning_rate=0.0 is not allowed: a number > 0"),
+    ("learner.b2", 1.0, r"learner.b2=1.0 is not allowed: a number in \[0, 1\)"),
+    ("learner.ppo_minibatches", 10**6,
+     r"learner.ppo_minibatches=1000000 is not allowed: must be <= learner.batch_size \(\d+\)"),
+    ("learner.warm_start_lr", float("inf"), r"learner.warm_start_lr=inf is not allowed"),
+    ("rl.group_size", 1, r"rl.group_size=1 is not allowed: must be >= 2 when rl.advantage='group'"),
+    # 0 must fail its own check, not reach `batch_size % group_size`
+    ("rl.group_size", 0, r"rl.group_size=0 is not allowed: an integer >= 1"),
+    ("rl.aggregation", "sum", r"rl.aggregation='sum' is not allowed: must be one of"),
+    ("rl.gamma", 1.5, r"rl.gamma=1.5 is not allowed: a number in \[0, 1\]"),
+    ("mesh.learner.data", 0, r"mesh.learner.data=0 is not allowed: a positive integer, or -1"),
+    ("mesh.rollout.fsdp", -1, r"mesh.rollout=\{.*\} is not allowed: at most one axis may be -1"),
+    ("checkpoint.every_steps", 0, r"checkpoint.every_steps=0 is not allowed: an integer >= 1"),
+    ("checkpoint.max_to_keep", 0, r"checkpoint.max_to_keep=0 is not allowed: an integer >= 1"),
 ])
 def test_bad_values_name_the_field(field, value, pattern):
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
-  section, name = field.split(".")
-  cfg[section][name] = value
+  _set(cfg, field, value)
+  with pytest.raises(config_lib.ConfigError, match=pattern):
+    config_lib.validate(cfg)
+
+
+@pytest.mark.parametrize("changes", [
+    {"rollout.top_p": 1.0, "rollout.temperature": 0.0, "rollout.top_k": 0, "rollout.port": 65535},
+    {"learner.batch_size": 64, "learner.ppo_minibatches": 64, "rl.group_size": 64},  # both bounds inclusive
+    {"data.max_terms": 2, "data.eval_samples": 0, "learner.b1": 0.0, "rl.gamma": 0.0, "rl.gae_lambda": 1.0},
+    {"model.max_seq_len": 256, "data.max_prompt_len": 64, "data.max_completion_len": 192,
+     "learner.token_budget": 256},
+    {"data.task": "jsonl", "data.path": "/data/math.jsonl"},
+    {"mesh.learner.fsdp": 1, "mesh.learner.tensor": -1, "mesh.rollout.data": 2},
+    # with an HF checkpoint, max_seq_len and the token budget come from elsewhere: no length checks
+    {"model.hf_path": "/ckpt", "data.max_completion_len": 100000, "learner.token_budget": 16},
+])
+def test_values_at_the_allowed_boundaries_pass(changes):
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  for field, value in changes.items():
+    _set(cfg, field, value)
+  config_lib.validate(cfg)
+
+
+def test_an_hf_checkpoint_config_still_checks_the_dtypes():
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  cfg.model.hf_path = "/ckpt"  # the architecture is not checked inline, the dtypes still are
+  cfg.model.dtype = "float8"
+  with pytest.raises(config_lib.ConfigError, match=r"^model.dtype='float8' is not allowed: must be one of"):
+    config_lib.validate(cfg)
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    # too long for the model and for the token budget: the length the user set is named
+    ({"data.max_completion_len": 5000, "learner.token_budget": 4096},
+     r"^data.max_completion_len=5000 is not allowed: .* model.max_seq_len"),
+    # fails its own range and the group multiple: the range is what is wrong
+    ({"learner.batch_size": -3}, r"^learner.batch_size=-3 is not allowed: an integer >= 1"),
+    # sections are reported in the order of base_config
+    ({"rl.loss": "grpo", "learner.b1": 1.0}, r"^learner.b1=1.0 is not allowed"),
+    ({"mesh.rollout_fraction": 0.0, "data.num_train": 0}, r"^data.num_train=0 is not allowed"),
+])
+def test_the_first_offending_field_is_reported(changes, pattern):
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  for field, value in changes.items():
+    _set(cfg, field, value)
   with pytest.raises(config_lib.ConfigError, match=pattern):
     config_lib.validate(cfg)
 

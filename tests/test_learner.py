@@ -85,7 +85,7 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
   sequences = _sequences(5)
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
   learner = Learner(CFG, params, mesh, config, total_steps=config.steps)
-  metrics = learner.train(sequences)
+  metrics = learner.train(sequences, version=0)
   assert metrics["micro_batches"] > minibatches  # several micro-batches per update are summed
   want = _reference(params, sequences, config)
   moved = max_abs_diff(want, params)

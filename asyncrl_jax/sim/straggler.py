@@ -104,81 +104,122 @@ def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, e
   rng = np.random.default_rng(seed)
   # Enough trajectories for the trained batches plus everything the bound lets run ahead.
   lens = model.draw(rng, (epochs + eta + 1) * batch)
-  start = np.full(lens.size, np.nan)
-  redone = np.zeros(lens.size)  # re-prefill steps each trace spent after interrupts
-  admit_version = np.zeros(lens.size, np.int64)
-  finish = np.full(slots, math.inf)
-  running = np.full(slots, -1)
-  gen = np.zeros(slots, np.int64)  # invalidates heap entries when a slot's finish time moves
-  events: list = []  # (time, kind, slot or -1, generation); kind 0 = trace done, 1 = training done
-  done = np.zeros(lens.size, bool)
-  pool: list = []  # completion order: finished trajectory indices (heap: oldest first)
-  version, next_traj, t = 0, 0, 0.0
-  learner_busy, learner_busy_steps, trained_tokens = False, 0.0, 0.0
-  staleness = []
-  stale_of_batch: list = []
+  sim = _AsyncSim(lens, epochs=epochs, batch=batch, slots=slots, eta=eta, train_rate=train_rate,
+                  order=order, interrupt_cost=interrupt_cost)
+  sim.run()
+  return sim.result()
 
-  def admit(now):
-    nonlocal next_traj
-    for s in np.flatnonzero(running < 0):
-      if next_traj // batch > version + eta or next_traj >= lens.size:
+
+class _AsyncSim:
+  """One asynchronous run as a discrete-event simulation over decode steps.
+
+  The event heap holds ``(time, kind, slot, generation)``: kind 0 = the trace on ``slot`` finished,
+  kind 1 = the learner finished a batch (slot -1). A slot's generation moves whenever its finish time
+  does (an interrupt), which invalidates the entries pushed before.
+  """
+
+  def __init__(self, lens: np.ndarray, *, epochs: int, batch: int, slots: int, eta: int,
+               train_rate: float, order: str, interrupt_cost: float):
+    self.lens, self.epochs, self.batch, self.slots, self.eta = lens, epochs, batch, slots, eta
+    self.train_rate, self.order, self.interrupt_cost = train_rate, order, interrupt_cost
+    # per trajectory
+    self.start = np.full(lens.size, np.nan)
+    self.redone = np.zeros(lens.size)  # re-prefill steps each trace spent after interrupts
+    self.admit_version = np.zeros(lens.size, np.int64)
+    self.done = np.zeros(lens.size, bool)
+    # per slot
+    self.finish = np.full(slots, math.inf)
+    self.running = np.full(slots, -1)
+    self.gen = np.zeros(slots, np.int64)
+    self.events: list = []
+    self.pool: list = []  # completion order: finished trajectory indices (heap: oldest first)
+    self.version, self.next_traj, self.t = 0, 0, 0.0
+    self.learner_busy, self.learner_busy_steps, self.trained_tokens = False, 0.0, 0.0
+    self.staleness: list = []  # per trained trajectory: trained version - admission version
+    self.stale_of_batch: list = []  # the same for the batch in training
+
+  def run(self) -> None:
+    """Processes events until ``epochs`` versions have been trained; ``self.t`` is then the end."""
+    self._admit(0.0)
+    while self.version < self.epochs:
+      self.t, kind, s, g = heapq.heappop(self.events)
+      if kind == 0:
+        self._trace_done(s, g)
+      else:
+        self._training_done()
+
+  def _admit(self, now: float) -> None:
+    """Fills free slots with the next trajectories the staleness bound lets start."""
+    for s in np.flatnonzero(self.running < 0):
+      n = self.next_traj
+      if n // self.batch > self.version + self.eta or n >= self.lens.size:
         return
-      running[s], start[next_traj], admit_version[next_traj] = next_traj, now, version
-      finish[s] = now + lens[next_traj]
-      heapq.heappush(events, (finish[s], 0, int(s), int(gen[s])))
-      next_traj += 1
+      self.running[s], self.start[n], self.admit_version[n] = n, now, self.version
+      self.finish[s] = now + self.lens[n]
+      heapq.heappush(self.events, (self.finish[s], 0, int(s), int(self.gen[s])))
+      self.next_traj += 1
 
-  def try_train(now):
-    nonlocal learner_busy, learner_busy_steps, trained_tokens, stale_of_batch
-    if learner_busy:
+  def _next_batch(self) -> Optional[np.ndarray]:
+    """The next batch's trajectory indices if it is complete, else None (pops them from the pool)."""
+    if self.order == "admission":
+      members = np.arange(self.version * self.batch, (self.version + 1) * self.batch)
+      return members if self.done[members].all() else None
+    if len(self.pool) < self.batch:
+      return None
+    return np.array([heapq.heappop(self.pool) for _ in range(self.batch)])
+
+  def _try_train(self, now: float) -> None:
+    """Starts training the next batch if the learner is free and the batch is complete."""
+    if self.learner_busy:
       return
-    if order == "admission":
-      members = np.arange(version * batch, (version + 1) * batch)
-      if not done[members].all():
-        return
-    else:
-      if len(pool) < batch:
-        return
-      members = np.array([heapq.heappop(pool) for _ in range(batch)])
-    tokens = float(lens[members].sum())
-    dur = tokens / train_rate if math.isfinite(train_rate) else 0.0
-    learner_busy, learner_busy_steps = True, learner_busy_steps + dur
-    trained_tokens += tokens
-    stale_of_batch = list(version - admit_version[members])
-    heapq.heappush(events, (now + dur, 1, -1, 0))
+    members = self._next_batch()
+    if members is None:
+      return
+    tokens = float(self.lens[members].sum())
+    dur = tokens / self.train_rate if math.isfinite(self.train_rate) else 0.0
+    self.learner_busy, self.learner_busy_steps = True, self.learner_busy_steps + dur
+    self.trained_tokens += tokens
+    self.stale_of_batch = list(self.version - self.admit_version[members])
+    heapq.heappush(self.events, (now + dur, 1, -1, 0))
 
-  admit(0.0)
-  while version < epochs:
-    t, kind, s, g = heapq.heappop(events)
-    if kind == 0:
-      if g != gen[s]:
-        continue
-      n = running[s]
-      done[n], running[s], finish[s] = True, -1, math.inf
-      if order == "completion":
-        heapq.heappush(pool, int(n))
-      try_train(t)
-      admit(t)
-    else:
-      learner_busy = False
-      version += 1
-      staleness.extend(stale_of_batch)
-      if interrupt_cost:
-        for s2 in np.flatnonzero(running >= 0):
-          finish[s2] += interrupt_cost
-          redone[running[s2]] += interrupt_cost
-          gen[s2] += 1
-          heapq.heappush(events, (finish[s2], 0, int(s2), int(gen[s2])))
-      if version < epochs:
-        try_train(t)
-      admit(t)
-  # Useful decode work inside [0, t]: every admitted trace's tokens, cut at t.
-  started = ~np.isnan(start)
-  useful = np.minimum(lens[started], np.maximum(t - start[started] - redone[started], 0.0)).sum()
-  return AsyncResult(eta=eta, order=order, slot_utilization=float(useful / (slots * t)),
-                     tokens_per_step=trained_tokens / t,
-                     learner_idle_fraction=1.0 - learner_busy_steps / t,
-                     max_staleness=int(max(staleness)), mean_staleness=float(np.mean(staleness)), steps=t)
+  def _trace_done(self, s: int, g: int) -> None:
+    if g != self.gen[s]:
+      return  # superseded by an interrupt
+    n = self.running[s]
+    self.done[n], self.running[s], self.finish[s] = True, -1, math.inf
+    if self.order == "completion":
+      heapq.heappush(self.pool, int(n))
+    self._try_train(self.t)
+    self._admit(self.t)
+
+  def _training_done(self) -> None:
+    self.learner_busy = False
+    self.version += 1
+    self.staleness.extend(self.stale_of_batch)
+    if self.interrupt_cost:
+      self._interrupt()
+    if self.version < self.epochs:
+      self._try_train(self.t)
+    self._admit(self.t)
+
+  def _interrupt(self) -> None:
+    """New weights: every in-flight trace loses ``interrupt_cost`` steps to re-prefill."""
+    for s in np.flatnonzero(self.running >= 0):
+      self.finish[s] += self.interrupt_cost
+      self.redone[self.running[s]] += self.interrupt_cost
+      self.gen[s] += 1
+      heapq.heappush(self.events, (self.finish[s], 0, int(s), int(self.gen[s])))
+
+  def result(self) -> AsyncResult:
+    # Useful decode work inside [0, t]: every admitted trace's tokens, cut at t.
+    t, started = self.t, ~np.isnan(self.start)
+    useful = np.minimum(self.lens[started],
+                        np.maximum(t - self.start[started] - self.redone[started], 0.0)).sum()
+    return AsyncResult(eta=self.eta, order=self.order, slot_utilization=float(useful / (self.slots * t)),
+                       tokens_per_step=self.trained_tokens / t,
+                       learner_idle_fraction=1.0 - self.learner_busy_steps / t,
+                       max_staleness=int(max(self.staleness)),
+                       mean_staleness=float(np.mean(self.staleness)), steps=t)
 
 
 def _check_train_rate(train_rate: float) -> None:

@@ -1,0 +1,163 @@
+"""The one update loop, shared by the supervised warm start and RL: pack -> pad -> grad -> accumulate
+-> apply.
+
+An ``Updater`` owns a model's trainable state on a mesh (params and optimizer state) and applies one
+optimizer update per call of ``update``: the sequences are packed into fixed-shape micro-batches under
+a token budget (``rl.batching``), padded so their rows divide over the mesh's batch axes, put on the
+mesh, and each micro-batch's gradient (of a loss normalised by the whole update's policy-token count)
+is summed before one optimizer step. What the loss is belongs to the caller: the learner's policy
+objective or the warm start's negative log-likelihood.
+
+Placement is explicit: every jitted step has in/out shardings (params and gradients on the model's
+shardings, micro-batches split over ``data`` x ``fsdp``, scalars replicated), and params and optimizer
+state are donated to the step that replaces them. Each jitted function traces at most once per
+micro-batch shape the bucketing allows (``chex.assert_max_traces``), so a shape that escapes the
+bucketing fails loudly instead of recompiling every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Optional, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from asyncrl_jax import bucketing
+from asyncrl_jax import models
+from asyncrl_jax import sharding as sharding_lib
+from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.rl import batching
+
+# loss_fn(params, batch, aux, normalizer) -> (scalar loss, dict of scalar metrics); ``aux`` is an
+# optional per-micro-batch array (e.g. the prox log-probs) or None.
+LossFn = Callable
+
+
+def make_optimizer(*, learning_rate: float, total_steps: int, grad_clip: float, warmup_steps: int = 0,
+                   schedule: str = "cosine", b1: float = 0.9, b2: float = 0.999,
+                   weight_decay: float = 1e-4) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping at ``grad_clip``. ``schedule="cosine"``: linear warmup over
+  ``warmup_steps``, then cosine decay to 10% at ``total_steps``; ``"constant"``: ``learning_rate``."""
+  if not grad_clip > 0:
+    raise ValueError(f"grad_clip={grad_clip} must be > 0")
+  if schedule == "constant":
+    lr = learning_rate
+  elif schedule != "cosine":
+    raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
+  elif warmup_steps:
+    lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps,
+                                            max(total_steps, warmup_steps + 1), learning_rate * 0.1)
+  else:
+    lr = optax.cosine_decay_schedule(learning_rate, max(total_steps, 1), alpha=0.1)
+  return optax.chain(optax.clip_by_global_norm(grad_clip),
+                     optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def micro_batch_shapes(token_budget: int, max_seq_len: int) -> int:
+  """How many micro-batch shapes packing can produce: one per row bucket that fits both the token
+  budget and the model's longest sequence (the rows per micro-batch follow from the row length)."""
+  longest = bucketing.bucket(max_seq_len, bucketing.ROW_BUCKETS)
+  return max(1, sum(1 for b in bucketing.ROW_BUCKETS if b <= min(token_budget, longest)))
+
+
+_instances = itertools.count()
+
+
+def bounded_traces(fn, name: str, n: int):
+  """``chex.assert_max_traces(fn, n)`` counted for this one function object. (chex keys its counter
+  by where and how a function is defined, which every instance of a class shares; a name unique to
+  the process keeps one instance's traces from counting against another's.)"""
+  fn.__name__ = f"{name}#{next(_instances)}"
+  return chex.assert_max_traces(fn, n=n)
+
+
+class Updater:
+  """Params and optimizer state on ``mesh``, updated by ``update(micro_batches, normalizer, ...)``.
+
+  Args:
+    model_config: the model (for its parameter shardings).
+    params: initial parameters, any placement; a private copy is put on the mesh.
+    mesh: the training mesh (axes ``data``, ``fsdp``, ``tensor``).
+    optimizer: from ``make_optimizer``.
+    losses: name -> ``loss_fn(params, batch, aux, normalizer)``; ``update(..., loss=name)`` picks one.
+    token_budget: tokens per micro-batch.
+    opt_state: restored optimizer state (on the mesh), or None for a fresh one.
+  """
+
+  def __init__(self, model_config: ModelConfig, params, mesh: Mesh, optimizer, losses: dict, *,
+               token_budget: int, opt_state=None):
+    self.model_config, self.mesh, self.optimizer = model_config, mesh, optimizer
+    self.token_budget = token_budget
+    self.param_shardings = models.param_shardings(model_config, mesh)
+    self.replicated = sharding_lib.replicated(mesh)
+    self.batch_sharding = sharding_lib.batch_sharding(mesh, 2)
+    self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
+    self.max_traces = micro_batch_shapes(token_budget, model_config.max_seq_len)
+    # A private copy: updates donate these buffers, and the caller may still hold the ones it passed.
+    self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(
+        jax.device_put(params, self.param_shardings))
+    if opt_state is None:
+      opt_state = jax.jit(optimizer.init)(self.params)
+    # Scalar leaves (step counts) are created on the default device; keep every leaf on the mesh.
+    self.opt_state = jax.tree.map(
+        lambda x: x if x.ndim and getattr(x.sharding, "mesh", None) == mesh else
+        jax.device_put(x, self.replicated), opt_state)
+    self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+    self._grads = {name: self._jit_grad(fn, name) for name, fn in losses.items()}
+    self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,),
+                        in_shardings=(self.param_shardings, self.param_shardings),
+                        out_shardings=self.param_shardings)
+    self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1),
+                          in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings),
+                          out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
+
+  def _jit_grad(self, loss_fn: LossFn, name: str):
+    def grad(params, batch, aux, normalizer):
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, aux, normalizer)
+      return loss, metrics, grads
+    return jax.jit(bounded_traces(grad, f"grad_{name}", self.max_traces),
+                   in_shardings=(self.param_shardings, self.batch_sharding, self.batch_sharding,
+                                 self.replicated),
+                   out_shardings=(self.replicated, self.replicated, self.param_shardings))
+
+  def _apply_impl(self, params, opt_state, grads):
+    updates, opt_state = self.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+  def jit_forward(self, fn, name: str):
+    """``fn(params, batch) -> [R, L]`` jitted with this updater's shardings and trace bound (e.g. the
+    learner's prox pass)."""
+    def forward(params, batch):
+      return fn(params, batch)
+    return jax.jit(bounded_traces(forward, name, self.max_traces),
+                   in_shardings=(self.param_shardings, self.batch_sharding),
+                   out_shardings=self.batch_sharding)
+
+  def place(self, sequences: Sequence[batching.SequenceData]) -> tuple[list, jax.Array]:
+    """Packs ``sequences`` into micro-batches on the mesh; returns them and the normaliser (their
+    policy-token count, at least 1) on the mesh."""
+    host = batching.pack_sequences(sequences, self.token_budget)
+    normalizer = np.float32(max(batching.total_policy_tokens(host), 1.0))
+    device = [jax.device_put(batching.pad_rows(b, self.rows_multiple), self.batch_sharding) for b in host]
+    return device, jax.device_put(normalizer, self.replicated)
+
+  def update(self, micro_batches: Sequence, normalizer, *, loss: str,
+             aux: Optional[Sequence] = None) -> tuple[list, jax.Array]:
+    """One optimizer update from the summed gradients of ``micro_batches`` (from ``place``).
+
+    Returns the per-micro-batch metrics (with ``loss``) and the gradient's global norm, on device:
+    nothing is read back, so the host never stalls the pipeline.
+    """
+    grad_fn = self._grads[loss]
+    grads, per_mb = None, []
+    for i, b in enumerate(micro_batches):
+      value, metrics, g = grad_fn(self.params, b, None if aux is None else aux[i], normalizer)
+      grads = g if grads is None else self._add(grads, g)
+      per_mb.append(dict(metrics, loss=value))
+    self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
+    return per_mb, grad_norm
