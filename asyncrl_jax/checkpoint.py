@@ -4,6 +4,7 @@ no half-written step behind); ``restore_latest`` resumes from the newest complet
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional
 
@@ -42,3 +43,32 @@ class Checkpointer:
   def close(self) -> None:
     self._mgr.wait_until_finished()
     self._mgr.close()
+
+
+def _jsonable(d: dict) -> dict:
+  return json.loads(json.dumps(d, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+
+
+class RunCheckpointer(Checkpointer):
+  """The whole run state, one call each way: the learner's params, optimizer state and version, the
+  prompt stream's position at that version's batch, the staleness counters and the run's meta
+  (evaluations, warm-start figures)."""
+
+  def save_run(self, learner, controller, meta: dict) -> None:
+    """Saves at ``learner.version``; ``meta`` gets the version, data and staleness state."""
+    meta.update(version=learner.version, data_state=controller.data_state_for(learner.version),
+                staleness=controller.manager.state_dict())
+    self.save(learner.version, params=learner.params, opt_state=learner.opt_state, meta=_jsonable(meta))
+
+  def restore_run(self, learner, prompts) -> Optional[dict]:
+    """Restores the newest complete step into ``learner`` and ``prompts``; returns its meta, or None
+    when there is no checkpoint (a fresh run). The staleness counters restart from the restored
+    version (``StalenessManager.restore``): what was in flight at save time is gone."""
+    step = self.latest_step()
+    if step is None:
+      return None
+    learner.params, learner.opt_state, meta = self.restore(step, params_like=learner.params,
+                                                           opt_state_like=learner.opt_state)
+    learner.version = int(meta["version"])
+    prompts.set_state(meta["data_state"])
+    return meta

@@ -28,7 +28,7 @@ import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
 from asyncrl_jax.rl import advantages, batching
-from asyncrl_jax.rl.staleness import StalenessManager, within_bound
+from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.tokenization import Tokenizer
 
@@ -67,7 +67,8 @@ class Controller:
   """Feeds a rollout backend (anything with ``submit(*requests)``) and assembles training batches."""
 
   def __init__(self, *, prompts: PromptStream, tokenizer: Tokenizer, submit: Callable,
-               manager: StalenessManager, reward: Callable[[str, str], float], batch_size: int,
+               manager: StalenessManager, version: Callable[[], int],
+               reward: Callable[[str, str], float], batch_size: int,
                group_size: int, max_new_tokens: int, advantage: str = "group",
                scale_by_std: bool = False, reward_threads: int = 2,
                reward_source: str = "exact_answer"):
@@ -80,6 +81,9 @@ class Controller:
     self.tokenizer = tokenizer
     self._submit = submit
     self.manager = manager
+    # The version admission counts with: that of the weights the decode servers were last sent (it
+    # lags the learner's during a push, so nothing admitted "at v" starts under older weights).
+    self.version = version
     self.batch_size, self.group_size = batch_size, group_size
     self.prompts_per_batch = batch_size // group_size
     self.max_new_tokens = max_new_tokens
@@ -93,7 +97,24 @@ class Controller:
     self.failed = 0
     from asyncrl_jax.rewards import RewardWorker  # pylint: disable=import-outside-toplevel
     self._rewards = RewardWorker(reward, self._on_reward, threads=reward_threads, decode=tokenizer.decode)
-    self.next_batch_index = manager.state.version
+
+  @classmethod
+  def from_config(cls, config, *, prompts: PromptStream, tokenizer: Tokenizer, submit: Callable,
+                  version: Callable[[], int], reward: Callable[[str, str], float],
+                  num_servers: int) -> "Controller":
+    """The main job's controller: ``rl`` and ``learner`` sections, a staleness manager sized to the
+    decode slots of ``num_servers`` servers (whole groups), restored at the current ``version()``."""
+    group = config.rl.group_size
+    slots = config.rollout.num_slots * num_servers
+    manager = StalenessManager(batch_size=config.learner.batch_size,
+                               max_staleness=config.rl.max_staleness,
+                               max_concurrent=-(-slots // group) * group)
+    manager.restore(version())
+    return cls(prompts=prompts, tokenizer=tokenizer, submit=submit, manager=manager, version=version,
+               reward=reward, batch_size=config.learner.batch_size, group_size=group,
+               max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
+               scale_by_std=config.rl.scale_by_std,
+               reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify")
 
   # ------------------------------------------------------------------ admission
 
@@ -102,12 +123,13 @@ class Controller:
     started = 0
     while True:
       with self._cond:
-        if self.manager.capacity() < self.group_size:
+        version = self.version()
+        if self.manager.capacity(version) < self.group_size:
           return started
         index = self.prompts.next_index
         if index % self.prompts_per_batch == 0:
           self._batch_states[index // self.prompts_per_batch] = self.prompts.get_state()
-        admitted = self.manager.try_submit(self.group_size)
+        admitted = self.manager.try_submit(self.group_size, version)
         if admitted < self.group_size:  # lost a race with another pump: give the places back
           self.manager.reject(admitted)
           return started
@@ -171,20 +193,34 @@ class Controller:
   # ------------------------------------------------------------------ batches
 
   def next_batch(self, version: int, timeout: Optional[float] = None) -> Optional[TrainingBatch]:
-    """Blocks until batch ``next_batch_index`` is complete; ``None`` on timeout."""
-    first = self.next_batch_index * self.prompts_per_batch
+    """Blocks until the batch that trains ``version`` (batch index == version) is complete; ``None``
+    on timeout. Raises ``VersionMismatch`` if an older batch was never handed out or this one already
+    was: batches are consumed one per version, in order."""
+    first = version * self.prompts_per_batch
     indices = list(range(first, first + self.prompts_per_batch))
     deadline = None if timeout is None else time.time() + timeout
     with self._cond:
+      self._check_batch_index(version)
       while not all(i in self._groups and self._groups[i].complete for i in indices):
         remaining = None if deadline is None else deadline - time.time()
         if remaining is not None and remaining <= 0:
           return None
         self._cond.wait(timeout=remaining if remaining is not None else 1.0)
       groups = [self._groups.pop(i) for i in indices]
-      self._batch_states.pop(self.next_batch_index, None)
-    self.next_batch_index += 1
+      self._batch_states.pop(version, None)
     return self._assemble(groups, version)
+
+  def _check_batch_index(self, version: int) -> None:
+    """The oldest batch this controller still holds must be the one for ``version``."""
+    first = version * self.prompts_per_batch
+    oldest = min(self._groups, default=None)
+    if oldest is not None and oldest < first:
+      raise VersionMismatch(f"the controller's oldest untrained batch is {oldest // self.prompts_per_batch}"
+                            f", but the learner asks for the batch of version {version}")
+    if first not in self._groups and self.prompts.next_index > first:
+      raise VersionMismatch(f"the batch of version {version} was already handed out (the controller has "
+                            f"admitted prompts up to {self.prompts.next_index - 1}); the learner's "
+                            "version fell behind its batches")
 
   def _assemble(self, groups, version: int) -> TrainingBatch:
     ids = [(g, i) for g in groups for i in sorted(g.requests)]
@@ -198,7 +234,10 @@ class Controller:
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
         continue
-      oldest = int(t.versions.min())
+      oldest, newest = int(t.versions.min()), int(t.versions.max())
+      if newest > version:
+        raise VersionMismatch(f"decode server {t.server_id!r} sampled a token of {t.trajectory_id} at "
+                              f"policy version {newest}, but the learner is at version {version}")
       if not within_bound(version=version, oldest_token_version=oldest,
                           max_staleness=self.manager.max_staleness):
         raise StalenessError(f"batch for version {version} holds data {version - oldest} versions old > "

@@ -29,10 +29,7 @@ from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, losses
 from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
-
-
-class VersionMismatch(RuntimeError):
-  """Two parts of the system disagree about the policy version (a bug, never expected)."""
+from asyncrl_jax.rl.staleness import VersionMismatch
 
 
 def idle_fraction(learner_seconds: float, seconds: float) -> float:

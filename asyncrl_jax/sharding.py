@@ -19,7 +19,7 @@ Dimensions not listed (head_dim, norm scales, sequence length) are replicated.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -129,3 +129,38 @@ def describe(mesh: Optional[Mesh]) -> str:
   if mesh is None:
     return "no mesh"
   return " x ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f" ({mesh.devices.size} devices)"
+
+
+class RoleMeshes(NamedTuple):
+  """The devices of each role: the learner's mesh, the rollout mesh (None when the decode servers are
+  other processes, at ``remote``), and whether both roles share every device (taking turns)."""
+  learner: Mesh
+  rollout: Optional[Mesh]
+  remote: list
+  colocated: bool
+
+  def describe(self) -> str:
+    devices = jax.devices()
+    out = f"{len(devices)} {devices[0].platform} devices: learner {describe(self.learner)}"
+    if self.rollout is None:
+      return out + f"; decode servers at {', '.join(self.remote)}"
+    return out + f", rollout {describe(self.rollout)}" + (
+        " (the same devices, taking turns)" if self.colocated else "")
+
+
+def role_meshes(config) -> RoleMeshes:
+  """One mesh per role from ``config.mesh``: a split of the local devices (``mesh.rollout_fraction``),
+  both roles on every device (``mesh.colocate``), or every local device learning when the decode
+  servers are other processes (``rollout.addresses``)."""
+  remote = [a.strip() for a in config.rollout.addresses.split(",") if a.strip()]
+  devices = list(jax.devices())
+  if remote:
+    rollout_devices, learner_devices = [], devices
+  elif config.mesh.colocate:
+    rollout_devices = learner_devices = devices
+  else:
+    rollout_devices, learner_devices = split_devices(devices, config.mesh.rollout_fraction)
+  learner = make_mesh(learner_devices, config.mesh.learner.to_dict(), role="mesh.learner")
+  rollout = (make_mesh(rollout_devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
+             if rollout_devices else None)
+  return RoleMeshes(learner, rollout, remote, bool(config.mesh.colocate) and not remote)

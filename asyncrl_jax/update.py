@@ -17,10 +17,8 @@ bucketing fails loudly instead of recompiling every step.
 
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Optional, Sequence
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,17 +61,6 @@ def micro_batch_shapes(token_budget: int, max_seq_len: int) -> int:
   budget and the model's longest sequence (the rows per micro-batch follow from the row length)."""
   longest = bucketing.bucket(max_seq_len, bucketing.ROW_BUCKETS)
   return max(1, sum(1 for b in bucketing.ROW_BUCKETS if b <= min(token_budget, longest)))
-
-
-_instances = itertools.count()
-
-
-def bounded_traces(fn, name: str, n: int):
-  """``chex.assert_max_traces(fn, n)`` counted for this one function object. (chex keys its counter
-  by where and how a function is defined, which every instance of a class shares; a name unique to
-  the process keeps one instance's traces from counting against another's.)"""
-  fn.__name__ = f"{name}#{next(_instances)}"
-  return chex.assert_max_traces(fn, n=n)
 
 
 class Updater:
@@ -120,21 +107,21 @@ class Updater:
     def grad(params, batch, aux, normalizer):
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, aux, normalizer)
       return loss, metrics, grads
-    return jax.jit(bounded_traces(grad, f"grad_{name}", self.max_traces),
+    return jax.jit(bucketing.bounded_traces(grad, f"grad_{name}", self.max_traces),
                    in_shardings=(self.param_shardings, self.batch_sharding, self.batch_sharding,
                                  self.replicated),
                    out_shardings=(self.replicated, self.replicated, self.param_shardings))
 
   def _apply_impl(self, params, opt_state, grads):
     updates, opt_state = self.optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 
   def jit_forward(self, fn, name: str):
     """``fn(params, batch) -> [R, L]`` jitted with this updater's shardings and trace bound (e.g. the
     learner's prox pass)."""
     def forward(params, batch):
       return fn(params, batch)
-    return jax.jit(bounded_traces(forward, name, self.max_traces),
+    return jax.jit(bucketing.bounded_traces(forward, name, self.max_traces),
                    in_shardings=(self.param_shardings, self.batch_sharding),
                    out_shardings=self.batch_sharding)
 

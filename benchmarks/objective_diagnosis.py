@@ -70,13 +70,13 @@ def record(args) -> None:
   os.makedirs(out, exist_ok=True)
   original = learner_lib.Learner.train
 
-  def recording_train(self, sequences):
+  def recording_train(self, sequences, *, version):
     v = self.version
     np.savez(os.path.join(out, f"params_{v:04d}.npz"), **_flat(jax.device_get(self.params)))
     lengths = np.array([len(s.tokens) for s in sequences])
     np.savez(os.path.join(out, f"batch_{v:04d}.npz"), lengths=lengths,
              **{f: np.concatenate([getattr(s, f) for s in sequences]) for f in FIELDS})
-    return original(self, sequences)
+    return original(self, sequences, version=version)
 
   learner_lib.Learner.train = recording_train
   argv = ["train", f"--config={CONFIG}", f"--workdir={args.workdir}", f"--config.rl.loss={args.loss}",

@@ -6,7 +6,7 @@ import pytest
 
 from asyncrl_jax.controller import Controller, StalenessError
 from asyncrl_jax.data.pipeline import PromptStream
-from asyncrl_jax.rl.staleness import StalenessManager
+from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch
 from asyncrl_jax.rollout.trajectory import Trajectory
 from asyncrl_jax.tokenization import ArithmeticTokenizer
 
@@ -18,14 +18,19 @@ def _source(n=64):
            "solution": b""} for i in range(n)]
 
 
+class _Learner:
+  """Stands in for the learner's version count (the only one there is)."""
+  version = 0
+
+
 def _make(eta=1, batch=4, group=2, slots=100):
-  submitted = []
+  submitted, learner = [], _Learner()
   mgr = StalenessManager(batch_size=batch, max_staleness=eta, max_concurrent=slots)
   ctl = Controller(prompts=PromptStream(_source(), seed=0, shard_index=0, shard_count=1), tokenizer=TOK,
-                   submit=lambda *r: submitted.extend(r), manager=mgr,
+                   submit=lambda *r: submitted.extend(r), manager=mgr, version=lambda: learner.version,
                    reward=lambda text, answer: float(text.endswith("#" + answer)),
                    batch_size=batch, group_size=group, max_new_tokens=8)
-  return ctl, mgr, submitted
+  return ctl, learner, submitted
 
 
 def _finish(req, version, reason="eos"):
@@ -37,7 +42,7 @@ def _finish(req, version, reason="eos"):
 
 
 def test_admission_follows_the_staleness_bound():
-  ctl, mgr, submitted = _make(eta=1, batch=4, group=2)
+  ctl, learner, submitted = _make(eta=1, batch=4, group=2)
   ctl.pump()
   assert len(submitted) == (1 + 0 + 1) * 4  # (eta + version + 1) * B
   assert [r.request_id for r in submitted[:3]] == ["p0-s0", "p0-s1", "p1-s0"]
@@ -56,7 +61,7 @@ def _answered(ctl, r, right: bool, version: int = 0):
 
 
 def test_batches_in_admission_order_with_group_advantages_and_dedupe():
-  ctl, mgr, submitted = _make(eta=1, batch=4, group=2)
+  ctl, learner, submitted = _make(eta=1, batch=4, group=2)
   ctl.pump()
   # Sample 0 of prompt 0 and both samples of prompt 2 answer right; every other sample is wrong.
   right = {"p0-s0", "p2-s0", "p2-s1"}
@@ -82,7 +87,7 @@ def test_batches_in_admission_order_with_group_advantages_and_dedupe():
 
 
 def test_group_advantage_values():
-  ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
+  ctl, learner, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()
   for i, r in enumerate(submitted):
     ctl.on_trajectory(_answered(ctl, r, i % 2 == 0))
@@ -94,46 +99,70 @@ def test_group_advantage_values():
   ctl.close()
 
 
-def test_too_stale_batch_is_an_error():
-  ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
-  ctl.pump()
-  for r in submitted:
-    ctl.on_trajectory(_finish(r, 0))
-  with pytest.raises(StalenessError, match="2 versions old > rl.max_staleness=0"):
-    ctl.next_batch(version=2, timeout=10)
-  ctl.close()
-
-
-def _deliver_mixed(ctl, submitted, versions):
-  for r in submitted:
-    t = _finish(r, 0)
-    t.versions = np.asarray(versions, np.int32)  # an interrupted generation: tokens of two versions
+def _train(ctl, learner, batch_requests, versions=None):
+  """Delivers a batch's trajectories (tokens at ``versions``, default the learner's), takes the batch
+  for the learner's version and counts one trained version, as the main loop does."""
+  for r in batch_requests:
+    t = _finish(r, learner.version)
+    if versions is not None:  # e.g. an interrupted generation: tokens of two versions
+      t.versions = np.asarray(versions, np.int32)
     ctl.on_trajectory(t)
+  b = ctl.next_batch(version=learner.version, timeout=10)
+  learner.version += 1
+  ctl.pump()
+  return b
+
+
+def test_too_stale_batch_is_an_error():
+  ctl, learner, submitted = _make(eta=0, batch=4, group=2)
+  ctl.pump()
+  _train(ctl, learner, submitted[:4])
+  assert len(submitted) == 8  # batch 1 admitted at version 1
+  with pytest.raises(StalenessError, match="1 versions old > rl.max_staleness=0"):
+    _train(ctl, learner, submitted[4:8], versions=[0] * 6)  # sampled at version 0, trained at 1
+  ctl.close()
 
 
 def test_staleness_counts_the_oldest_token_of_an_interrupted_trajectory():
-  # Tokens from versions 0 and 1 trained at version 2 with eta 1: the last token is fresh enough,
-  # the first two are not, so the batch must be refused.
-  ctl, _, submitted = _make(eta=1, batch=4, group=2)
+  ctl, learner, submitted = _make(eta=1, batch=4, group=2)
   ctl.pump()
-  _deliver_mixed(ctl, submitted[:4], [0, 0, 1, 1, 1, 1])
-  with pytest.raises(StalenessError, match="2 versions old > rl.max_staleness=1"):
-    ctl.next_batch(version=2, timeout=10)
-  ctl.close()
-  # The same data at version 1 is within the bound; the per-token versions reach the learner intact.
-  ctl, _, submitted = _make(eta=1, batch=4, group=2)
-  ctl.pump()
-  _deliver_mixed(ctl, submitted[:4], [0, 0, 1, 1, 1, 1])
-  b = ctl.next_batch(version=1, timeout=10)
+  _train(ctl, learner, submitted[:4])
+  # Tokens of versions 0 and 1 trained at version 1 with eta 1: within the bound, and the per-token
+  # versions reach the learner intact.
+  b = _train(ctl, learner, submitted[4:8], versions=[0, 0, 1, 1, 1, 1])
   assert b.max_staleness_seen == 1
   for s in b.sequences:
     assert s.versions[s.mask > 0].tolist() == [0, 0, 1, 1, 1, 1]
     assert np.all(s.versions[s.mask == 0] == -1)
+  # The same at version 2: the last tokens are fresh enough, the first two are not.
+  with pytest.raises(StalenessError, match="2 versions old > rl.max_staleness=1"):
+    _train(ctl, learner, submitted[8:12], versions=[0, 0, 1, 1, 1, 1])
+  ctl.close()
+
+
+def test_versions_disagreeing_with_the_learner_raise_and_name_both():
+  ctl, learner, submitted = _make(eta=1, batch=4, group=2)
+  ctl.pump()
+  with pytest.raises(VersionMismatch, match="oldest untrained batch is 0, but the learner asks for "
+                                            "the batch of version 1"):
+    ctl.next_batch(version=1, timeout=1)
+  _train(ctl, learner, submitted[:4])
+  with pytest.raises(VersionMismatch, match="batch of version 0 was already handed out"):
+    ctl.next_batch(version=0, timeout=1)
+  # a decode server cannot have sampled with a version the learner has not trained yet
+  with pytest.raises(VersionMismatch, match=r"decode server 'decode-7' sampled a token of p2-s0 at "
+                                            r"policy version 2, but the learner is at version 1"):
+    for r in submitted[4:8]:
+      t = _finish(r, 1)
+      t.server_id = "decode-7"
+      t.versions[-1] = 2 if r.request_id == "p2-s0" else 1
+      ctl.on_trajectory(t)
+    ctl.next_batch(version=1, timeout=10)
   ctl.close()
 
 
 def test_aborted_is_resubmitted_and_error_keeps_its_place():
-  ctl, mgr, submitted = _make(eta=0, batch=4, group=2)
+  ctl, learner, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()
   n = len(submitted)
   ctl.on_trajectory(_finish(submitted[0], 0, reason="aborted"))
@@ -162,7 +191,7 @@ def test_admission_order_bounds_staleness_with_random_stragglers(eta):
   requests after heavy-tailed delays (so later requests often overtake earlier ones): batches come in
   admission order and none holds data older than eta, and with eta > 0 the run is really asynchronous."""
   batch, group, slots = 4, 2, 12
-  ctl, mgr, submitted = _make(eta=eta, batch=batch, group=group, slots=slots)
+  ctl, learner, submitted = _make(eta=eta, batch=batch, group=group, slots=slots)
   rng = np.random.default_rng(eta)
   running, delivered, taken = [], set(), 0  # running: (finish time, request, version at submission)
   version, clock, seen = 0, 0.0, []
@@ -178,7 +207,7 @@ def test_admission_order_bounds_staleness_with_random_stragglers(eta):
       assert b is not None and b.prompt_indices == [version * 2, version * 2 + 1]
       seen.append(b.max_staleness_seen)
       version += 1
-      mgr.set_version(version)
+      learner.version = version
       ctl.pump()
       continue
     running.sort(key=lambda x: x[0])

@@ -11,6 +11,7 @@ from tests.helpers import max_abs_diff, sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.learner import Learner, make_optimizer
+from asyncrl_jax.rl.staleness import VersionMismatch
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
@@ -107,3 +108,25 @@ def test_prox_is_current_refuses_a_prox_argument():
   with pytest.raises(ValueError, match="prox_is_current"):
     micro_batch_loss(params, b, jnp.zeros(b.tokens.shape), 1.0, model=CFG, settings=LossSettings(),
                      prox_is_current=True)
+
+
+def test_update_steps_trace_once_per_micro_batch_shape():
+  """The train step is bounded by the shapes packing allows: row buckets 32 and 64 under a 64-token
+  budget. Both run; a micro-batch of another shape (what a bypassed bucketing would produce) trips it."""
+  from asyncrl_jax import update  # pylint: disable=import-outside-toplevel
+  config = _config("ppo", 1)
+  config.learner.token_budget = 64
+  cfg = CFG.replace(max_seq_len=64)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  learner = Learner(cfg, sharp_params(cfg, 0), mesh, config, total_steps=4)
+  assert update.micro_batch_shapes(64, 64) == 2
+  short = [s for s in _sequences(1, 24) if len(s.tokens) <= 32][:4]
+  long = [s for s in _sequences(2, 24) if 32 < len(s.tokens) <= 64][:2]
+  learner.train(short, version=0)  # rows of 32
+  learner.train(long, version=1)  # rows of 64
+  learner.train(short + long, version=2)  # rows of 64 again: no new trace
+  odd = jax.device_put(batching.layout_rows(short, [[0]], 2, 48), learner.updater.batch_sharding)
+  with pytest.raises(AssertionError, match="traced > 2 times"):
+    learner.updater.update([odd], jnp.float32(1.0), loss="first")
+  with pytest.raises(VersionMismatch, match="for policy version 2, but the learner is at version 3"):
+    learner.train(short, version=2)

@@ -192,13 +192,13 @@ def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
 
 def test_run_config_is_recorded_and_changes_are_named(tmp_path, capsys):
   from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import train  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import runlog  # pylint: disable=import-outside-toplevel
   c, path = config_lib.base_config(), tmp_path / "config.json"
-  train._record_config(c, str(path))  # pylint: disable=protected-access
+  runlog.record_config(c, str(path))
   assert json.loads(path.read_text())["rl"]["loss"] == "decoupled_ppo"
   assert "differs" not in capsys.readouterr().out
   c.rl.loss, c.learner.batch_size = "dis", 64
-  train._record_config(c, str(path))  # pylint: disable=protected-access
+  runlog.record_config(c, str(path))
   said = capsys.readouterr().out
   assert "learner.batch_size=32 -> 64" in said and "rl.loss='decoupled_ppo' -> 'dis'" in said
   assert json.loads(path.read_text())["rl"]["loss"] == "dis"

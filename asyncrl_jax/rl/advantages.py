@@ -1,46 +1,51 @@
 """Advantages: group-relative (GRPO-style), single-rollout value baseline, GAE; a clipped value loss.
 
 Group-relative advantages need every member of a group, which reintroduces a barrier per prompt;
-single-rollout advantages (``A = R - V``, SAO) do not, at the cost of a critic. Both are pure functions.
+single-rollout advantages (``A = R - V``, SAO) do not, at the cost of a critic. Both are pure functions; the group ones run on the host (numpy).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def group_advantages(rewards, group_ids, *, num_groups: int, scale_by_std: bool = False,
                      eps: float = 1e-6):
-  """Reward minus its group's mean (optionally divided by the group's std).
+  """Reward minus its group's mean (optionally divided by the group's std), on the host (numpy): the
+  controller computes these per batch, and they need no device.
 
   Args:
     rewards: [N] scalar reward per trajectory.
     group_ids: [N] int in [0, num_groups): trajectories of the same prompt share an id.
-    num_groups: static number of group ids.
+    num_groups: number of group ids.
     scale_by_std: divide by the group's population standard deviation (+ eps).
     eps: added to the std.
 
   Returns:
-    (advantages [N], group_count [N]): the count of members of each trajectory's group, so a caller can
-    detect incomplete groups (compare with the expected group size) before trusting the baseline.
+    (advantages [N] float32, group_count [N] int32): the count of members of each trajectory's group,
+    so a caller can detect incomplete groups (compare with the expected group size) before trusting
+    the baseline.
   """
-  rewards = jnp.asarray(rewards, jnp.float32)
-  ones = jnp.ones_like(rewards)
-  counts = jax.ops.segment_sum(ones, group_ids, num_segments=num_groups)
-  sums = jax.ops.segment_sum(rewards, group_ids, num_segments=num_groups)
-  means = sums / jnp.maximum(counts, 1.0)
+  rewards = np.asarray(rewards, np.float32)
+  group_ids = np.asarray(group_ids, np.int64)
+  if group_ids.size and not 0 <= group_ids.min() <= group_ids.max() < num_groups:
+    raise ValueError(f"group ids must lie in [0, {num_groups}); got {group_ids.min()}..{group_ids.max()}")
+  counts = np.bincount(group_ids, minlength=num_groups).astype(np.float32)
+  sums = np.bincount(group_ids, weights=rewards, minlength=num_groups).astype(np.float32)
+  means = sums / np.maximum(counts, 1.0)
   centred = rewards - means[group_ids]
   if scale_by_std:
-    var = jax.ops.segment_sum(centred * centred, group_ids, num_segments=num_groups)
-    std = jnp.sqrt(var / jnp.maximum(counts, 1.0))
+    var = np.bincount(group_ids, weights=centred * centred, minlength=num_groups).astype(np.float32)
+    std = np.sqrt(var / np.maximum(counts, 1.0))
     centred = centred / (std[group_ids] + eps)
-  return centred, counts[group_ids].astype(jnp.int32)
+  return centred.astype(np.float32), counts[group_ids].astype(np.int32)
 
 
 def incomplete_groups(group_ids, expected_size: int) -> list[int]:
   """Host-side check: ids of groups that do not have exactly ``expected_size`` members."""
-  ids, counts = jnp.unique(jnp.asarray(group_ids), return_counts=True)
+  ids, counts = np.unique(np.asarray(group_ids), return_counts=True)
   return [int(i) for i, c in zip(ids, counts) if int(c) != expected_size]
 
 

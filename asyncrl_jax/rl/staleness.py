@@ -26,6 +26,10 @@ import dataclasses
 import threading
 
 
+class VersionMismatch(RuntimeError):
+  """Two parts of the system disagree about the policy version (a bug, never expected)."""
+
+
 def rollout_capacity(*, version: int, accepted: int, running: int, batch_size: int,
                      max_staleness: int, max_concurrent: int) -> int:
   """How many more rollouts may be started now (never negative).
@@ -54,7 +58,6 @@ def within_bound(*, version: int, oldest_token_version: int, max_staleness: int)
 
 @dataclasses.dataclass
 class StalenessState:
-  version: int = 0
   accepted: int = 0
   running: int = 0
 
@@ -64,11 +67,12 @@ class StalenessManager:
 
   ``try_submit`` when rollouts start, ``accept`` / ``reject`` when they finish (reject: aborted, errored,
   a duplicate or too stale, so the place is freed without counting toward a batch), ``drop_accepted``
-  for accepted trajectories discarded before training, ``set_version`` after each update.
-  ``restore(version)`` is for resuming from a checkpoint: trajectories that were in flight or queued
-  but untrained at save time are gone, so the counters restart from the restored version
-  (``accepted = version * B``, ``running = 0``) instead of carrying counts that would throttle or
-  over-admit generation forever after.
+  for accepted trajectories discarded before training. The policy version is not kept here: callers
+  pass the learner's (``Learner.version``, the only count of versions). ``restore(version)`` is for
+  resuming from a checkpoint: trajectories that were in flight or queued but untrained at save time
+  are gone, so the counters restart from the restored version (``accepted = version * B``,
+  ``running = 0``) instead of carrying counts that would throttle or over-admit generation forever
+  after.
   """
 
   def __init__(self, *, batch_size: int, max_staleness: int, max_concurrent: int):
@@ -78,20 +82,21 @@ class StalenessManager:
     self._state = StalenessState()
     self._lock = threading.Lock()
 
-  def capacity(self) -> int:
+  def capacity(self, version: int) -> int:
+    """How many rollouts may start now, at policy version ``version``."""
     with self._lock:
-      return self._capacity()
+      return self._capacity(version)
 
-  def _capacity(self) -> int:
+  def _capacity(self, version: int) -> int:
     s = self._state
-    return rollout_capacity(version=s.version, accepted=s.accepted, running=s.running,
+    return rollout_capacity(version=version, accepted=s.accepted, running=s.running,
                             batch_size=self.batch_size, max_staleness=self.max_staleness,
                             max_concurrent=self.max_concurrent)
 
-  def try_submit(self, n: int = 1) -> int:
-    """Admits up to ``n`` rollouts; returns how many were admitted."""
+  def try_submit(self, n: int, version: int) -> int:
+    """Admits up to ``n`` rollouts at policy version ``version``; returns how many were admitted."""
     with self._lock:
-      k = min(n, self._capacity())
+      k = min(n, self._capacity(version))
       self._state.running += k
       return k
 
@@ -116,15 +121,9 @@ class StalenessManager:
       raise ValueError(f"{n} rollouts finished but only {self._state.running} were running")
     self._state.running -= n
 
-  def set_version(self, version: int) -> None:
-    with self._lock:
-      if version < self._state.version:
-        raise ValueError(f"policy version went backwards: {self._state.version} -> {version}")
-      self._state.version = version
-
   def restore(self, version: int) -> None:
     with self._lock:
-      self._state = StalenessState(version=version, accepted=version * self.batch_size, running=0)
+      self._state = StalenessState(accepted=version * self.batch_size, running=0)
 
   @property
   def state(self) -> StalenessState:
@@ -133,4 +132,4 @@ class StalenessManager:
 
   def state_dict(self) -> dict:
     s = self.state
-    return {"version": s.version, "accepted": s.accepted, "running": s.running}
+    return {"accepted": s.accepted, "running": s.running}

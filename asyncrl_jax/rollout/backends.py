@@ -1,9 +1,13 @@
 """Where the controller's rollouts run: decode servers in this process, or in other processes.
 
 Both backends offer the same narrow interface to the main loop:
-``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats``, ``start()``,
-``stop()``, ``error``, ``wait_until_warm()`` and ``decode_stats()`` (the decode servers' cumulative
-counters, summed: a ``DecodeStats``). Finished trajectories go to the ``on_trajectory`` callback.
+``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats``, ``version``,
+``start(on_trajectory)``, ``stop()``, ``error``, ``wait_until_warm()`` and ``decode_stats()`` (the
+decode servers' cumulative counters, summed: a ``DecodeStats``). A backend is built first, the
+controller on top of it (``submit``), and ``start`` then names where finished trajectories go: no
+construction cycle. ``version`` is the version of the weights last handed to the decode servers: it
+lags the learner's while a push is under way, and admission counts with it, so a rollout admitted
+"at version v" never starts under older weights.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ log = logging.getLogger(__name__)
 class LocalRollout:
   """One decode server on this process's rollout mesh; weights move with ``jax.device_put``."""
 
-  def __init__(self, engine: Engine, learner_params, version: int,
-               on_trajectory: Callable[[Trajectory], None], *, on_weight_update: str = "recompute"):
+  def __init__(self, engine: Engine, learner_params, version: int, *,
+               on_weight_update: str = "recompute"):
     self.engine = engine
     params, _ = local_transfer(learner_params, engine.param_shardings)
     self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
-                               on_trajectory=on_trajectory, on_weight_update=on_weight_update)
+                               on_weight_update=on_weight_update)
     self.rollout_params = params
+    self.version = version  # of the weights last handed to the decode server (lags the learner's)
 
   def submit(self, *requests: RolloutRequest) -> None:
     self.server.submit(*requests)
@@ -44,6 +49,7 @@ class LocalRollout:
   def update_weights(self, learner_params, version: int) -> TransferStats:
     self.rollout_params, stats = local_transfer(learner_params, self.engine.param_shardings)
     self.server.update_weights(self.rollout_params, version)
+    self.version = version
     return stats
 
   @property
@@ -58,7 +64,8 @@ class LocalRollout:
   def decode_stats(self) -> DecodeStats:
     return self.server.stats.copy()  # a snapshot: the decode loop's thread keeps counting
 
-  def start(self) -> None:
+  def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
+    self.server.stream_to(on_trajectory)
     self.server.start()
 
   def stop(self) -> None:
@@ -73,19 +80,19 @@ class RemoteRollout:
   server and pulled by each server in parallel.
   """
 
-  def __init__(self, addresses: Sequence[str], on_trajectory: Callable[[Trajectory], None], *,
-               transfer_host: str = "127.0.0.1", connect_timeout: float = 120.0):
+  def __init__(self, addresses: Sequence[str], *, transfer_host: str = "127.0.0.1", connect_timeout: float = 120.0):
     if not addresses:
       raise ValueError("RemoteRollout needs at least one decode server address")
     self.clients = [RolloutClient(a) for a in addresses]
     for c in self.clients:
       c.wait_ready(connect_timeout)
     self.sender = WeightSender(f"{transfer_host}:0")
-    self._on_trajectory = on_trajectory
+    self._on_trajectory: Optional[Callable[[Trajectory], None]] = None
     self._next = itertools.cycle(range(len(self.clients)))
     self._stop = threading.Event()
     self._pool = futures.ThreadPoolExecutor(max_workers=len(self.clients))
     self.error: Optional[BaseException] = None
+    self.version: Optional[int] = None  # of the weights last pushed to every server (None: none yet)
 
   def submit(self, *requests: RolloutRequest) -> None:
     by_server = collections.defaultdict(list)
@@ -100,6 +107,7 @@ class RemoteRollout:
     self.sender.offer(learner_params, *uuids)
     replies = list(self._pool.map(
         lambda cu: cu[0].update_weights(version, self.sender.address, cu[1]), zip(self.clients, uuids)))
+    self.version = version
     return TransferStats(time.perf_counter() - t, sum(r.bytes for r in replies))
 
   def wait_until_warm(self, timeout: float = 600.0) -> None:
@@ -136,7 +144,8 @@ class RemoteRollout:
           return
         time.sleep(0.5)
 
-  def start(self) -> None:
+  def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
+    self._on_trajectory = on_trajectory
     for c in self.clients:
       th = threading.Thread(target=self._stream, args=(c,), daemon=True, name=f"stream-{c.address}")
       th.start()

@@ -17,15 +17,16 @@ log = logging.getLogger(__name__)
 
 class ShapedPrefill:
   """A jitted batched prefill ``fn(params, state, tokens [R, W], *row_args [R])`` run over a few
-  ``(R, W)`` shapes: rows are grouped by ``prefill_plan``; with ``background`` the shapes a plan wants
+  ``(R, W)`` shapes (host arrays put explicitly on ``sharding``): rows are grouped by ``prefill_plan``; with ``background`` the shapes a plan wants
   but lacks are compiled in a background thread (from abstract arguments: no memory, no compute) while
   compiled shapes are used, as long as they compute at most ``MAX_DETOUR`` times the wanted plan's
   tokens; otherwise the call runs the wanted plan, compiling what it lacks (blocking)."""
 
   MAX_DETOUR = 4
 
-  def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool):
+  def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool, sharding=None):
     self.fn, self.name, self.num_slots, self.max_len = fn, name, num_slots, max_len
+    self.sharding = sharding  # where the host's tokens and row arguments go (replicated on the mesh)
     self.background = background
     self._ready: set = set()
     self._compiling: set = set()
@@ -66,8 +67,8 @@ class ShapedPrefill:
       for values, pad in row_args:
         a = np.full(rows, pad, np.int32)
         a[:len(idx)] = values[idx]
-        args.append(jnp.asarray(a))
-      state = self.fn(params, state, jnp.asarray(t), *args)
+        args.append(jax.device_put(a, self.sharding))  # explicit: the decode loop is guarded
+      state = self.fn(params, state, jax.device_put(t, self.sharding), *args)
       with self._lock:
         self._ready.add((rows, width))
     return state
@@ -109,8 +110,8 @@ class ShapedPrefill:
           return
         (rows, width), args, num_row_args = self._queue.popleft()
       try:
-        row = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        self.fn.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32),
+        row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self.sharding)
+        self.fn.lower(*args, jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=self.sharding),
                       *[row] * num_row_args).compile()  # a later call finds it in jit's cache
         with self._lock:
           self._ready.add((rows, width))

@@ -29,12 +29,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncrl_jax import models
 from asyncrl_jax import sharding as sharding_lib
+from asyncrl_jax.bucketing import bounded_traces
 from asyncrl_jax.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rollout.compile_cache import ShapedPrefill
 from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer
+from asyncrl_jax.rollout.prefill_plan import prefill_shapes
 from asyncrl_jax.models.sampling import SamplingSettings, sample
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
+
+
+def _function(method):
+  """A bound method as a plain function (what ``bounded_traces`` wraps)."""
+  def call(*args, **kwargs):
+    return method(*args, **kwargs)
+  return call
+
 
 @struct.dataclass
 class Prefix:
@@ -105,14 +115,20 @@ class Engine(engine_api.Engine):
     self._jit_prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
     self._jit_insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._jit_step = jax.jit(self._step_impl, donate_argnums=(1,))
-    self._jit_steps = jax.jit(self._steps_impl, donate_argnums=(1,), static_argnums=(2,))
-    self._jit_prefill_insert = jax.jit(self._prefill_insert_impl, donate_argnums=(1,))
-    self._jit_refill = jax.jit(self._refill_impl, donate_argnums=(1,))
+    self._jit_steps = {}  # max_steps -> the fused decode chunk, traced once
+    # Each batched prefill traces once per (rows, width) shape its bucketing allows, and no more.
+    self._jit_prefill_insert = jax.jit(bounded_traces(
+        _function(self._prefill_insert_impl), "prefill_insert",
+        len(prefill_shapes(num_slots, max_prefill_length))), donate_argnums=(1,))
+    self._jit_refill = jax.jit(bounded_traces(
+        _function(self._refill_impl), "refill", len(prefill_shapes(num_slots, max_target_length))),
+        donate_argnums=(1,))
     self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
     self._prefill_insert_calls = ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
-                                                max_prefill_length, background_compile)
+                                                max_prefill_length, background_compile,
+                                                sharding=self._replicated)
     self._refill_calls = ShapedPrefill(self._jit_refill, "refill", num_slots, max_target_length,
-                                        background_compile)
+                                        background_compile, sharding=self._replicated)
 
   # ------------------------------------------------------------------ JetStream API: properties
 
@@ -229,7 +245,11 @@ class Engine(engine_api.Engine):
     Returns (new state, tokens [S, max_steps], log-probs [S, max_steps], steps taken n): columns
     ``>= n`` are unused. Fewer dispatches and host round trips per token when nothing finishes.
     """
-    return self._jit_steps(params, decode_state, max_steps)
+    if max_steps not in self._jit_steps:
+      def chunk(params, state):
+        return self._steps_impl(params, state, max_steps)
+      self._jit_steps[max_steps] = jax.jit(bounded_traces(chunk, "decode_chunk", 1), donate_argnums=(1,))
+    return self._jit_steps[max_steps](params, decode_state)
 
   def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
                      slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None

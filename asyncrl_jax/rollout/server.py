@@ -58,16 +58,20 @@ class DecodeServer:
       calls amortise dispatch and host round trips. A weight update takes effect at the next call
       boundary, so this also bounds how many tokens the old weights produce after an update.
     warm_up: start compiling every batched-prefill shape in the background now (``Engine.warm_up``).
+    transfer_guard: ``jax.transfer_guard`` level of the loop's thread (``"disallow"``: implicit
+      transfers raise and fail the server; ``"log"`` to find them; ``"allow"``).
   """
 
   def __init__(self, engine: Engine, params, *, version: int = 0, server_id: str = "decode-0",
                on_trajectory: Optional[Callable[[Trajectory], None]] = None, steps_per_call: int = 16,
-               on_weight_update: str = "recompute", warm_up: bool = False):
+               on_weight_update: str = "recompute", warm_up: bool = False,
+               transfer_guard: str = "disallow"):
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if on_weight_update not in ON_WEIGHT_UPDATE:
       raise ValueError(f"on_weight_update={on_weight_update!r} must be one of {ON_WEIGHT_UPDATE}")
     self.on_weight_update = on_weight_update
+    self.transfer_guard = transfer_guard
     self.steps_per_call = steps_per_call
     self.engine = engine
     self.server_id = server_id
@@ -163,8 +167,13 @@ class DecodeServer:
 
   def _run(self) -> None:
     try:
-      while not self._stop.is_set():
-        self.iteration(block=True)
+      # Every host<->device copy in the loop is explicit (device_put / device_get); an implicit one
+      # (a numpy array into a jitted call, a Python scalar read off a device array) would stall the
+      # loop on a synchronous transfer, so it is an error here. The guard is per thread: it covers
+      # this loop's thread, not the caller's.
+      with jax.transfer_guard(self.transfer_guard):
+        while not self._stop.is_set():
+          self.iteration(block=True)
     except BaseException as e:  # surface the failure: finish everything in flight as "error"
       log.exception("decode server %s failed", self.server_id)
       self.error = e

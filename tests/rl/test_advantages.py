@@ -10,10 +10,12 @@ from asyncrl_jax.rl import advantages as adv_lib
 def test_group_advantages_hand_computed():
   rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
   ids = [0, 0, 0, 0, 1, 1]
-  adv, counts = adv_lib.group_advantages(jnp.array(rewards), jnp.array(ids), num_groups=2)
+  adv, counts = adv_lib.group_advantages(np.array(rewards), np.array(ids), num_groups=2)
   np.testing.assert_allclose(np.asarray(adv), [0.5, -0.5, -0.5, 0.5, 0.0, 0.0])
   np.testing.assert_array_equal(np.asarray(counts), [4, 4, 4, 4, 2, 2])
-  adv, _ = adv_lib.group_advantages(jnp.array(rewards), jnp.array(ids), num_groups=2,
+  # host math: numpy out, nothing placed on (or copied from) a device
+  assert type(adv) is np.ndarray and type(counts) is np.ndarray  # pylint: disable=unidiomatic-typecheck
+  adv, _ = adv_lib.group_advantages(np.array(rewards), np.array(ids), num_groups=2,
                                     scale_by_std=True, eps=0.0 + 1e-12)
   np.testing.assert_allclose(np.asarray(adv)[:4], [1.0, -1.0, -1.0, 1.0], rtol=1e-5)  # std 0.5
   np.testing.assert_array_equal(np.asarray(adv)[4:], [0.0, 0.0])  # all-equal group: no signal
@@ -24,7 +26,7 @@ def test_group_advantages_match_numpy_and_detect_incomplete_groups():
   ids = np.repeat(np.arange(5), 4)
   rng.shuffle(ids)
   rewards = rng.normal(size=20)
-  adv, _ = adv_lib.group_advantages(jnp.array(rewards), jnp.array(ids), num_groups=5, scale_by_std=True)
+  adv, _ = adv_lib.group_advantages(np.array(rewards), np.array(ids), num_groups=5, scale_by_std=True)
   for g in range(5):
     r = rewards[ids == g]
     np.testing.assert_allclose(np.asarray(adv)[ids == g], (r - r.mean()) / (r.std() + 1e-6), rtol=1e-4)
@@ -103,3 +105,8 @@ def test_clipped_value_loss_hand_computed():
   # token 0: max((1-2)^2, (0.2-2)^2) = 3.24 -> 1.62; token 1: max(1, 1) = 1 -> 0.5; mean over 2 = 1.06
   loss = adv_lib.clipped_value_loss(values, old, returns, mask, clip_eps=0.2)
   assert float(loss) == pytest.approx(1.06, rel=1e-6)
+
+
+def test_group_ids_out_of_range_are_refused():
+  with pytest.raises(ValueError, match=r"group ids must lie in \[0, 2\)"):
+    adv_lib.group_advantages(np.zeros(3), np.array([0, 1, 2]), num_groups=2)

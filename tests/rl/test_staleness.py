@@ -53,7 +53,7 @@ def _simulate(eta, *, enforce, steps=600, batch=4, slots=10, seed=0):
   running, finished, version, seen, dropped = [], [], 0, [], 0
   ok = lambda v: within_bound(version=version, oldest_token_version=v, max_staleness=eta)
   for _ in range(steps):
-    running += [version] * mgr.try_submit(slots)
+    running += [version] * mgr.try_submit(slots, version)
     if running and rng.uniform() < 0.7:
       done = running.pop(int(rng.integers(len(running))))
       if enforce and not ok(done):
@@ -73,7 +73,6 @@ def _simulate(eta, *, enforce, steps=600, batch=4, slots=10, seed=0):
         trained, finished = finished[:batch], finished[batch:]
         seen += [version - v for v in trained]
         version += 1
-        mgr.set_version(version)
   return seen, dropped, version
 
 
@@ -105,16 +104,13 @@ def test_count_bound_alone_does_not_bound_stragglers():
 
 def test_manager_accounting_and_restore():
   mgr = StalenessManager(batch_size=4, max_staleness=1, max_concurrent=100)
-  assert mgr.try_submit(100) == 8
+  assert mgr.try_submit(100, 0) == 8
   mgr.accept(3)
   mgr.reject(1)  # aborted: frees its place without counting toward a batch
-  assert mgr.capacity() == 1
+  assert mgr.capacity(0) == 1
   with pytest.raises(ValueError, match="only 4 were running"):
     mgr.accept(5)
-  mgr.set_version(1)
-  assert mgr.capacity() == 5
-  with pytest.raises(ValueError, match="went backwards"):
-    mgr.set_version(0)
+  assert mgr.capacity(1) == 5  # one more version: one more batch of places
   mgr.restore(3)  # resume: in-flight work is gone; capacity restarts from the restored version
-  assert mgr.state_dict() == {"version": 3, "accepted": 12, "running": 0}
-  assert mgr.capacity() == (1 + 3 + 1) * 4 - 12
+  assert mgr.state_dict() == {"accepted": 12, "running": 0}
+  assert mgr.capacity(3) == (1 + 3 + 1) * 4 - 12

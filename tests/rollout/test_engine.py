@@ -273,3 +273,19 @@ def test_warm_up_compiles_every_prefill_shape_without_weights(params):
   # rows: powers of four up to the 4 slots; widths: prefill buckets up to 16 (prompts), 48 (cache)
   assert engine.compiled_shapes() == {"prefill_insert": {(1, 16), (4, 16)},
                                       "refill": {(r, w) for r in (1, 4) for w in (16, 32, 48)}}
+
+
+def test_prefills_trace_once_per_allowed_shape_and_one_more_shape_trips_the_bound(params):
+  """Warm-up traces every allowed refill shape (compiling from abstract arguments); a later call at
+  one of them reuses that trace, and a shape outside the bucketing exceeds the bound."""
+  engine = _engine(params, SamplingSettings(temperature=0.0), slots=4)
+  p, state = engine.load_params(), engine.init_decode_state()
+  engine.warm_up(state)
+  assert engine.wait_for_compiles(120)
+  assert len(engine.compiled_shapes()["refill"]) == 6
+  tokens = np.full((4, 40), 3, np.int32)
+  state = engine.refill(p, state, tokens, np.full(4, 40, np.int32))  # (4, 48): compiled, not retraced
+  put = lambda x: jax.device_put(np.asarray(x, np.int32), engine._replicated)  # pylint: disable=protected-access
+  with pytest.raises(AssertionError, match="refill#[0-9]+' is traced > 6 times"):
+    engine._jit_refill(p, state, put(np.full((4, 24), 3)), put([1] * 4),  # pylint: disable=protected-access
+                       put(range(4)))

@@ -253,3 +253,37 @@ def test_threaded_server_streams_to_a_callback(params_a, params_b):
   assert server.error is None and len(got) == 8
   with pytest.raises(ValueError, match="not newer"):
     server.update_weights(params_b, version=1)
+
+
+class _ImplicitCopyServer(DecodeServer):
+  """A decode server with an implicit host-to-device copy planted in its loop (a numpy array passed
+  straight to a jitted function), the kind of bug the loop's transfer guard exists to catch."""
+
+  def _fill_slots(self):
+    jax.jit(lambda x: x + 1)(np.ones(3, np.int32))
+    super()._fill_slots()
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_decode_thread_refuses_implicit_transfers(params_a, planted):
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(CFG, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
+                  params=params_a)
+  got, done = [], threading.Event()
+
+  def on_trajectory(t):
+    got.append(t)
+    if len(got) == 4:
+      done.set()
+
+  server = (_ImplicitCopyServer if planted else DecodeServer)(engine, params_a,
+                                                             on_trajectory=on_trajectory)
+  server.submit(*_requests(4, max_new=6, seed=2))
+  server.start()  # the guard is the loop thread's own: this thread may copy implicitly
+  assert done.wait(120)
+  server.stop()
+  if planted:
+    assert "Disallowed host-to-device transfer" in repr(server.error)
+    assert {t.finish_reason for t in got} == {"error"}
+  else:
+    assert server.error is None and {t.finish_reason for t in got} <= {"eos", "length"}

@@ -84,7 +84,7 @@ def test_remote_backend_sums_the_decode_servers_counters(local_service):
   (t,) = list(client.stream(max_trajectories=1, timeout=120))
   health = client.health()
   # the same server twice: every counter is counted twice
-  backend = RemoteRollout([client.address, client.address], on_trajectory=lambda t: None)
+  backend = RemoteRollout([client.address, client.address])
   try:
     stats = backend.decode_stats()
   finally:

@@ -1,0 +1,250 @@
+"""The run log: everything the main job writes about a run, except its checkpoints.
+
+``RunLog`` owns ``DIR/config.json``, ``DIR/metrics.jsonl`` (one record per policy version),
+``DIR/trained_prompts.jsonl``, TensorBoard events in ``DIR/tb``, the progress bar, the in-memory
+history, the run's running totals, and at the end ``DIR/summary.json``, ``DIR/progress.png`` and the
+printed summary table. On resume it keeps the records up to the checkpoint resumed from (``resume``);
+on a fresh start it removes an earlier run's (``start_fresh``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from asyncrl_jax import learner as learner_lib
+from asyncrl_jax.rollout.stats import DecodeStats
+
+
+def say(msg: str) -> None:
+  print(f"[asyncrl_jax] {msg}", flush=True)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[prefix + k] = v
+  return out
+
+
+def record_config(config, path: str) -> None:
+  """Writes the run's full config to ``path``; a rerun in the same directory with other values says
+  which (a resume continues from the checkpoint either way)."""
+  new = json.loads(config.to_json_best_effort())
+  if os.path.exists(path):
+    with open(path) as f:
+      old = _flat(json.load(f))
+    flat = _flat(new)
+    changed = sorted(k for k, v in flat.items() if old.get(k, v) != v)
+    if changed:
+      say("config differs from this directory's previous run: " + ", ".join(
+          f"{k}={old[k]!r} -> {flat[k]!r}" for k in changed))
+  with open(path, "w") as f:
+    json.dump(new, f, indent=2)
+
+
+def truncate_jsonl(path: str, keep: Callable[[dict], bool]) -> None:
+  """Keeps the records of ``path`` that ``keep`` accepts (those up to the checkpoint resumed from).
+
+  A last line without its newline is a record cut short by a kill. Records are written before the
+  checkpoint of their version, so it is always one the resume drops anyway; any other unreadable line
+  is an error.
+  """
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  kept = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    if i == len(lines) - 1 and not line.endswith("\n"):
+      say(f"dropping a record cut short at the end of {path}")
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}); the log is damaged") from e
+    if keep(record):
+      kept.append(line)
+  with open(path, "w") as f:
+    f.writelines(kept)
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def _load_jsonl(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(l) for l in f if l.strip()]
+
+
+class RunLog:
+  """The run's records and running totals (see the module docstring)."""
+
+  def __init__(self, workdir: str, config):
+    self.workdir = workdir
+    os.makedirs(workdir, exist_ok=True)
+    self.t_start = time.time()
+    self.metrics_path = os.path.join(workdir, "metrics.jsonl")
+    self.prompts_path = os.path.join(workdir, "trained_prompts.jsonl")
+    record_config(config, os.path.join(workdir, "config.json"))
+    self.steps, self.eta, self.loss = config.steps, config.rl.max_staleness, config.rl.loss
+    self.history: list[dict] = []
+    self._writer = self._bar = None
+    self._decode_base: Optional[DecodeStats] = None
+    self.decode, self.decode_seconds = DecodeStats(), 0.0  # as of the last version
+    self.t_rl = self.rl_tokens = self.train_seconds = 0.0  # this process's RL phase
+
+  # ------------------------------------------------------------------ start
+
+  def resume(self, version: int) -> None:
+    """Keeps the records of versions up to ``version`` (the checkpoint resumed from)."""
+    truncate_jsonl(self.metrics_path, lambda r: r.get("version", 0) <= version)
+    truncate_jsonl(self.prompts_path, lambda r: r["version"] < version)
+    self.history = _load_jsonl(self.metrics_path)
+
+  def start_fresh(self) -> None:
+    for path in (self.metrics_path, self.prompts_path):
+      if os.path.exists(path):
+        os.remove(path)
+    self.history = []
+
+  def start_rl(self, version: int, decode_stats: DecodeStats) -> None:
+    """RL starts now at ``version``; decode counters count from ``decode_stats`` (remote decode servers
+    may have been up, idle, for a while)."""
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    self._writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+    self._bar = tqdm(total=self.steps, initial=version, desc=f"async RL (eta={self.eta}, {self.loss})",
+                     unit="step", file=sys.stdout, dynamic_ncols=True)
+    self._decode_base, self.t_rl = decode_stats, time.time()
+
+  # ------------------------------------------------------------------ per version
+
+  def version_record(self, batch, update: dict, transfer, decode_stats: DecodeStats) -> dict:
+    """The metrics record of the version ``update`` (``Learner.train``'s metrics) just trained."""
+    tokens = int(sum(s.mask.sum() for s in batch.sequences))
+    self.rl_tokens += tokens
+    self.train_seconds += update["learner_seconds"]
+    self.decode = decode_stats.since(self._decode_base)
+    self.decode_seconds = time.time() - self.t_rl
+    return dict(
+        version=update["version"], time=time.time() - self.t_start, reward=float(batch.rewards.mean()),
+        accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
+        max_staleness_seen=batch.max_staleness_seen, mean_staleness=batch.mean_staleness,
+        failed_rollouts=batch.failed, transfer_seconds=transfer.seconds,
+        tokens_per_s=self.rl_tokens / max(self.decode_seconds, 1e-9),
+        learner_idle_fraction=learner_lib.idle_fraction(self.train_seconds, self.decode_seconds),
+        # cumulative decode counters since RL started, summed over the decode servers
+        **self.decode.as_metrics(),
+        **{k: v for k, v in update.items() if k != "version"})
+
+  def append(self, record: dict, batch) -> None:
+    """Writes a version's record (metrics.jsonl, TensorBoard, progress bar) and its trained prompts."""
+    _append_jsonl(self.metrics_path, record)
+    self.history.append(record)
+    _append_jsonl(self.prompts_path, {"version": batch.version, "prompts": batch.prompt_indices,
+                                      "completion_lengths": [len(t.completion_tokens)
+                                                             for t in batch.trajectories]})
+    for k, v in record.items():
+      if isinstance(v, (int, float)):
+        self._writer.add_scalar(k, v, record["version"])
+    last_eval = next((h["eval_accuracy"] for h in reversed(self.history) if "eval_accuracy" in h), None)
+    self._bar.update(1)
+    self._bar.set_postfix(reward=f"{record['reward']:.2f}", v=record["version"],
+                          stale=batch.max_staleness_seen, tok_s=f"{record['tokens_per_s']:.0f}",
+                          **({"eval": f"{last_eval:.2f}"} if last_eval is not None else {}))
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._writer is not None:
+      self._writer.close()
+
+  # ------------------------------------------------------------------ end
+
+  def summary(self, meta: dict, **fields) -> dict:
+    """The run's summary from its history, the checkpoint meta and ``fields`` (evaluation, devices...)."""
+    seconds = time.time() - self.t_rl
+    return {
+        "initial_eval_accuracy": meta["initial_eval_accuracy"],
+        "untrained_eval_accuracy": meta.get("untrained_eval_accuracy"),
+        "initial_eval_greedy_accuracy": meta["initial_eval_greedy_accuracy"],
+        "trained_tokens": sum(h.get("trained_tokens", 0) for h in self.history),
+        "wall_seconds": time.time() - self.t_start,
+        "rl_seconds_this_run": seconds,
+        "effective_tokens_per_s": self.rl_tokens / max(seconds, 1e-9),
+        "max_staleness_seen": max((h.get("max_staleness_seen", 0) for h in self.history), default=0),
+        "max_staleness": self.eta,
+        "loss": self.loss,
+        "warm_start_seconds": meta.get("warm_start_seconds"),
+        "learner_idle_fraction": learner_lib.idle_fraction(self.train_seconds, seconds),
+        "decode_slot_utilization": self.decode.slot_utilization(self.decode_seconds),
+        **fields,
+    }
+
+  def finish(self, summary: dict) -> None:
+    """Writes summary.json and progress.png and prints the summary table."""
+    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    _plot(self.history, summary, os.path.join(self.workdir, "progress.png"))
+    _print_summary(summary)
+
+
+def _print_summary(summary: dict) -> None:
+  rows = [("held-out accuracy, before RL", summary["initial_eval_accuracy"]),
+          ("held-out accuracy, after RL", summary["final_eval_accuracy"]),
+          ("  (metric)", summary["eval_metric"]),
+          ("held-out greedy accuracy, before RL", summary["initial_eval_greedy_accuracy"]),
+          ("held-out greedy accuracy, after RL", summary["final_eval_greedy_accuracy"]),
+          ("policy versions trained", summary["steps"]),
+          ("trained tokens", summary["trained_tokens"]),
+          ("effective tokens/s", summary["effective_tokens_per_s"]),
+          ("max staleness seen / allowed", f"{summary['max_staleness_seen']} / {summary['max_staleness']}"),
+          ("learner idle fraction", summary["learner_idle_fraction"]),
+          ("decode slot utilization", summary["decode_slot_utilization"]),
+          ("wall seconds", summary["wall_seconds"])]
+  width = max(len(r[0]) for r in rows)
+  print("\n" + "-" * (width + 16))
+  for name, value in rows:
+    value = f"{value:.3f}" if isinstance(value, float) else "n/a" if value is None else str(value)
+    print(f"{name:<{width}}  {value:>12}")
+  print("-" * (width + 16), flush=True)
+
+
+def _plot(history, summary, path) -> None:
+  if not history:
+    return
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(7, 4))
+  t = [h["time"] for h in history]
+  ax.plot(t, [h["reward"] for h in history], alpha=0.5, label="batch reward (sampled)")
+  ev = [h for h in history if "eval_accuracy" in h]
+  t_ev = [history[0]["time"]] + [h["time"] for h in ev]
+  ax.plot(t_ev, [summary["initial_eval_accuracy"]] + [h["eval_accuracy"] for h in ev], "o-",
+          label=f"held-out accuracy ({summary['eval_metric']})")
+  if summary["eval_metric"] != "greedy":
+    ax.plot(t_ev, [summary["initial_eval_greedy_accuracy"]] +
+            [h.get("eval_greedy_accuracy", np.nan) for h in ev], "s--", label="held-out greedy accuracy")
+  ax.set_xlabel("seconds")
+  ax.set_ylim(0, 1)
+  ax.set_title(f"{summary['loss']}, eta={summary['max_staleness']}")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
