@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
+from asyncrl_jax.rewards import RewardWorker
 from asyncrl_jax.rl import advantages, batching
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
@@ -95,7 +96,6 @@ class Controller:
     self._cond = threading.Condition()
     self.duplicates = 0
     self.failed = 0
-    from asyncrl_jax.rewards import RewardWorker  # pylint: disable=import-outside-toplevel
     self._rewards = RewardWorker(reward, self._on_reward, threads=reward_threads, decode=tokenizer.decode)
 
   @classmethod

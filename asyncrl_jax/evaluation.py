@@ -7,6 +7,7 @@ import numpy as np
 
 from asyncrl_jax import sharding
 from asyncrl_jax.models.generate import generate
+from asyncrl_jax.models.sampling import SamplingSettings
 
 
 class Evaluator:
@@ -47,10 +48,9 @@ class Evaluator:
   @classmethod
   def from_config(cls, config, model_config, mesh, tokenizer, problems) -> "Evaluator":
     """The main job's evaluation: ``data`` section lengths and samples, the decode servers' sampling."""
-    from asyncrl_jax.rollout.engine import sampling_settings  # pylint: disable=import-outside-toplevel
     return cls(model_config, mesh, tokenizer, problems, max_prompt_len=config.data.max_prompt_len,
                max_new_tokens=config.data.max_completion_len, samples=config.data.eval_samples,
-               sampling=sampling_settings(config), seed=config.seed)
+               sampling=SamplingSettings.from_config(config), seed=config.seed)
 
   def _scores(self, tokens, lengths, answers, reward) -> np.ndarray:
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)

@@ -98,8 +98,9 @@ def _latest_checkpoint(workdir):
 
 def test_sigkill_and_resume_trains_the_same_prompts(tmp_path):
   steps = ["--config.steps=10", "--config.rl.max_staleness=1"]
-  reference = tmp_path / "reference"
-  _run(reference, *steps)
+  reference = tmp_path / "reference"  # the uninterrupted run, alongside the one to be killed
+  ref = subprocess.Popen(_cmd(reference, *steps), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
   killed = tmp_path / "killed"
   proc = subprocess.Popen(_cmd(killed, *steps), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
@@ -115,6 +116,8 @@ def test_sigkill_and_resume_trains_the_same_prompts(tmp_path):
     time.sleep(0.02)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
+  ref_out, _ = ref.communicate(timeout=400)
+  assert ref.returncode == 0, ref_out[-3000:]
   ckpt = _latest_checkpoint(killed)
   assert _complete_lines(killed / "trained_prompts.jsonl") > ckpt  # records the resume must drop
   with open(killed / "trained_prompts.jsonl", "a") as f:

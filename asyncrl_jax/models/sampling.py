@@ -40,6 +40,12 @@ class SamplingSettings:
     if self.logprob_source not in ("sampling", "model"):
       raise ValueError(f"logprob_source={self.logprob_source!r}: must be 'sampling' or 'model'")
 
+  @classmethod
+  def from_config(cls, config) -> "SamplingSettings":
+    """The decode servers' sampling, from the ``rollout`` section of a run config."""
+    r = config.rollout
+    return cls(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, logprob_source=r.logprob_source)
+
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
 

@@ -117,12 +117,17 @@ class Engine(engine_api.Engine):
     self._jit_step = jax.jit(self._step_impl, donate_argnums=(1,))
     self._jit_steps = {}  # max_steps -> the fused decode chunk, traced once
     # Each batched prefill traces once per (rows, width) shape its bucketing allows, and no more.
+    # Explicit placement of the hot paths: params on their shardings, the decode state on its own
+    # (donated: each call replaces it), host-made rows replicated.
+    state = self._state_shardings()
     self._jit_prefill_insert = jax.jit(bounded_traces(
         _function(self._prefill_insert_impl), "prefill_insert",
-        len(prefill_shapes(num_slots, max_prefill_length))), donate_argnums=(1,))
+        len(prefill_shapes(num_slots, max_prefill_length))), donate_argnums=(1,),
+        in_shardings=(self.param_shardings, state) + (self._replicated,) * 4, out_shardings=state)
     self._jit_refill = jax.jit(bounded_traces(
         _function(self._refill_impl), "refill", len(prefill_shapes(num_slots, max_target_length))),
-        donate_argnums=(1,))
+        donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 3,
+        out_shardings=state)
     self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
     self._prefill_insert_calls = ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
                                                 max_prefill_length, background_compile,
@@ -193,14 +198,17 @@ class Engine(engine_api.Engine):
       self._make_state = self._build_make_state()
     return self._make_state()
 
+  def _state_shardings(self) -> DecodeState:
+    """Where the decode state lives: slots split over ``data`` x ``fsdp``, the RNG key replicated."""
+    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
+    return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
+                       positions=self._slot_sharding, generated=self._slot_sharding,
+                       budget=self._slot_sharding, rng=self._replicated)
+
   def _build_make_state(self):
     c, s, length = self.config, self.num_slots, self.max_target_length
-    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
 
-    @functools.partial(jax.jit, out_shardings=DecodeState(
-        cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
-        positions=self._slot_sharding, generated=self._slot_sharding, budget=self._slot_sharding,
-        rng=self._replicated))
+    @functools.partial(jax.jit, out_shardings=self._state_shardings())
     def make():
       return DecodeState(cache=models.init_cache(c, s, length),
                          logits=jnp.zeros((s, c.vocab_size), jnp.float32),
@@ -248,7 +256,11 @@ class Engine(engine_api.Engine):
     if max_steps not in self._jit_steps:
       def chunk(params, state):
         return self._steps_impl(params, state, max_steps)
-      self._jit_steps[max_steps] = jax.jit(bounded_traces(chunk, "decode_chunk", 1), donate_argnums=(1,))
+      state = self._state_shardings()
+      self._jit_steps[max_steps] = jax.jit(
+          bounded_traces(chunk, "decode_chunk", 1), donate_argnums=(1,),
+          in_shardings=(self.param_shardings, state),
+          out_shardings=(state, self._slot_sharding, self._slot_sharding, self._replicated))
     return self._jit_steps[max_steps](params, decode_state)
 
   def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
@@ -417,17 +429,11 @@ class Engine(engine_api.Engine):
     return self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
 
 
-def sampling_settings(config) -> SamplingSettings:
-  """The decode servers' sampling, from the ``rollout`` config section."""
-  return SamplingSettings(temperature=config.rollout.temperature, top_k=config.rollout.top_k,
-                          top_p=config.rollout.top_p, logprob_source=config.rollout.logprob_source)
-
-
 def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=None) -> "Engine":
   """The engine an experiment config describes, on the rollout ``mesh`` (built by the caller, who owns
   it) for ``model_config`` (``models.config_of(config)``)."""
   return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
-                sampling=sampling_settings(config), tokenizer_path=config.data.tokenizer_path, params=params,
+                sampling=SamplingSettings.from_config(config), tokenizer_path=config.data.tokenizer_path, params=params,
                 hf_path=config.model.hf_path, seed=config.seed)

@@ -43,63 +43,27 @@ def test_capacity_hand_examples():
     rollout_capacity(version=0, accepted=0, running=0, batch_size=0, max_staleness=0, max_concurrent=1)
 
 
-def _simulate(eta, *, enforce, steps=600, batch=4, slots=10, seed=0):
-  """Random completion order (stragglers included); batches formed oldest-first by start version.
-
-  Returns (staleness of every trained trajectory, number dropped for staleness, final version).
-  """
-  rng = np.random.default_rng(seed)
-  mgr = StalenessManager(batch_size=batch, max_staleness=eta, max_concurrent=slots)
-  running, finished, version, seen, dropped = [], [], 0, [], 0
-  ok = lambda v: within_bound(version=version, oldest_token_version=v, max_staleness=eta)
-  for _ in range(steps):
-    running += [version] * mgr.try_submit(slots, version)
-    if running and rng.uniform() < 0.7:
-      done = running.pop(int(rng.integers(len(running))))
-      if enforce and not ok(done):
-        mgr.reject()  # too stale on arrival: its prompt is re-queued
-        dropped += 1
-      else:
-        mgr.accept()
-        finished.append(done)
-    if len(finished) >= batch:
-      finished.sort()  # oldest first
-      if enforce:
-        stale = [v for v in finished if not ok(v)]
-        finished = [v for v in finished if ok(v)]
-        mgr.drop_accepted(len(stale))
-        dropped += len(stale)
-      if len(finished) >= batch:
-        trained, finished = finished[:batch], finished[batch:]
-        seen += [version - v for v in trained]
-        version += 1
-  return seen, dropped, version
-
-
-@pytest.mark.parametrize("eta", [0, 1, 2, 4])
-def test_enforced_bound_holds_in_a_simulated_async_run(eta):
-  for seed in range(3):
-    seen, dropped, version = _simulate(eta, enforce=True, seed=seed)
-    assert version > 30
-    assert max(seen) <= eta
-    if eta == 0:
-      assert dropped == 0 and max(seen) == 0  # synchronous: every batch on-policy, nothing wasted
-
-
-def test_drops_fall_as_eta_grows():
-  """Memoryless completion times with 2.5 batches in flight are harsh on a tight bound; a looser eta
-  wastes less (the seeds' advice: bound staleness loosely and let the objective absorb it)."""
-  rates = []
-  for eta in (1, 4, 8):
-    seen, dropped, _ = _simulate(eta, enforce=True, seed=0)
-    rates.append(dropped / len(seen))
-  assert rates[0] > rates[1] > rates[2]
-  assert rates[2] < 0.1
-
-
 def test_count_bound_alone_does_not_bound_stragglers():
-  seen, _, _ = _simulate(1, enforce=False, seed=0)
-  assert max(seen) > 1  # why the controller must also check within_bound
+  """The manager's count bound alone, with completions in random order (stragglers included) and
+  batches taken oldest-first from whatever finished: some trained trajectory is older than eta. This is
+  why batches form in admission order and the controller checks every batch (the controller's own
+  test drives the real controller through random stragglers and finds none)."""
+  eta, batch, slots = 1, 4, 10
+  rng = np.random.default_rng(0)
+  mgr = StalenessManager(batch_size=batch, max_staleness=eta, max_concurrent=slots)
+  running, finished, version, seen = [], [], 0, []
+  for _ in range(600):
+    running += [version] * mgr.try_submit(slots, version)
+    assert len(running) <= slots
+    if running and rng.uniform() < 0.7:
+      finished.append(running.pop(int(rng.integers(len(running)))))
+      mgr.accept()
+    if len(finished) >= batch:
+      finished.sort()
+      trained, finished = finished[:batch], finished[batch:]
+      seen += [version - v for v in trained]
+      version += 1
+  assert version > 30 and max(seen) > eta
 
 
 def test_manager_accounting_and_restore():
@@ -114,3 +78,9 @@ def test_manager_accounting_and_restore():
   mgr.restore(3)  # resume: in-flight work is gone; capacity restarts from the restored version
   assert mgr.state_dict() == {"accepted": 12, "running": 0}
   assert mgr.capacity(3) == (1 + 3 + 1) * 4 - 12
+
+
+def test_within_bound_by_hand():
+  assert within_bound(version=5, oldest_token_version=3, max_staleness=2)
+  assert not within_bound(version=5, oldest_token_version=3, max_staleness=1)
+  assert within_bound(version=0, oldest_token_version=0, max_staleness=0)  # synchronous: on-policy
