@@ -126,12 +126,31 @@ class Updater:
                    out_shardings=self.batch_sharding)
 
   def place(self, sequences: Sequence[batching.SequenceData]) -> tuple[list, jax.Array]:
-    """Packs ``sequences`` into micro-batches on the mesh; returns them and the normaliser (their
-    policy-token count, at least 1) on the mesh."""
-    host = batching.pack_sequences(sequences, self.token_budget)
-    normalizer = np.float32(max(batching.total_policy_tokens(host), 1.0))
-    device = [jax.device_put(batching.pad_rows(b, self.rows_multiple), self.batch_sharding) for b in host]
+    """Packs ``sequences`` (the whole global batch, the same in every process) into micro-batches on
+    the mesh; returns them and the normaliser (their policy-token count, at least 1) on the mesh.
+
+    The packing plan depends only on the sequences, so it is the same in every process; each process
+    then lays out and puts on device only the rows its devices hold (all of them with one process).
+    """
+    plan = batching.plan_micro_batches([len(s.tokens) for s in sequences], self.token_budget)
+    rows = -(-plan.rows // self.rows_multiple) * self.rows_multiple  # divides over data x fsdp
+    normalizer = np.float32(max(sum(float(np.sum(s.mask)) for s in sequences), 1.0))
+    device = [self._put_rows(sequences, mb, rows, plan.row_len) for mb in plan.micro_batches]
     return device, jax.device_put(normalizer, self.replicated)
+
+  def _put_rows(self, sequences, mb_rows: list, rows: int, row_len: int):
+    if jax.process_count() == 1:
+      return jax.device_put(batching.layout_rows(sequences, mb_rows, rows, row_len), self.batch_sharding)
+    shape = (rows, row_len)
+    local = sorted({r for idx in self.batch_sharding.addressable_devices_indices_map(shape).values()
+                    for r in range(rows)[idx[0]]})
+    if local != list(range(local[0], local[-1] + 1)):
+      raise ValueError(f"process {jax.process_index()} holds rows {local} of a micro-batch, not one "
+                       "contiguous block; order the mesh's devices by process")
+    mine = [mb_rows[r] if r < len(mb_rows) else [] for r in local]
+    host = batching.layout_rows(sequences, mine, len(local), row_len)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x, shape), host)
 
   def update(self, micro_batches: Sequence, normalizer, *, loss: str,
              aux: Optional[Sequence] = None) -> tuple[list, jax.Array]:

@@ -1,0 +1,78 @@
+"""One process of a 2-process learner (run by ``test_multiprocess.py``, not collected by pytest).
+
+  python -m tests.multiprocess_learner PROCESS_ID NUM_PROCESSES PORT OUT_NPZ [CHECKPOINTS]
+
+Each process has one CPU device; the learner mesh puts ``fsdp`` across the processes. The global
+batch is the same in every process; each puts only its own rows on device. Process 0 writes the
+parameters after one policy version (gathered from both) and what each process held.
+
+With CHECKPOINTS (a directory holding a 1-process checkpoint of version 1): the processes restore it
+instead, write the restored parameters, train version 1 on the second batch, write those, and save
+version 2 from both processes into the same directory.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+from asyncrl_jax import distributed  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def resume(learner, directory: str, out: str, pid: int) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
+  ckpt = Checkpointer(directory, async_save=False)
+  learner.params, learner.opt_state, meta = ckpt.restore(1, params_like=learner.params,
+                                                         opt_state_like=learner.opt_state)
+  learner.version = int(meta["version"])
+  restored = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
+  learner.train(t.sequences(seed=6), version=1)
+  trained = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
+  ckpt.save(2, params=learner.params, opt_state=learner.opt_state, meta={"version": 2})
+  ckpt.close()
+  if pid == 0:
+    np.savez(out, **{f"restored_{i}": x for i, x in enumerate(restored)},
+             **{f"trained_{i}": x for i, x in enumerate(trained)})
+
+
+def main(pid: int, n: int, port: int, out: str, checkpoints: str = "") -> None:
+  distributed.initialize(f"127.0.0.1:{port}", n, pid)
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import sharding  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner import Learner  # pylint: disable=import-outside-toplevel
+  from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_default_matmul_precision", "highest")
+  mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})
+  config = t.config()
+  learner = Learner(t.CFG, t.params(), mesh, config, total_steps=config.steps)
+  if checkpoints:
+    resume(learner, checkpoints, out, pid)
+    jax.distributed.shutdown()
+    return
+  leaves = jax.tree.leaves(learner.params)
+  whole_here = [x.is_fully_addressable for x in leaves]  # all on this process's devices
+  split = [x.ndim > 1 and all(s.data.shape != x.shape for s in x.addressable_shards) for x in leaves]
+  # weight matrices (biases follow the head axes, which fsdp does not split)
+  matrices = [x.ndim > 1 and not jax.tree_util.keystr(k).endswith("_bias']")
+              for k, x in jax.tree_util.tree_flatten_with_path(learner.params)[0]]
+  placed, _ = learner.updater.place(t.sequences())
+  rows = [[s.data.shape[0] for s in b.tokens.addressable_shards] for b in placed]
+  metrics = learner.train(t.sequences(), version=0)
+  flat = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
+  held = multihost_utils.process_allgather(np.asarray([sum(r) for r in rows]))
+  if pid == 0:
+    np.savez(out, *flat, held_rows=held, global_rows=np.asarray([b.tokens.shape[0] for b in placed]),
+             whole_here=np.asarray(whole_here), split=np.asarray(split),
+             matrices=np.asarray(matrices), loss=metrics["loss"])
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])

@@ -1,0 +1,159 @@
+"""A learner over 2 processes (jax.distributed on 127.0.0.1, gloo collectives): the pod's learner
+slice on one machine."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import sharp_params
+from asyncrl_jax import config as config_lib
+from asyncrl_jax import distributed, models, sharding
+from asyncrl_jax.learner import Learner
+from asyncrl_jax.rl import batching
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, max_seq_len=128)
+
+
+def config():
+  c = config_lib.base_config()
+  c.rl.loss = "decoupled_ppo"
+  c.learner.ppo_minibatches = 2  # a prox pass and two optimizer updates
+  c.learner.token_budget = 128
+  c.learner.learning_rate = 3e-2
+  return c
+
+
+def params():
+  return jax.device_get(sharp_params(CFG, 4, scale=2.0))  # host arrays: the same in every process
+
+
+def sequences(n=14, seed=5):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    prompt, completion = int(rng.integers(2, 6)), int(rng.integers(3, 40))
+    mask = np.r_[np.zeros(prompt), np.ones(completion)].astype(np.float32)
+    total = prompt + completion
+    out.append(batching.SequenceData(
+        tokens=rng.integers(3, CFG.vocab_size, size=total).astype(np.int32), mask=mask,
+        behav_logp=np.where(mask > 0, np.log(rng.uniform(0.05, 0.6, total)), 0).astype(np.float32),
+        advantages=np.where(mask > 0, rng.normal(), 0).astype(np.float32),
+        versions=np.where(mask > 0, 0, -1).astype(np.int32)))
+  return out
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(out: str, *args: str) -> None:
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.multiprocess_learner", str(i), "2", str(port),
+                             out, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  logs = []
+  for p in procs:
+    try:
+      logs.append(p.communicate(timeout=240)[0])
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+  assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+
+
+def _one_process_learner():
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  c = config()
+  return Learner(CFG, params(), mesh, c, total_steps=c.steps)
+
+
+def test_two_process_update_equals_the_one_process_update(tmp_path):
+  out = str(tmp_path / "update.npz")
+  _two_processes(out)
+  got = np.load(out)
+  # fsdp over 2 processes: no parameter is whole in one process, and every weight matrix is split
+  assert not got["whole_here"].any()
+  assert got["split"][got["matrices"]].all()
+  assert got["matrices"].sum() >= 8
+  # each process put exactly half of every micro-batch's rows on device
+  np.testing.assert_array_equal(got["held_rows"], [got["global_rows"] // 2] * 2)
+  # the same update in one process, on 2 local devices with the same mesh shape
+  learner = _one_process_learner()
+  metrics = learner.train(sequences(), version=0)
+  want = jax.tree.leaves(jax.device_get(learner.params))
+  start = jax.tree.leaves(params())
+  moved = max(float(np.max(np.abs(w - s))) for w, s in zip(want, start))
+  assert moved > 1e-2  # the update is large enough to compare
+  for i, w in enumerate(want):
+    np.testing.assert_allclose(got[f"arr_{i}"], w, rtol=1e-4, atol=1e-5)
+  assert float(got["loss"]) == pytest.approx(metrics["loss"], rel=1e-4)
+
+
+def test_checkpoints_move_between_process_counts(tmp_path):
+  """1 -> 2: a 1-process checkpoint restores onto 2 processes bit for bit, and their next update
+  equals the uninterrupted 1-process run's. 2 -> 1: what the 2 processes saved restores in 1 process
+  bit for bit."""
+  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "resume.npz")
+  learner = _one_process_learner()
+  learner.train(sequences(), version=0)
+  ckpt = Checkpointer(directory, async_save=False)
+  ckpt.save(1, params=learner.params, opt_state=learner.opt_state, meta={"version": 1})
+  ckpt.close()
+  saved = jax.tree.leaves(jax.device_get(learner.params))
+  learner.train(sequences(seed=6), version=1)  # the uninterrupted run's next version
+  uninterrupted = jax.tree.leaves(jax.device_get(learner.params))
+  _two_processes(out, directory)
+  got = np.load(out)
+  for i, (s, u) in enumerate(zip(saved, uninterrupted)):
+    np.testing.assert_array_equal(got[f"restored_{i}"], s)
+    np.testing.assert_allclose(got[f"trained_{i}"], u, rtol=1e-4, atol=1e-5)
+  fresh = _one_process_learner()
+  ckpt = Checkpointer(directory, async_save=False)
+  assert ckpt.latest_step() == 2
+  restored, _, meta = ckpt.restore(2, params_like=fresh.params, opt_state_like=fresh.opt_state)
+  ckpt.close()
+  assert meta == {"version": 2}
+  for i, r in enumerate(jax.tree.leaves(jax.device_get(restored))):
+    np.testing.assert_array_equal(r, got[f"trained_{i}"])
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"ASYNCRL_COORDINATOR": "127.0.0.1:1234"}, "missing ASYNCRL_NUM_PROCESSES, ASYNCRL_PROCESS_ID"),
+    ({"ASYNCRL_COORDINATOR": "127.0.0.1:1234", "ASYNCRL_NUM_PROCESSES": "2", "ASYNCRL_PROCESS_ID": "2"},
+     r"process id 2 must lie in \[0, 2\)"),
+    ({"ASYNCRL_COORDINATOR": "localhost", "ASYNCRL_NUM_PROCESSES": "2", "ASYNCRL_PROCESS_ID": "0"},
+     "must be HOST:PORT"),
+    ({"ASYNCRL_COORDINATOR": "h:1", "ASYNCRL_NUM_PROCESSES": "two", "ASYNCRL_PROCESS_ID": "0"},
+     "must be integers"),
+])
+def test_distributed_settings_refuse_partial_or_bad_values(monkeypatch, env, message):
+  for k in distributed.ENV:
+    monkeypatch.delenv(k, raising=False)
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  with pytest.raises(ValueError, match=message):
+    distributed.settings()
+
+
+def test_distributed_settings_from_the_environment_and_single_process(monkeypatch):
+  for k in distributed.ENV:
+    monkeypatch.delenv(k, raising=False)
+  assert distributed.settings() is None
+  assert distributed.initialize(on_tpu=False) is False  # nothing named: one process
+  monkeypatch.setenv("ASYNCRL_COORDINATOR", "10.0.0.2:8476")
+  monkeypatch.setenv("ASYNCRL_NUM_PROCESSES", "4")
+  monkeypatch.setenv("ASYNCRL_PROCESS_ID", "3")
+  assert distributed.settings() == {"coordinator_address": "10.0.0.2:8476", "num_processes": 4,
+                                    "process_id": 3}
