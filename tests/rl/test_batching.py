@@ -104,15 +104,20 @@ def test_packed_micro_batches_equal_padded_batch(params, loss):
   seqs = [_sequence(rng, 3, int(n), CFG.vocab_size) for n in lengths]
   # Behaviour log-probs near the current policy's, so that DIS keeps most tokens and drops some.
   behav_params = jax.tree.map(lambda x: x * 0.95, params)
+  rows = batching.layout_rows(seqs, [[i] for i in range(len(seqs))], len(seqs), 64)  # one per row
+  behav = np.asarray(compute_logprobs(CFG, behav_params, rows.tokens, rows.positions, rows.segment_ids))
   seqs = [s._replace(behav_logp=np.where(
-      s.mask > 0, np.asarray(compute_logprobs(CFG, behav_params, s.tokens[None],
-                                              np.arange(len(s.tokens))[None],
-                                              np.ones((1, len(s.tokens)), np.int32)))[0]
-      + rng.normal(0, 0.2, len(s.tokens)), 0).astype(np.float32)) for s in seqs]
+      s.mask > 0, behav[i, :len(s.tokens)] + rng.normal(0, 0.2, len(s.tokens)), 0).astype(np.float32))
+          for i, s in enumerate(seqs)]
   settings = LossSettings(loss=loss, eps_clip=0.2, eps_low=0.3, eps_high=0.5, behav_weight_cap=2.0,
                           temperature=1.0)
   # Perturbed params stand in for the "before the update" weights of the prox pass.
   prox_params = jax.tree.map(lambda x: x * 0.97, params)
+
+  @jax.jit
+  def value_and_grad(p, b, prox, normalizer):
+    return jax.value_and_grad(
+        lambda q: micro_batch_loss(q, b, prox, normalizer, model=CFG, settings=settings)[0])(p)
 
   def loss_and_grad(batches):
     normalizer = batching.total_policy_tokens(batches)
@@ -120,8 +125,7 @@ def test_packed_micro_batches_equal_padded_batch(params, loss):
     for b in batches:
       b = jax.tree.map(jnp.asarray, b)
       prox = compute_logprobs(CFG, prox_params, b.tokens, b.positions, b.segment_ids)
-      fn = lambda p: micro_batch_loss(p, b, prox, normalizer, model=CFG, settings=settings)[0]
-      value, g = jax.value_and_grad(fn)(params)
+      value, g = value_and_grad(params, b, prox, jnp.float32(normalizer))
       total += float(value)
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     return total, grads
@@ -181,13 +185,16 @@ def test_loss_weights_equal_the_old_advantage_rescaling(params, loss):
   settings = LossSettings(loss=loss, eps_clip=0.2, eps_low=0.3, eps_high=0.5, behav_weight_cap=2.0)
   prox_params = jax.tree.map(lambda x: x * 0.97, params)
 
+  @jax.jit
+  def value_and_grad(p, b, prox):
+    return jax.value_and_grad(lambda q: micro_batch_loss(q, b, prox, jnp.sum(b.mask), model=CFG,
+                                                         settings=settings)[0])(p)
+
   def loss_and_grad(sequences):
     (b,) = batching.pack_sequences(sequences, 512)
     b = jax.tree.map(jnp.asarray, b)
     prox = compute_logprobs(CFG, prox_params, b.tokens, b.positions, b.segment_ids)
-    fn = lambda p: micro_batch_loss(p, b, prox if loss == "decoupled_ppo" else None, jnp.sum(b.mask),
-                                    model=CFG, settings=settings)[0]
-    return jax.value_and_grad(fn)(params)
+    return value_and_grad(params, b, prox if loss == "decoupled_ppo" else None)
 
   new_loss, new_grad = loss_and_grad(batching.weight_sequences_equally(seqs))
   old_loss, old_grad = loss_and_grad(_old_advantage_rescaling(seqs))
