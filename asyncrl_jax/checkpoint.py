@@ -1,6 +1,6 @@
 """Orbax checkpoints of the whole run: params, optimizer state, policy version, staleness counters,
 prompt-stream (grain) state. Saves are asynchronous and atomic (a save interrupted by SIGKILL leaves
-no half-written step behind); ``restore_latest`` resumes from the newest complete step."""
+no half-written step behind); ``RunCheckpointer.restore_run`` resumes from the newest complete step."""
 
 from __future__ import annotations
 

@@ -107,6 +107,7 @@ class RunLog:
     self._decode_base: Optional[DecodeStats] = None
     self.decode, self.decode_seconds = DecodeStats(), 0.0  # as of the last version
     self.t_rl = self.rl_tokens = self.train_seconds = 0.0  # this process's RL phase
+    self._last_eval: Optional[float] = None  # for the progress bar
 
   # ------------------------------------------------------------------ start
 
@@ -162,11 +163,11 @@ class RunLog:
     for k, v in record.items():
       if isinstance(v, (int, float)):
         self._writer.add_scalar(k, v, record["version"])
-    last_eval = next((h["eval_accuracy"] for h in reversed(self.history) if "eval_accuracy" in h), None)
+    self._last_eval = record.get("eval_accuracy", self._last_eval)
     self._bar.update(1)
     self._bar.set_postfix(reward=f"{record['reward']:.2f}", v=record["version"],
                           stale=batch.max_staleness_seen, tok_s=f"{record['tokens_per_s']:.0f}",
-                          **({"eval": f"{last_eval:.2f}"} if last_eval is not None else {}))
+                          **({"eval": f"{self._last_eval:.2f}"} if self._last_eval is not None else {}))
 
   def close(self) -> None:
     if self._bar is not None:

@@ -34,7 +34,6 @@ from asyncrl_jax.learner import Learner
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
-from asyncrl_jax.rl.staleness import VersionMismatch
 from asyncrl_jax.runlog import RunLog, say
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
@@ -139,15 +138,6 @@ def _rollout(config, meshes, engine, learner: Learner):
                       on_weight_update=config.rollout.on_weight_update)
 
 
-def _check_server_version(backend, learner: Learner) -> None:
-  """The decode servers may lag behind the learner (by design), never run ahead of it."""
-  server = getattr(backend, "server", None)
-  for who, version in (("the rollout backend", backend.version),
-                       (f"decode server {getattr(server, 'server_id', '')!r}", getattr(server, "version", None))):
-    if version is not None and version > learner.version:
-      raise VersionMismatch(f"{who} holds policy version {version}, above the learner's {learner.version}")
-
-
 def _train(config, learner, controller, backend, evaluate, log: RunLog, ckpt, meta: dict):
   """The RL loop: one policy version per batch, until ``config.steps``; returns the last accuracies."""
   accuracy = (meta.get("last_eval_accuracy", meta["initial_eval_accuracy"]),
@@ -162,7 +152,6 @@ def _train(config, learner, controller, backend, evaluate, log: RunLog, ckpt, me
       continue
     update = learner.train(batch.sequences, version=batch.version)
     transfer = backend.update_weights(learner.params, learner.version)
-    _check_server_version(backend, learner)
     controller.pump()
     record = log.version_record(batch, update, transfer, backend.decode_stats())
     last = learner.version == config.steps

@@ -31,10 +31,6 @@ from asyncrl_jax import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching
 
-# loss_fn(params, batch, aux, normalizer) -> (scalar loss, dict of scalar metrics); ``aux`` is an
-# optional per-micro-batch array (e.g. the prox log-probs) or None.
-LossFn = Callable
-
 
 def make_optimizer(*, learning_rate: float, total_steps: int, grad_clip: float, warmup_steps: int = 0,
                    schedule: str = "cosine", b1: float = 0.9, b2: float = 0.999,
@@ -71,7 +67,8 @@ class Updater:
     params: initial parameters, any placement; a private copy is put on the mesh.
     mesh: the training mesh (axes ``data``, ``fsdp``, ``tensor``).
     optimizer: from ``make_optimizer``.
-    losses: name -> ``loss_fn(params, batch, aux, normalizer)``; ``update(..., loss=name)`` picks one.
+    losses: name -> ``loss_fn(params, batch, aux, normalizer) -> (loss, metrics)``, ``aux`` an optional
+      per-micro-batch array (e.g. the prox log-probs) or None; ``update(..., loss=name)`` picks one.
     token_budget: tokens per micro-batch.
     opt_state: restored optimizer state (on the mesh), or None for a fresh one.
   """
@@ -103,7 +100,7 @@ class Updater:
                           in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings),
                           out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
 
-  def _jit_grad(self, loss_fn: LossFn, name: str):
+  def _jit_grad(self, loss_fn: Callable, name: str):
     def grad(params, batch, aux, normalizer):
       (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, aux, normalizer)
       return loss, metrics, grads

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.helpers import max_abs_diff, sharp_params
+from tests.helpers import max_abs_diff, random_sequences, sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.learner import Learner, make_optimizer
@@ -22,18 +22,7 @@ TOKEN_BUDGET = 128
 
 
 def _sequences(seed, n=12):
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(n):
-    prompt, completion = int(rng.integers(2, 6)), int(rng.integers(3, 40))
-    total = prompt + completion
-    mask = np.r_[np.zeros(prompt), np.ones(completion)].astype(np.float32)
-    out.append(batching.SequenceData(
-        tokens=rng.integers(3, CFG.vocab_size, size=total).astype(np.int32), mask=mask,
-        behav_logp=np.where(mask > 0, np.log(rng.uniform(0.02, 0.5, total)), 0).astype(np.float32),
-        advantages=np.where(mask > 0, rng.normal(), 0).astype(np.float32),
-        versions=np.where(mask > 0, 0, -1).astype(np.int32)))
-  return out
+  return random_sequences(seed, n, CFG.vocab_size)
 
 
 def _config(loss, minibatches):

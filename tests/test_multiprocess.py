@@ -10,11 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.helpers import random_sequences, sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import distributed, models, sharding
 from asyncrl_jax.learner import Learner
-from asyncrl_jax.rl import batching
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -35,18 +34,7 @@ def params():
 
 
 def sequences(n=14, seed=5):
-  rng = np.random.default_rng(seed)
-  out = []
-  for _ in range(n):
-    prompt, completion = int(rng.integers(2, 6)), int(rng.integers(3, 40))
-    mask = np.r_[np.zeros(prompt), np.ones(completion)].astype(np.float32)
-    total = prompt + completion
-    out.append(batching.SequenceData(
-        tokens=rng.integers(3, CFG.vocab_size, size=total).astype(np.int32), mask=mask,
-        behav_logp=np.where(mask > 0, np.log(rng.uniform(0.05, 0.6, total)), 0).astype(np.float32),
-        advantages=np.where(mask > 0, rng.normal(), 0).astype(np.float32),
-        versions=np.where(mask > 0, 0, -1).astype(np.int32)))
-  return out
+  return random_sequences(seed, n, CFG.vocab_size, behav_prob=(0.05, 0.6))
 
 
 def _free_port() -> int:
