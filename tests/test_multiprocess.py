@@ -1,6 +1,7 @@
 """A learner over 2 processes (jax.distributed on 127.0.0.1, gloo collectives): the pod's learner
 slice on one machine."""
 
+import json
 import os
 import socket
 import subprocess
@@ -145,3 +146,45 @@ def test_distributed_settings_from_the_environment_and_single_process(monkeypatc
   monkeypatch.setenv("ASYNCRL_PROCESS_ID", "3")
   assert distributed.settings() == {"coordinator_address": "10.0.0.2:8476", "num_processes": 4,
                                     "process_id": 3}
+
+
+def test_weights_move_shard_to_shard_between_unlike_layouts(tmp_path):
+  """Learner fsdp=2 over 2 processes -> a decode server with tensor=2 on its 2 local devices: the
+  server holds the learner's exact parameters in its own layout, and every buffer that crossed
+  between processes is one shard, each offered once."""
+  from asyncrl_jax.transfer import shards  # pylint: disable=import-outside-toplevel
+  out, port = str(tmp_path), _free_port()
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  cmd = [sys.executable, "-m", "tests.multiprocess_transfer"]
+  procs = [subprocess.Popen(cmd + ["learner", str(i), str(port), out], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs.append(subprocess.Popen(cmd + ["server", out], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+  learner, server = np.load(f"{out}/learner.npz"), np.load(f"{out}/server.npz")
+  assert len(learner.files) == len(server.files) >= 10
+  for k in learner.files:
+    np.testing.assert_array_equal(server[k], learner[k])
+  pulled = json.loads((tmp_path / "pulled.json").read_text())
+  offered = [json.loads((tmp_path / f"offered-{i}.json").read_text()) for i in range(2)]
+  assert all(pulled["layout_ok"])
+  # what crossed is what was offered, shard by shard, and both learner processes offered a share
+  assert sorted(map(tuple, pulled["shapes"])) == sorted(tuple(s) for o in offered for s in o["shapes"])
+  assert pulled["bytes"] == sum(o["bytes"] for o in offered) == sum(learner[k].nbytes for k in learner.files)
+  assert min(o["bytes"] for o in offered) > 0.3 * pulled["bytes"]
+  # every buffer is shard-shaped: a split leaf crossed as halves, never whole
+  ref = jax.tree.leaves(params())
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  planned = shards.plan(ref, jax.tree.leaves(models.param_shardings(CFG, mesh)))
+  assert sorted(b.shape for b, _ in planned) == sorted(map(tuple, pulled["shapes"]))
+  split = [b for b, _ in planned if b.shape != ref[b.leaf].shape]
+  assert len(split) >= 8
+  # the server's layout is its own: tensor-split leaves are halves on each of its devices
+  assert any(len({tuple(s) for s in shapes}) == 1 and tuple(shapes[0]) != ref[i].shape
+             for i, shapes in enumerate(pulled["local_shards"]))
