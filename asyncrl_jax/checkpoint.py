@@ -54,21 +54,24 @@ class RunCheckpointer(Checkpointer):
   prompt stream's position at that version's batch, the staleness counters and the run's meta
   (evaluations, warm-start figures)."""
 
-  def save_run(self, learner, controller, meta: dict) -> None:
-    """Saves at ``learner.version``; ``meta`` gets the version, data and staleness state."""
+  @staticmethod
+  def run_meta(learner, controller, meta: dict) -> dict:
+    """``meta`` updated with the version, data and staleness state to save at ``learner.version``."""
     meta.update(version=learner.version, data_state=controller.data_state_for(learner.version),
                 staleness=controller.manager.state_dict())
-    self.save(learner.version, params=learner.params, opt_state=learner.opt_state, meta=_jsonable(meta))
+    return _jsonable(meta)
 
   def restore_run(self, learner, prompts) -> Optional[dict]:
-    """Restores the newest complete step into ``learner`` and ``prompts``; returns its meta, or None
-    when there is no checkpoint (a fresh run). The staleness counters restart from the restored
-    version (``StalenessManager.restore``): what was in flight at save time is gone."""
+    """Restores the newest complete step into ``learner`` and ``prompts`` (None in learner processes
+    that read no data); returns its meta, or None when there is no checkpoint (a fresh run). The
+    staleness counters restart from the restored version (``StalenessManager.restore``): what was in
+    flight at save time is gone."""
     step = self.latest_step()
     if step is None:
       return None
     learner.params, learner.opt_state, meta = self.restore(step, params_like=learner.params,
                                                            opt_state_like=learner.opt_state)
     learner.version = int(meta["version"])
-    prompts.set_state(meta["data_state"])
+    if prompts is not None:
+      prompts.set_state(meta["data_state"])
     return meta

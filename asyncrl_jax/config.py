@@ -60,11 +60,16 @@ def base_config() -> ml_collections.ConfigDict:
       eval_samples=4,  # sampled completions per held-out problem (pass@1); 0 = greedy accuracy only
   ))
   c.rollout = ml_collections.ConfigDict(dict(
-      num_slots=32,  # per decode server (one per rollout host, or per address in rollout.addresses)
+      num_slots=32,  # per decode server (one per rollout host, or per decode-server process)
       temperature=1.0, top_p=1.0, top_k=0,
       logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
-      host="127.0.0.1", port=0,
-      addresses="",  # "host:port,..." of decode-server processes; "" = decode in this process
+      host="127.0.0.1", port=0,  # where servers listen (the learner's registry and senders too)
+      # decode-server processes the learner waits for; they register with learner process 0 at
+      # rollout.learner_address (the learner listens on rollout.host:rollout.registry_port; 0 = any
+      # free port, written to WORKDIR/registry_address). 0 servers = decode in the learner's process
+      servers=0, registry_port=0, learner_address="",
+      register_timeout=600.0,  # seconds the learner waits for rollout.servers to register
+      push_timeout=300.0,  # seconds a decode server may take to pull a version of the weights
       # on new weights: "recompute" re-prefills every in-flight sequence under them (exact); "keep_cache"
       # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
       # still those of the distribution each token was drawn from)
@@ -78,7 +83,7 @@ def base_config() -> ml_collections.ConfigDict:
       token_budget=4096,  # tokens per micro-batch (dynamic micro-batching)
       learning_rate=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999,
       ppo_minibatches=1,  # optimizer updates per global batch (prox is fixed for all of them)
-      eval_every=10,  # policy versions between held-out evaluations
+      eval_every=10,  # policy versions between held-out evaluations (0: never, not even before RL)
       warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
       warm_start_batch=128, warm_start_lr=1e-3,
   ))
@@ -199,8 +204,15 @@ def _validate_rollout(config) -> None:
   _one_of(config, "rollout.on_weight_update", ("recompute", "keep_cache"))
   _check(isinstance(config.rollout.warm_up, bool), "rollout.warm_up", config.rollout.warm_up,
          "must be True or False")
-  _number(config, "rollout.port", lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)",
+  for port in ("rollout.port", "rollout.registry_port"):
+    _number(config, port, lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)", integer=True)
+  _number(config, "rollout.servers", lambda v: v >= 0, "an integer >= 0 (0 = decode in this process)",
           integer=True)
+  for timeout in ("rollout.register_timeout", "rollout.push_timeout"):
+    _number(config, timeout, lambda v: v > 0, "a number of seconds > 0")
+  address = config.rollout.learner_address
+  _check(not address or (address.rpartition(":")[0] and address.rpartition(":")[2].isdigit()),
+         "rollout.learner_address", address, "must be HOST:PORT (or empty)")
 
 
 def _validate_learner(config) -> None:
@@ -216,7 +228,7 @@ def _validate_learner(config) -> None:
   _number(config, "learner.ppo_minibatches", lambda v: v >= 1, "an integer >= 1", integer=True)
   _check(config.learner.ppo_minibatches <= config.learner.batch_size, "learner.ppo_minibatches",
          config.learner.ppo_minibatches, f"must be <= learner.batch_size ({config.learner.batch_size})")
-  _number(config, "learner.eval_every", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "learner.eval_every", lambda v: v >= 0, "an integer >= 0 (0: never)", integer=True)
   _number(config, "learner.warm_start_steps", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
@@ -257,8 +269,8 @@ def _validate_mesh(config) -> None:
   """The device split, colocation (not with remote decode servers), and each role's mesh axes."""
   _number(config, "mesh.rollout_fraction", lambda v: 0 < v < 1, "a number strictly between 0 and 1")
   _check(isinstance(config.mesh.colocate, bool), "mesh.colocate", config.mesh.colocate, "must be True or False")
-  _check(not (config.mesh.colocate and config.rollout.addresses.strip()), "mesh.colocate", True,
-         "cannot be combined with rollout.addresses (decode servers in other processes have their own "
+  _check(not (config.mesh.colocate and config.rollout.servers), "mesh.colocate", True,
+         "cannot be combined with rollout.servers > 0 (decode servers in other processes have their own "
          "devices)")
   for role in ("learner", "rollout"):
     for axis in ("data", "fsdp", "tensor"):

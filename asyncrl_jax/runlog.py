@@ -135,8 +135,11 @@ class RunLog:
 
   # ------------------------------------------------------------------ per version
 
-  def version_record(self, batch, update: dict, transfer, decode_stats: DecodeStats) -> dict:
-    """The metrics record of the version ``update`` (``Learner.train``'s metrics) just trained."""
+  def version_record(self, batch, update: dict, transfer, decode_stats: DecodeStats, *,
+                     transfer_seconds: float) -> dict:
+    """The metrics record of the version ``update`` (``Learner.train``'s metrics) just trained;
+    ``transfer`` is its publish (``seconds``: how long the learner was blocked), ``transfer_seconds``
+    the slowest decode server's pull of the newest version every server holds."""
     tokens = int(sum(s.mask.sum() for s in batch.sequences))
     self.rl_tokens += tokens
     self.train_seconds += update["learner_seconds"]
@@ -146,7 +149,8 @@ class RunLog:
         version=update["version"], time=time.time() - self.t_start, reward=float(batch.rewards.mean()),
         accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
         max_staleness_seen=batch.max_staleness_seen, mean_staleness=batch.mean_staleness,
-        failed_rollouts=batch.failed, transfer_seconds=transfer.seconds,
+        failed_rollouts=batch.failed, publish_blocked_seconds=transfer.seconds,
+        transfer_seconds=transfer_seconds,
         tokens_per_s=self.rl_tokens / max(self.decode_seconds, 1e-9),
         learner_idle_fraction=learner_lib.idle_fraction(self.train_seconds, self.decode_seconds),
         # cumulative decode counters since RL started, summed over the decode servers
@@ -218,6 +222,11 @@ def _print_summary(summary: dict) -> None:
           ("learner idle fraction", summary["learner_idle_fraction"]),
           ("decode slot utilization", summary["decode_slot_utilization"]),
           ("wall seconds", summary["wall_seconds"])]
+  if summary.get("transfer_bytes_sent"):
+    rows += [("learner processes / decode servers",
+              f"{summary['learner_processes']} / {summary['decode_servers']}"),
+             ("weight MB sent, per learner process",
+              " ".join(f"{b / 1e6:.1f}" for b in summary["transfer_bytes_sent"]))]
   width = max(len(r[0]) for r in rows)
   print("\n" + "-" * (width + 16))
   for name, value in rows:
@@ -237,9 +246,10 @@ def _plot(history, summary, path) -> None:
   ax.plot(t, [h["reward"] for h in history], alpha=0.5, label="batch reward (sampled)")
   ev = [h for h in history if "eval_accuracy" in h]
   t_ev = [history[0]["time"]] + [h["time"] for h in ev]
-  ax.plot(t_ev, [summary["initial_eval_accuracy"]] + [h["eval_accuracy"] for h in ev], "o-",
-          label=f"held-out accuracy ({summary['eval_metric']})")
-  if summary["eval_metric"] != "greedy":
+  if summary["eval_metric"] is not None:  # (learner.eval_every=0: no evaluation to plot)
+    ax.plot(t_ev, [summary["initial_eval_accuracy"]] + [h["eval_accuracy"] for h in ev], "o-",
+            label=f"held-out accuracy ({summary['eval_metric']})")
+  if summary["eval_metric"] not in ("greedy", None):
     ax.plot(t_ev, [summary["initial_eval_greedy_accuracy"]] +
             [h.get("eval_greedy_accuracy", np.nan) for h in ev], "s--", label="held-out greedy accuracy")
   ax.set_xlabel("seconds")

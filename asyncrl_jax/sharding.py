@@ -73,7 +73,12 @@ def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int, *, role: str 
 def make_mesh(devices: Sequence[jax.Device], shape: Mapping[str, int], *, role: str = "mesh") -> Mesh:
   """A mesh with axes (data, fsdp, tensor) over exactly ``devices`` (Auto axis types)."""
   sizes = resolve_mesh_shape(shape, len(devices), role=role)
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))  # tensor groups within a host
   grid = np.asarray(devices, dtype=object).reshape([sizes[k] for k in MESH_AXES])
+  for group in grid.reshape(-1, sizes["tensor"]):
+    if len({d.process_index for d in group}) > 1:
+      raise MeshError(f"{role}.tensor={sizes['tensor']} spans processes {sorted({d.process_index for d in group})}: "
+                      "tensor parallelism stays within a host; give each process a multiple of it")
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
@@ -132,28 +137,33 @@ def describe(mesh: Optional[Mesh]) -> str:
 
 
 class RoleMeshes(NamedTuple):
-  """The devices of each role: the learner's mesh, the rollout mesh (None when the decode servers are
-  other processes, at ``remote``), and whether both roles share every device (taking turns)."""
+  """The devices of each role: the learner's mesh (over every learner process's devices), the rollout
+  mesh (None when the decode servers are ``remote`` other processes), and whether both roles share
+  every device (taking turns)."""
   learner: Mesh
   rollout: Optional[Mesh]
-  remote: list
+  remote: int
   colocated: bool
 
   def describe(self) -> str:
     devices = jax.devices()
-    out = f"{len(devices)} {devices[0].platform} devices: learner {describe(self.learner)}"
+    out = (f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} learner "
+           f"process{'es' if jax.process_count() > 1 else ''}: learner {describe(self.learner)}")
     if self.rollout is None:
-      return out + f"; decode servers at {', '.join(self.remote)}"
+      return out + f"; {self.remote} decode-server processes"
     return out + f", rollout {describe(self.rollout)}" + (
         " (the same devices, taking turns)" if self.colocated else "")
 
 
 def role_meshes(config) -> RoleMeshes:
   """One mesh per role from ``config.mesh``: a split of the local devices (``mesh.rollout_fraction``),
-  both roles on every device (``mesh.colocate``), or every local device learning when the decode
-  servers are other processes (``rollout.addresses``)."""
-  remote = [a.strip() for a in config.rollout.addresses.split(",") if a.strip()]
+  both roles on every device (``mesh.colocate``), or every device of every learner process learning
+  when the decode servers are other processes (``rollout.servers``)."""
+  remote = int(config.rollout.servers)
   devices = list(jax.devices())
+  if jax.process_count() > 1 and not remote:
+    raise MeshError(f"{jax.process_count()} learner processes need their decode servers in other "
+                    "processes: set rollout.servers")
   if remote:
     rollout_devices, learner_devices = [], devices
   elif config.mesh.colocate:

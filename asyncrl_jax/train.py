@@ -8,6 +8,11 @@ rewards, batches) -> loop: batch -> update -> publish version v+1 -> checkpoint 
 Writes ``DIR/metrics.jsonl``, TensorBoard events in ``DIR/tb``, ``DIR/progress.png``,
 ``DIR/trained_prompts.jsonl`` and ``DIR/summary.json`` (``runlog.RunLog``). Killed at any point, the
 same command resumes from the last checkpoint (``checkpoint.RunCheckpointer``).
+
+Over several learner processes (``asyncrl_jax.distributed``: ``ASYNCRL_COORDINATOR`` etc., or nothing
+on Cloud TPU), process 0 runs everything above and the others follow its ops
+(``learner_group.LearnerGroup``); decode servers are then other processes (``rollout.servers``) that
+register with process 0 (``rollout.registry``).
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ import os
 import sys
 import time
 
+import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import models, sharding
+from asyncrl_jax import config as config_lib
+from asyncrl_jax import distributed, models, sharding
 from asyncrl_jax.checkpoint import RunCheckpointer
 from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
 from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
 from asyncrl_jax.learner import Learner
+from asyncrl_jax.learner_group import LearnerGroup
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
+from asyncrl_jax.rollout.registry import Registry
 from asyncrl_jax.runlog import RunLog, say
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
@@ -80,7 +89,7 @@ class _Evaluation:
 def _warm_start(config, learner: Learner, data: _Data, evaluate: _Evaluation) -> dict:
   """Supervised warm start of a randomly initialised policy; returns its meta figures."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  meta = {"untrained_eval_accuracy": evaluate(learner.params)[0]}
+  meta = {"untrained_eval_accuracy": evaluate(learner.params)[0] if evaluate else None}
   t = time.time()
   bar = tqdm(total=config.learner.warm_start_steps, desc="warm start (supervised)", unit="step",
              file=sys.stdout, dynamic_ncols=True)
@@ -108,7 +117,7 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   engine = engine_from_config(config, meshes.rollout, model_config) if meshes.rollout else None
   if engine is not None and config.rollout.warm_up:
     engine.warm_up()  # in the background, during evaluation and warm start
-  evaluate = _Evaluation(config, model_config, meshes, data)
+  evaluate = _Evaluation(config, model_config, meshes, data) if config.learner.eval_every else None
   meta = ckpt.restore_run(learner, data.prompts)
   if meta is not None:
     log.resume(learner.version)
@@ -117,7 +126,12 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
     log.start_fresh()
     meta = (_warm_start(config, learner, data, evaluate)
             if config.learner.warm_start_steps and not config.model.hf_path else {})
-  if "initial_eval_greedy_accuracy" not in meta:  # (a checkpoint from before pass@1: measure both)
+  if evaluate is None:
+    meta.update(initial_eval_accuracy=None, initial_eval_greedy_accuracy=None)
+    say(f"model {models.count_params(learner.params):,} params at version {learner.version}; no "
+        "held-out evaluation (learner.eval_every=0)")
+    return learner, evaluate, engine, meta
+  if meta.get("initial_eval_greedy_accuracy") is None:  # (a checkpoint from before pass@1: measure both)
     meta.pop("last_eval_accuracy", None)
     meta["initial_eval_accuracy"], meta["initial_eval_greedy_accuracy"] = evaluate(learner.params)
   say(f"model {models.count_params(learner.params):,} params; held-out accuracy "
@@ -126,20 +140,39 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   return learner, evaluate, engine, meta
 
 
-def _rollout(config, meshes, engine, learner: Learner):
+def _registered(config, model_config, tokenizer, workdir: str):
+  """Starts the registry on process 0 and waits for ``rollout.servers`` decode servers; returns the
+  registry's gRPC server and the servers."""
+  registry = Registry(model_config, tokenizer.identity)
+  server, port = registry.serve(config.rollout.host, config.rollout.registry_port)
+  address = f"{config.rollout.host}:{port}"
+  with open(os.path.join(workdir, "registry_address.tmp"), "w") as f:
+    f.write(address)
+  os.replace(os.path.join(workdir, "registry_address.tmp"), os.path.join(workdir, "registry_address"))
+  say(f"waiting for {config.rollout.servers} decode servers to register at {address}")
+  return server, registry.wait_for(config.rollout.servers, config.rollout.register_timeout)
+
+
+def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: str):
   """The decode servers' backend, holding the learner's current weights (not started)."""
+  learner = group.learner
   if meshes.remote:
-    backend = RemoteRollout(meshes.remote, transfer_host=config.rollout.host)
-    transfer = backend.update_weights(learner.params, learner.version)  # servers start with no weights
-    say(f"pushed version {learner.version} to {len(meshes.remote)} decode servers in "
-        f"{transfer.seconds:.2f}s")
+    registry_server, servers = _registered(config, models.config_of(config), data.tokenizer, workdir)
+    backend = RemoteRollout([s.address for s in servers], group, push_timeout=config.rollout.push_timeout)
+    backend.registry_server = registry_server  # servers restarted elsewhere register again (later)
+    t = time.time()
+    backend.update_weights(learner.params, learner.version)  # servers start with no weights
+    backend.wait_for_pulls(learner.version)
+    say(f"pushed version {learner.version} to {len(servers)} decode servers "
+        f"({', '.join(f'{s.server_id} at {s.address}' for s in servers)}) in {time.time() - t:.2f}s")
     return backend
   return LocalRollout(engine, learner.params, learner.version,
                       on_weight_update=config.rollout.on_weight_update)
 
 
-def _train(config, learner, controller, backend, evaluate, log: RunLog, ckpt, meta: dict):
+def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunLog, ckpt, meta: dict):
   """The RL loop: one policy version per batch, until ``config.steps``; returns the last accuracies."""
+  learner = group.learner
   accuracy = (meta.get("last_eval_accuracy", meta["initial_eval_accuracy"]),
               meta.get("last_eval_greedy_accuracy", meta["initial_eval_greedy_accuracy"]))
   log.start_rl(learner.version, backend.decode_stats())
@@ -150,33 +183,77 @@ def _train(config, learner, controller, backend, evaluate, log: RunLog, ckpt, me
     batch = controller.next_batch(learner.version, timeout=5.0)
     if batch is None:
       continue
-    update = learner.train(batch.sequences, version=batch.version)
+    update = group.train(batch.sequences, version=batch.version)
     transfer = backend.update_weights(learner.params, learner.version)
     controller.pump()
-    record = log.version_record(batch, update, transfer, backend.decode_stats())
+    record = log.version_record(batch, update, transfer, backend.decode_stats(),
+                                transfer_seconds=backend.transfer_seconds)
     last = learner.version == config.steps
-    if learner.version % config.learner.eval_every == 0 or last:
+    if evaluate is not None and (learner.version % config.learner.eval_every == 0 or last):
       accuracy = evaluate(learner.params, getattr(backend, "rollout_params", None))
       record.update(eval_accuracy=accuracy[0], eval_greedy_accuracy=accuracy[1])
     log.append(record, batch)
     if learner.version % config.checkpoint.every_steps == 0 or last:
       meta.update(last_eval_accuracy=accuracy[0], last_eval_greedy_accuracy=accuracy[1])
-      ckpt.save_run(learner, controller, meta)
+      group.save(ckpt.run_meta(learner, controller, meta))
   return accuracy
 
 
+def _checkpointer(config, workdir: str) -> RunCheckpointer:
+  return RunCheckpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
+                         async_save=config.checkpoint.async_save)
+
+
+def _check_multi_process(config) -> None:
+  if jax.process_count() == 1:
+    return
+  if config.learner.eval_every:
+    raise config_lib.ConfigError(f"learner.eval_every={config.learner.eval_every}: held-out evaluation runs on the "
+                     f"learner's devices, which {jax.process_count()} learner processes do not share "
+                     "yet; set learner.eval_every=0")
+  if config.learner.warm_start_steps and not config.model.hf_path:
+    raise config_lib.ConfigError(f"learner.warm_start_steps={config.learner.warm_start_steps}: the supervised warm "
+                     "start runs in one learner process; warm-start once (python -m asyncrl_jax.sft) "
+                     "and set model.hf_path, or set learner.warm_start_steps=0")
+
+
+def _follow(config, workdir: str) -> dict:
+  """Learner processes other than 0: the same learner and checkpoint, then process 0's ops. Every
+  collective step comes in process 0's order (checkpointer, model, restore, senders)."""
+  meshes = sharding.role_meshes(config)
+  ckpt = _checkpointer(config, workdir)
+  model_config, params = models.from_config(config, meshes.learner)
+  learner = Learner(model_config, params, meshes.learner, config, total_steps=config.steps)
+  del params
+  ckpt.restore_run(learner, None)
+  group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)
+  try:
+    group.follow()
+  finally:
+    ckpt.close()
+  return {}
+
+
 def run(config, workdir: str) -> dict:
+  """The main job in this process: all of it on learner process 0, ``_follow`` on the others."""
+  _check_multi_process(config)
+  if jax.process_index() != 0:
+    return _follow(config, workdir)
   log = RunLog(workdir, config)
   meshes = sharding.role_meshes(config)
   say(meshes.describe())
   data = _Data.from_config(config, workdir)
-  ckpt = RunCheckpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
-                         async_save=config.checkpoint.async_save)
+  ckpt = _checkpointer(config, workdir)
   learner, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
-  backend = _rollout(config, meshes, engine, learner)
+  group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
+  try:
+    backend = _rollout(config, meshes, engine, group, data, workdir)
+  except BaseException:
+    group.stop()
+    raise
   controller = Controller.from_config(config, prompts=data.prompts, tokenizer=data.tokenizer,
                                       submit=backend.submit, version=lambda: backend.version,
-                                      reward=data.reward, num_servers=len(meshes.remote) or 1)
+                                      reward=data.reward, num_servers=backend.num_servers)
   if config.rollout.warm_up:
     t = time.time()
     say("waiting for the decode servers to compile their prefill shapes (rollout.warm_up)")
@@ -184,15 +261,19 @@ def run(config, workdir: str) -> dict:
     say(f"decode servers warm after {time.time() - t:.1f}s")
   backend.start(controller.on_trajectory)
   try:
-    final = _train(config, learner, controller, backend, evaluate, log, ckpt, meta)
+    final = _train(config, group, controller, backend, evaluate, log, ckpt, meta)
   finally:
     log.close()
     backend.stop()
+    group.stop()
     controller.close()
     ckpt.close()
   summary = log.summary(
-      meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1], eval_metric=evaluate.kind,
-      steps=learner.version, duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
+      meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
+      eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
+      duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
+      learner_processes=jax.process_count(), decode_servers=backend.num_servers,
+      transfer_bytes_sent=list(getattr(backend, "bytes_by_source", [])),
       devices={"rollout": dict(meshes.rollout.shape) if meshes.rollout else meshes.remote,
                "learner": dict(meshes.learner.shape)})
   log.finish(summary)
@@ -208,7 +289,18 @@ def main(argv=None) -> None:
       print("error: --workdir is required", file=sys.stderr)
       sys.exit(2)
     logging.set_verbosity(logging.WARNING)
-    run(config, _WORKDIR.value)
+    try:
+      multi = distributed.initialize()
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    try:
+      run(config, _WORKDIR.value)
+    except config_lib.ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    if multi:
+      jax.distributed.shutdown()
 
   app.run(_main, argv=argv)
 

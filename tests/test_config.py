@@ -185,8 +185,8 @@ def test_colocate_refuses_remote_decode_servers():
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
   cfg.mesh.colocate = True
   config_lib.validate(cfg)
-  cfg.rollout.addresses = "127.0.0.1:5000"
-  with pytest.raises(config_lib.ConfigError, match=r"mesh.colocate=True .* rollout.addresses"):
+  cfg.rollout.servers = 2
+  with pytest.raises(config_lib.ConfigError, match=r"mesh.colocate=True .* rollout.servers > 0"):
     config_lib.validate(cfg)
 
 

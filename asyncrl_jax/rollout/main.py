@@ -1,9 +1,12 @@
 """A decode server as its own process: ``python -m asyncrl_jax.rollout.main --config=configs/default.py``.
 
-It takes all of its process's devices as its rollout mesh and starts without weights (the learner pushes
-its version before it sends requests; requests that come first wait), serves the rollout gRPC service on
-``rollout.host:rollout.port`` (127.0.0.1 by default; port 0 picks a free one, written to
-``--port_file``) and pulls new weights from the learner over ``jax.experimental.transfer`` when told to.
+It takes all of its process's devices as its rollout mesh (``mesh.rollout``: tensor parallel within
+the host) and starts without weights (the learner pushes its version before it sends requests; requests
+that come first wait), serves the rollout gRPC service on ``rollout.host:rollout.port`` (127.0.0.1 by
+default; port 0 picks a free one, written to ``--port_file``), registers with the learner at
+``rollout.learner_address`` (its address, model config and tokenizer id; a mismatch is refused and
+this process exits 1 with the learner's reason), and pulls new weights shard by shard from every
+learner process over ``jax.experimental.transfer`` when told to.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ cli.ensure_cpu_devices(int(os.environ.get("ASYNCRL_CPU_DEVICES", "2")))
 
 # pylint: disable=wrong-import-position
 import signal
+import sys
 import threading
 
 import jax
 from absl import app, flags, logging
 
 from asyncrl_jax import models, sharding
+from asyncrl_jax.rollout import registry
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.service import RolloutService, serve
-from asyncrl_jax.transfer import WeightReceiver
+from asyncrl_jax.transfer.remote import WeightReceiver
 
 _CONFIG = cli.define_config_flag()
 _PORT_FILE = flags.DEFINE_string("port_file", "", "Write the bound port here once serving.")
@@ -48,6 +53,19 @@ def main(argv=None) -> None:
     server.start()
     logging.info("decode server %s on %s:%d (%d devices, %d slots)", _SERVER_ID.value, host, port,
                  len(jax.local_devices()), engine.num_slots)
+    if config.rollout.learner_address:
+      try:
+        n = registry.register(config.rollout.learner_address, server_id=_SERVER_ID.value,
+                              address=f"{host}:{port}", model_config=engine.config,
+                              tokenizer_id=engine.tokenizer.identity, devices=len(jax.local_devices()),
+                              mesh=dict(mesh.shape), timeout=config.rollout.register_timeout)
+      except registry.RegistrationRefused as e:
+        logging.error("the learner refused this decode server: %s", e)
+        grpc_server.stop(grace=0)
+        server.stop()
+        sys.exit(1)
+      logging.info("registered with the learner at %s (%d servers so far)",
+                   config.rollout.learner_address, n)
     if _PORT_FILE.value:
       tmp = _PORT_FILE.value + ".tmp"
       with open(tmp, "w") as f:

@@ -16,8 +16,13 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
                            string sampling_json = 10; string tokenizer_id = 11; string server_id = 12;
                            int32 num_interruptions = 13; string error = 14;
                            double started_at = 15; double finished_at = 16; }
-  message WeightsNotice  { int64 version = 1; string address = 2; int64 uuid = 3; }
-  message WeightsReply   { int64 version = 1; double seconds = 2; int64 bytes = 3; }
+  // one per learner process: its transfer server, the uuid of this pull, the blocks it offers
+  // (JSON [[leaf, [[start, stop], ...]], ...], see transfer.shards)
+  message WeightSource   { string address = 1; int64 uuid = 2; string blocks_json = 3; }
+  message WeightsNotice  { int64 version = 1; repeated WeightSource sources = 4; }
+  // source_bytes: bytes pulled from each source, in the notice's order
+  message WeightsReply   { int64 version = 1; double seconds = 2; int64 bytes = 3;
+                           repeated int64 source_bytes = 4; }
   message AbortRequest   { string request_id = 1; }
   message AckRequest     { repeated string trajectory_ids = 1; }
   message Empty {}
@@ -27,6 +32,11 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   // status: "serving", "warming_up" (compiling prefill shapes in the background), or "error"
   message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
                            string server_id = 6; string error = 7; DecodeStats stats = 14; }
+  // a decode server announcing itself to the learner (process 0)
+  message RegisterRequest { string server_id = 1; string address = 2; string model_config_json = 3;
+                            string tokenizer_id = 4; int32 devices = 5; string mesh_json = 6; }
+  message RegisterReply   { int32 registered = 1; }   // servers registered so far, this one included
+  service Learner { rpc Register(RegisterRequest) returns (RegisterReply); }
   service Rollout {
     rpc Submit(SubmitRequest) returns (SubmitReply);
     rpc Stream(StreamRequest) returns (stream Trajectory);
@@ -47,9 +57,12 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.transfer import shards
+from asyncrl_jax.transfer.remote import Source
 
 PACKAGE = "asyncrl.rollout.v1"
 SERVICE = f"{PACKAGE}.Rollout"
+LEARNER_SERVICE = f"{PACKAGE}.Learner"
 
 _F = descriptor_pb2.FieldDescriptorProto
 _TYPES = {"string": _F.TYPE_STRING, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64,
@@ -69,8 +82,14 @@ _MESSAGES = {
                    ("tokenizer_id", "string", 11), ("server_id", "string", 12),
                    ("num_interruptions", "int32", 13), ("error", "string", 14),
                    ("started_at", "double", 15), ("finished_at", "double", 16)],
-    "WeightsNotice": [("version", "int64", 1), ("address", "string", 2), ("uuid", "int64", 3)],
-    "WeightsReply": [("version", "int64", 1), ("seconds", "double", 2), ("bytes", "int64", 3)],
+    "WeightSource": [("address", "string", 1), ("uuid", "int64", 2), ("blocks_json", "string", 3)],
+    "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4)],
+    "WeightsReply": [("version", "int64", 1), ("seconds", "double", 2), ("bytes", "int64", 3),
+                     ("source_bytes", "int64*", 4)],
+    "RegisterRequest": [("server_id", "string", 1), ("address", "string", 2),
+                        ("model_config_json", "string", 3), ("tokenizer_id", "string", 4),
+                        ("devices", "int32", 5), ("mesh_json", "string", 6)],
+    "RegisterReply": [("registered", "int32", 1)],
     "AbortRequest": [("request_id", "string", 1)],
     "AckRequest": [("trajectory_ids", "string*", 1)],
     "Empty": [],
@@ -90,6 +109,7 @@ METHODS = {  # name: (request, reply, server streaming)
     "Abort": ("AbortRequest", "Empty", False),
     "Health": ("Empty", "HealthReply", False),
 }
+LEARNER_METHODS = {"Register": ("RegisterRequest", "RegisterReply", False)}
 
 
 def _build():
@@ -148,6 +168,18 @@ def trajectory_from_pb(m) -> Trajectory:
       sampling=json.loads(m.sampling_json or "{}"), tokenizer_id=m.tokenizer_id,
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
       started_at=m.started_at, finished_at=m.finished_at)
+
+
+def sources_to_pb(sources) -> list:
+  """``transfer.remote.Source`` records as ``WeightSource`` messages."""
+  return [MESSAGES["WeightSource"](address=s.address, uuid=s.uuid, blocks_json=shards.blocks_to_json(s.blocks))
+          for s in sources]
+
+
+def sources_from_pb(messages) -> list:
+  if not messages:
+    raise ValueError("the weights notice names no source")
+  return [Source(m.address, m.uuid, tuple(shards.blocks_from_json(m.blocks_json))) for m in messages]
 
 
 def stats_to_pb(stats: DecodeStats):

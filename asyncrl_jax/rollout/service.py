@@ -6,8 +6,9 @@
 * ``Ack``: the client confirms receipt. A trajectory sent on a stream that ends (cancelled, deadline,
   client gone) without an ack is queued again, so delivery is at-least-once and consumers drop
   duplicates by ``trajectory_id``. ``RolloutClient.stream`` acks every trajectory on receipt.
-* ``UpdateWeights``: pull version ``v`` from the learner's transfer server and switch to it
-  (in-flight sequences are interrupted and resumed under the new weights).
+* ``UpdateWeights``: pull version ``v`` shard by shard from every learner process's transfer server
+  (the notice names each one's blocks) and switch to it (in-flight sequences are interrupted and
+  resumed under the new weights). The reply counts the bytes pulled from each learner process.
 * ``Abort``, ``Health``.
 
 Servers bind 127.0.0.1 unless another host is configured.
@@ -27,7 +28,7 @@ import grpc
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.transfer import WeightReceiver
+from asyncrl_jax.transfer.remote import WeightReceiver
 
 log = logging.getLogger(__name__)
 M = protocol.MESSAGES
@@ -97,11 +98,16 @@ class RolloutService:
       if request.version <= self.server.version:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"version {request.version} is not newer than {self.server.version}")
-      params, stats = self.receiver.pull(request.address, request.uuid, self.server.engine.param_spec())
+      try:
+        sources = protocol.sources_from_pb(request.sources)
+        params, stats = self.receiver.pull(sources, self.server.engine.param_spec())
+      except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"weights v{request.version}: {e}")
       self.server.update_weights(params, request.version)
-    log.info("pulled weights v%d: %.1f MB in %.3f s", request.version, stats.bytes / 1e6,
-             stats.seconds)
-    return M["WeightsReply"](version=request.version, seconds=stats.seconds, bytes=stats.bytes)
+    log.info("pulled weights v%d: %.1f MB from %d learner processes in %.3f s", request.version,
+             stats.bytes / 1e6, len(sources), stats.seconds)
+    return M["WeightsReply"](version=request.version, seconds=stats.seconds, bytes=stats.bytes,
+                             source_bytes=stats.per_source)
 
   def Abort(self, request, context):
     self.server.abort(request.request_id)
@@ -116,20 +122,21 @@ class RolloutService:
                             stats=protocol.stats_to_pb(s.stats.copy()))
 
 
-def _handlers(service: RolloutService) -> grpc.GenericRpcHandler:
+def _handlers(service, methods: dict, name: str) -> grpc.GenericRpcHandler:
   table = {}
-  for name, (req, rep, streaming) in protocol.METHODS.items():
+  for method, (req, rep, streaming) in methods.items():
     make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-    table[name] = make(getattr(service, name), request_deserializer=M[req].FromString,
-                       response_serializer=M[rep].SerializeToString)
-  return grpc.method_handlers_generic_handler(protocol.SERVICE, table)
+    table[method] = make(getattr(service, method), request_deserializer=M[req].FromString,
+                         response_serializer=M[rep].SerializeToString)
+  return grpc.method_handlers_generic_handler(name, table)
 
 
-def serve(service: RolloutService, *, host: str = "127.0.0.1", port: int = 0,
-          max_workers: int = 16) -> tuple[grpc.Server, int]:
-  """Starts the gRPC server; returns it and the bound port."""
+def serve(service, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
+          methods: dict = protocol.METHODS, name: str = protocol.SERVICE) -> tuple[grpc.Server, int]:
+  """Starts a gRPC server for ``service`` (the rollout service unless ``methods``/``name`` say
+  otherwise); returns it and the bound port."""
   server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
-  server.add_generic_rpc_handlers((_handlers(service),))
+  server.add_generic_rpc_handlers((_handlers(service, methods, name),))
   bound = server.add_insecure_port(f"{host}:{port}")
   if not bound:
     raise OSError(f"could not bind {host}:{port}")
@@ -167,9 +174,11 @@ class RolloutClient:
     finally:
       call.cancel()
 
-  def update_weights(self, version: int, address: str, uuid: int, timeout: float = 300.0):
-    return self._calls["UpdateWeights"](M["WeightsNotice"](version=version, address=address, uuid=uuid),
-                                        timeout=timeout)
+  def update_weights(self, version: int, sources, timeout: float = 300.0):
+    """Tells the server to pull ``version`` from ``sources`` (``transfer.remote.Source``, one per
+    learner process); returns its ``WeightsReply`` once it holds the new weights."""
+    notice = M["WeightsNotice"](version=version, sources=protocol.sources_to_pb(sources))
+    return self._calls["UpdateWeights"](notice, timeout=timeout)
 
   def abort(self, request_id: str, timeout: float = 30.0) -> None:
     self._calls["Abort"](M["AbortRequest"](request_id=request_id), timeout=timeout)

@@ -35,6 +35,7 @@ class TransferStats:
   seconds: float
   bytes: int
   buffers: tuple = ()  # shapes of the buffers that crossed between processes (empty: in one process)
+  per_source: tuple = ()  # bytes from each sending process, in the order the sources were given
 
   @property
   def gbytes_per_s(self) -> float:

@@ -123,7 +123,8 @@ class WeightReceiver:
     out = jax.block_until_ready(treedef.unflatten(out))
     arrays = [x for group in pulled for x in group]
     return out, TransferStats(time.perf_counter() - t, sum(x.nbytes for x in arrays),
-                              tuple(tuple(x.shape) for x in arrays))
+                              tuple(tuple(x.shape) for x in arrays),
+                              tuple(sum(x.nbytes for x in group) for group in pulled))
 
   def pull_staged(self, sender_address: str, uuid: int, like: Any) -> tuple[Any, TransferStats]:
     """The staged path: the whole tree pulled onto the first local device, then placed on ``like``."""

@@ -1,0 +1,172 @@
+"""The learner's processes acting as one: process 0 leads, the others follow.
+
+Design: **one controller**, on learner process 0. It owns the prompt stream, admission, rewards and
+batches, the run log and the decode servers' registry, exactly as in a single-process run; the other
+learner processes own no data and make no decisions. Every step that needs all of them (an update, a
+weight offer, a checkpoint save, the stop) is an *op* that process 0 broadcasts (``jax``'s
+``broadcast_one_to_all``) and every process then runs; each process puts only its own rows of every
+micro-batch on device (``update.Updater.place``), and offers only its own blocks of the weights.
+
+Why one controller rather than one per process with its own prompt shard: admission, the staleness
+bound, batch order and resume stay exactly those of a single process (the trained prompts for a
+seed are the single-process run's by construction, not by an argument about interleaved shards);
+metrics and the summary need no merging; a decode server registers in one place; and the number of
+decode servers need not be a multiple of the learner processes. The cost is that process 0 sends every
+batch to every process (a few MB per version here; a row-wise scatter is the refinement if that
+ever shows in the profile).
+
+With one process the group is just the learner: every op runs locally and nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from asyncrl_jax.rl.batching import SequenceData
+from asyncrl_jax.transfer import shards, uuid_for
+from asyncrl_jax.transfer.remote import Source, WeightSender
+
+log = logging.getLogger(__name__)
+
+TRAIN, OFFER, SAVE, STOP = 1, 2, 3, 4
+_OPS = {TRAIN: "train", OFFER: "offer", SAVE: "save", STOP: "stop"}
+_ADDRESS_BYTES = 256
+
+
+def pack_sequences(sequences: Sequence[SequenceData]) -> dict:
+  """A batch as flat arrays (no pickling): lengths, int32 tokens/versions, float32 per-token fields."""
+  weighted = any(s.loss_weight is not None for s in sequences)
+  cat = lambda f: np.concatenate([np.asarray(f(s)) for s in sequences]) if sequences else np.zeros(0)
+  floats = [cat(lambda s: s.mask), cat(lambda s: s.behav_logp), cat(lambda s: s.advantages)]
+  if weighted:
+    floats.append(cat(lambda s: s.loss_weight if s.loss_weight is not None else np.ones(len(s.tokens))))
+  return {"lengths": np.asarray([len(s.tokens) for s in sequences], np.int32),
+          "tokens": cat(lambda s: s.tokens).astype(np.int32),
+          "versions": cat(lambda s: s.versions).astype(np.int32),
+          "floats": np.stack(floats).astype(np.float32)}
+
+
+def unpack_sequences(arrays: dict) -> list[SequenceData]:
+  bounds = np.cumsum(np.r_[0, np.asarray(arrays["lengths"])])
+  floats = np.asarray(arrays["floats"])
+  out = []
+  for a, b in zip(bounds[:-1], bounds[1:]):
+    out.append(SequenceData(tokens=np.asarray(arrays["tokens"][a:b]), mask=floats[0, a:b],
+                            behav_logp=floats[1, a:b], advantages=floats[2, a:b],
+                            versions=np.asarray(arrays["versions"][a:b]),
+                            loss_weight=floats[3, a:b] if len(floats) > 3 else None))
+  return out
+
+
+def _encode(text: str) -> np.ndarray:
+  raw = text.encode()
+  if len(raw) > _ADDRESS_BYTES:
+    raise ValueError(f"address {text!r} is longer than {_ADDRESS_BYTES} bytes")
+  return np.frombuffer(raw.ljust(_ADDRESS_BYTES, b"\0"), np.uint8)
+
+
+class LearnerGroup:
+  """The learner (this process's part of it), and the ops every learner process runs together.
+
+  ``transfer_host``: where this process's weight sender listens (None: no remote decode servers, so
+  no sender).
+  """
+
+  def __init__(self, learner, checkpointer, *, transfer_host: Optional[str] = None):
+    self.learner = learner
+    self.ckpt = checkpointer
+    self.processes = jax.process_count()
+    self.is_leader = jax.process_index() == 0
+    leaves = jax.tree.leaves(learner.params)
+    self.planned = shards.plan(leaves, [x.sharding for x in leaves])
+    self.blocks = shards.blocks_by_process(self.planned)
+    self.sender = self.addresses = None
+    if transfer_host is not None:
+      self.sender = WeightSender(f"{transfer_host}:0")
+      self.addresses = self._gather_addresses(self.sender.address)
+    self.offered_bytes = 0  # by this process, per receiver and version, summed
+
+  def _gather_addresses(self, mine: str) -> list[str]:
+    if self.processes == 1:
+      return [mine]
+    rows = np.asarray(multihost_utils.process_allgather(_encode(mine)))
+    return [bytes(r).rstrip(b"\0").decode() for r in rows]
+
+  def sources(self, version: int, receiver: int) -> list[Source]:
+    """Where receiver ``receiver`` pulls ``version`` from: one source per learner process that offers
+    blocks."""
+    return [Source(self.addresses[p], uuid_for(version, receiver), tuple(b))
+            for p, b in sorted(self.blocks.items())]
+
+  # ------------------------------------------------------------------ ops (process 0 calls these)
+
+  def _broadcast(self, op: int, version: int, payload: Optional[dict] = None) -> None:
+    if self.processes == 1:
+      return
+    header = np.asarray([op, version] + ([len(payload["lengths"]), len(payload["tokens"]),
+                                          len(payload["floats"])] if op == TRAIN else
+                                         [len(payload["data"]), 0, 0] if payload else [0, 0, 0]),
+                        np.int32)
+    multihost_utils.broadcast_one_to_all(header)
+    if payload:
+      multihost_utils.broadcast_one_to_all(payload)
+
+  def train(self, sequences: Sequence[SequenceData], *, version: int) -> dict:
+    self._broadcast(TRAIN, version, pack_sequences(sequences))
+    return self.learner.train(sequences, version=version)
+
+  def offer(self, version: int, receivers: Sequence[int]) -> None:
+    """Every learner process offers its blocks of the current weights to each receiver; returns once
+    all have (so that a receiver told of the version finds every source ready)."""
+    self._broadcast(OFFER, version, {"data": np.asarray(receivers, np.int32)} if receivers else None)
+    self._offer(version, receivers)
+
+  def save(self, meta: dict) -> None:
+    """Every process saves its part of the state at the learner's version; ``meta`` goes in the
+    checkpoint once (Orbax writes JSON from process 0 only, but every process passes the same)."""
+    data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    self._broadcast(SAVE, self.learner.version, {"data": data})
+    self.ckpt.save(self.learner.version, params=self.learner.params, opt_state=self.learner.opt_state,
+                   meta=meta)
+
+  def stop(self) -> None:
+    self._broadcast(STOP, self.learner.version)
+
+  # ------------------------------------------------------------------ both sides
+
+  def _offer(self, version: int, receivers: Sequence[int]) -> None:
+    if receivers:
+      nbytes, _ = self.sender.offer(self.learner.params, self.planned,
+                                    *[uuid_for(version, r) for r in receivers])
+      self.offered_bytes += nbytes * len(receivers)
+    if self.processes > 1:
+      multihost_utils.sync_global_devices(f"offered v{version}")
+
+  def follow(self) -> None:
+    """Processes other than 0: run the ops process 0 broadcasts, until it stops."""
+    while True:
+      op, version, a, b, c = (int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(5, np.int32)))
+      log.info("op %s at version %d", _OPS.get(op, op), version)
+      if op == TRAIN:
+        like = {"lengths": np.zeros(a, np.int32), "tokens": np.zeros(b, np.int32),
+                "versions": np.zeros(b, np.int32), "floats": np.zeros((c, b), np.float32)}
+        self.learner.train(unpack_sequences(multihost_utils.broadcast_one_to_all(like)), version=version)
+      elif op == OFFER:
+        receivers = (np.asarray(multihost_utils.broadcast_one_to_all({"data": np.zeros(a, np.int32)})["data"])
+                     if a else [])
+        self._offer(version, [int(r) for r in receivers])
+      elif op == SAVE:
+        data = multihost_utils.broadcast_one_to_all({"data": np.zeros(a, np.uint8)})["data"]
+        self.learner.check_version(version, "the checkpoint")
+        self.ckpt.save(version, params=self.learner.params, opt_state=self.learner.opt_state,
+                       meta=json.loads(bytes(np.asarray(data)).decode()))
+      elif op == STOP:
+        return
+      else:
+        raise RuntimeError(f"learner process {jax.process_index()}: unknown op {op} from process 0")
