@@ -104,38 +104,55 @@ def run_split_arm(py: str, flags: list, workdir: str, log_prefix: str, cores: tu
   (requests, trajectories) and ``jax.experimental.transfer`` (weights) on 127.0.0.1. The topology of
   separate rollout and learner slices, on one machine."""
   os.makedirs(workdir, exist_ok=True)
-  port_file = os.path.join(workdir, "decode-port")
-  if os.path.exists(port_file):
-    os.remove(port_file)
+  registry_file = os.path.join(workdir, "registry_address")
+  if os.path.exists(registry_file):
+    os.remove(registry_file)
   flags_env = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                        if not f.startswith("--xla_force_host_platform_device_count"))
   env = dict(os.environ, XLA_FLAGS=f"{flags_env} --xla_force_host_platform_device_count=1".strip(),
              ASYNCRL_CPU_DEVICES="1")
-  with open(f"{log_prefix}.decode.log", "w") as log:
-    server = subprocess.Popen([py, "-m", "asyncrl_jax.rollout.main", f"--config={CONFIG}",
-                              f"--port_file={port_file}", *flags], cwd=ROOT, env=env, stdout=log,
-                             stderr=subprocess.STDOUT, preexec_fn=_pin(cores[0]))
+  # the learner first: the decode server registers with it (as launch/local.sh starts them)
+  with open(f"{log_prefix}.log", "w") as log:
+    learner = subprocess.Popen([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={workdir}",
+                                "--config.rollout.servers=1", *flags], cwd=ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, preexec_fn=_pin(cores[1]))
+  server = None
   try:
-    deadline = time.time() + 300
-    while not os.path.exists(port_file):
-      if server.poll() is not None or time.time() > deadline:
-        with open(f"{log_prefix}.decode.log") as f:
-          tail = f.read()[-3000:]
-        raise RuntimeError(f"the decode server did not start (exit code {server.poll()}); log "
-                           f"{log_prefix}.decode.log:\n{tail}")
+    deadline = time.time() + 900
+    while not os.path.exists(registry_file):
+      if learner.poll() is not None or time.time() > deadline:
+        raise RuntimeError(f"the learner's registry did not come up (exit code {learner.poll()}); log "
+                           f"{log_prefix}.log:\n{_tail(f'{log_prefix}.log')}")
       time.sleep(0.2)
-    with open(port_file) as f:
-      port = int(f.read())
-    run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={workdir}",
-                f"--config.rollout.addresses=127.0.0.1:{port}", *flags], f"{log_prefix}.log", env=env,
-               preexec_fn=_pin(cores[1]))
+    with open(registry_file) as f:
+      registry = f.read().strip()
+    with open(f"{log_prefix}.decode.log", "w") as log:
+      server = subprocess.Popen([py, "-m", "asyncrl_jax.rollout.main", f"--config={CONFIG}",
+                                 f"--config.rollout.learner_address={registry}", *flags], cwd=ROOT,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pin(cores[0]))
+    while learner.poll() is None:
+      if server.poll() not in (None, 0):
+        raise RuntimeError(f"the decode server failed (exit code {server.poll()}); log "
+                           f"{log_prefix}.decode.log:\n{_tail(f'{log_prefix}.decode.log')}")
+      time.sleep(0.5)
+    if learner.returncode != 0:
+      raise RuntimeError(f"the learner failed (exit code {learner.returncode}); log {log_prefix}.log:\n"
+                         f"{_tail(f'{log_prefix}.log')}")
   finally:
-    server.terminate()
-    try:
-      server.wait(30)
-    except subprocess.TimeoutExpired:
-      server.kill()
-      server.wait()
+    for proc in (server, learner):
+      if proc is None or proc.poll() is not None:
+        continue
+      proc.terminate()
+      try:
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _tail(path: str, n: int = 3000) -> str:
+  with open(path) as f:
+    return f.read()[-n:]
 
 
 def main(argv=None) -> int:

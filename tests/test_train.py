@@ -147,25 +147,55 @@ def test_train_rejects_bad_config(tmp_path):
   assert "rl.eps_clip=0" in out.stderr
 
 
-def test_multi_process_topology_over_grpc_and_transfer(tmp_path):
+TWIN = [f for f in TINY if not f.startswith(("--config.learner.warm_start_steps",
+                                               "--config.learner.eval_every"))] + [
+    "--config.learner.warm_start_steps=0", "--config.learner.eval_every=0",
+    "--config.rollout.warm_up=False", "--config.rl.max_staleness=1"]
+
+
+def _twin(workdir, learners: int, servers: int, steps: int):
   env = dict(_env(), PYTHON=sys.executable)
-  out = subprocess.run(["bash", f"{ROOT}/launch/local.sh", str(tmp_path), "2", "--config.steps=3",
-                        "--config.rl.max_staleness=1", *TINY],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+  out = subprocess.run(["bash", f"{ROOT}/launch/local.sh", str(workdir), "--learners", str(learners),
+                        "--servers", str(servers), f"--config.steps={steps}", *TWIN],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  assert "decode servers: 127.0.0.1:" in out.stdout
-  summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["steps"] == 3 and summary["trained_tokens"] > 0
-  assert len(summary["devices"]["rollout"]) == 2  # two decode-server addresses
+  summary = json.loads((workdir / "summary.json").read_text())
+  metrics = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  prompts = [json.loads(l)["prompts"] for l in (workdir / "trained_prompts.jsonl").read_text().splitlines()]
+  return out, summary, metrics, prompts
+
+
+def _model_bytes() -> int:
+  """Bytes of the default config's parameters (``TWIN`` changes no model setting)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from configs.default import get_config  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  assert not any(f.startswith("--config.model.") for f in TWIN)
+  leaves = jax.tree.leaves(models.abstract_params(models.config_of(get_config())))
+  return sum(x.size * x.dtype.itemsize for x in leaves)
+
+
+def test_the_pods_twin_trains_with_two_learner_processes_and_two_decode_servers(tmp_path):
+  """launch/local.sh with P=2 learner processes (fsdp across them) and K=2 decode servers: 10
+  versions, weights sent shard to shard and balanced over the learner processes, the staleness bound
+  held, and the same prompts trained per version as with one learner process and one server."""
+  out, summary, metrics, prompts = _twin(tmp_path / "twin", 2, 2, steps=10)
+  assert "2 learner process(es)" in out.stdout and "2 decode server(s) registering at 127.0.0.1:" in out.stdout
+  assert summary["steps"] == 10 and summary["trained_tokens"] > 0
+  assert summary["learner_processes"] == 2 and summary["decode_servers"] == 2
+  assert summary["devices"]["learner"] == {"data": 1, "fsdp": 2, "tensor": 1}
+  sent = summary["transfer_bytes_sent"]
+  assert len(sent) == 2 and max(sent) / min(sent) <= 1.25
+  # every server pulled every version (0..10) once: K x model bytes per version, no more
+  assert sum(sent) == 2 * 11 * _model_bytes()
   assert summary["max_staleness_seen"] <= 1
-  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert all(m["transfer_seconds"] > 0 for m in metrics)
-  # the decode servers' counters come over gRPC, summed over both servers
+  assert [m["version"] for m in metrics] == list(range(1, 11))
+  assert all(m["publish_blocked_seconds"] > 0 and m["transfer_seconds"] >= 0 for m in metrics)
   assert all(m["decode_servers"] == 2 for m in metrics)
-  last = metrics[-1]
-  assert 0 < last["decode_tokens"] <= last["decode_slot_steps"]
-  assert 0 < summary["decode_slot_utilization"] <= 1
-  assert all((tmp_path / "servers" / f"port-{i}").exists() for i in range(2))
+  assert 0 < metrics[-1]["decode_tokens"] <= metrics[-1]["decode_slot_steps"]
+  _, one, _, one_prompts = _twin(tmp_path / "one", 1, 1, steps=3)
+  assert one["learner_processes"] == 1 and one["decode_servers"] == 1
+  assert one_prompts == prompts[:3]
 
 
 def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):

@@ -77,6 +77,14 @@ class LocalRollout:
     self.server.stop()
 
 
+def eligible(server_versions: Sequence[Optional[int]], published: Optional[int]) -> list[int]:
+  """The servers that get new work: those at most one version behind the newest published (None: a
+  server that holds no weights yet). All of them when none is, so work is never held back for good."""
+  ok = [i for i, v in enumerate(server_versions)
+        if v is not None and published is not None and v >= published - 1]
+  return ok or list(range(len(server_versions)))
+
+
 class RemoteRollout:
   """Decode servers in other processes (registered with the learner), reached over the rollout gRPC
   service.
@@ -118,11 +126,8 @@ class RemoteRollout:
     return len(self.clients)
 
   def _eligible(self) -> list[int]:
-    """Servers at most one version behind the newest published (all of them if none is)."""
     with self._lock:
-      ok = [i for i, v in enumerate(self.server_versions)
-            if v is not None and self.published is not None and v >= self.published - 1]
-    return ok or list(range(len(self.clients)))
+      return eligible(self.server_versions, self.published)
 
   @property
   def version(self) -> Optional[int]:

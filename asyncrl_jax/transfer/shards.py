@@ -131,11 +131,16 @@ def landing_device(block: Block, shape: Sequence[int], target: jax.sharding.Shar
 
 def assemble(pieces: Sequence[tuple[Index, jax.Array]], shape: Sequence[int],
              target: jax.sharding.Sharding) -> jax.Array:
-  """One leaf on ``target`` (addressable here) from blocks that together cover it exactly once."""
+  """One leaf on ``target`` (addressable here) from blocks that together cover it exactly once.
+  Each distinct target shard is built once, on its first device, and copied to its replicas."""
   shape = tuple(shape)
+  built: dict[Index, jax.Array] = {}
   per_device = []
   for device, index in target.addressable_devices_indices_map(shape).items():
     want = normalize(index, shape)
+    if want in built:
+      per_device.append(jax.device_put(built[want], device))
+      continue
     parts = []
     for have, x in pieces:
       overlap = _intersect(want, have)
@@ -148,5 +153,6 @@ def assemble(pieces: Sequence[tuple[Index, jax.Array]], shape: Sequence[int],
     if covered != math.prod(hi - lo for lo, hi in want):
       raise ValueError(f"the pulled blocks cover {covered} of the {math.prod(hi - lo for lo, hi in want)} "
                        f"elements of shard {want} of an array of shape {shape}")
-    per_device.append(_tile(parts))
+    built[want] = _tile(parts)
+    per_device.append(built[want])
   return jax.make_array_from_single_device_arrays(shape, target, per_device)

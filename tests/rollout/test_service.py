@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import types
 import subprocess
 import sys
 import time
@@ -14,9 +15,10 @@ from tests.helpers import sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol
-from asyncrl_jax.rollout.backends import RemoteRollout
+from asyncrl_jax.rollout.backends import RemoteRollout, eligible
 from asyncrl_jax.rollout.service import RolloutClient, RolloutService, serve
-from asyncrl_jax.transfer import WeightSender, uuid_for
+from asyncrl_jax.transfer import shards, uuid_for
+from asyncrl_jax.transfer.remote import Source, WeightSender
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -84,7 +86,7 @@ def test_remote_backend_sums_the_decode_servers_counters(local_service):
   (t,) = list(client.stream(max_trajectories=1, timeout=120))
   health = client.health()
   # the same server twice: every counter is counted twice
-  backend = RemoteRollout([client.address, client.address])
+  backend = RemoteRollout([client.address, client.address], types.SimpleNamespace(processes=1))
   try:
     stats = backend.decode_stats()
   finally:
@@ -140,9 +142,13 @@ def test_decode_server_process_pulls_weights_from_another_process(tmp_path):
     # Sharded on a learner mesh, and not the server's seed-11 init.
     new_params = sharp_params(model, 12345, scale=4.0, mesh=learner_mesh)
     sender = WeightSender("127.0.0.1:0")
-    sender.offer(new_params, uuid_for(1, 0))
-    reply = client.update_weights(version=1, address=sender.address, uuid=uuid_for(1, 0), timeout=120)
-    assert reply.version == 1 and reply.bytes == sum(x.nbytes for x in jax.tree.leaves(new_params))
+    leaves = jax.tree.leaves(new_params)
+    planned = shards.plan(leaves, [x.sharding for x in leaves])
+    sender.offer(new_params, planned, uuid_for(1, 0))
+    source = Source(sender.address, uuid_for(1, 0), tuple(b for b, _ in planned))
+    reply = client.update_weights(1, [source], timeout=120)
+    assert reply.version == 1 and reply.bytes == sum(x.nbytes for x in leaves)
+    assert list(reply.source_bytes) == [reply.bytes]
     prompt = [1, 5, 13, 7, 14]
     request = RolloutRequest(prompt_tokens=prompt, max_new_tokens=12)
     client.submit([request])
@@ -153,3 +159,10 @@ def test_decode_server_process_pulls_weights_from_another_process(tmp_path):
   finally:
     proc.terminate()
     proc.wait(30)
+
+
+def test_only_servers_at_most_one_version_behind_get_work():
+  assert eligible([3, 2, 1], published=3) == [0, 1]
+  assert eligible([3, None, 3], published=3) == [0, 2]  # no weights yet: no work
+  assert eligible([1, 1], published=3) == [0, 1]  # every server behind: none is held back for good
+  assert eligible([None, None], published=None) == [0, 1]

@@ -1,0 +1,63 @@
+"""Decode-server registration with the learner: accepted, replaced on re-registration, and refused
+with every differing field named."""
+
+import dataclasses
+import threading
+
+import pytest
+
+from asyncrl_jax import models
+from asyncrl_jax.rollout import registry
+
+CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, max_seq_len=64)
+
+
+@pytest.fixture
+def learner():
+  reg = registry.Registry(CFG, "builtin-arithmetic-v1")
+  server, port = reg.serve("127.0.0.1", 0)
+  yield reg, f"127.0.0.1:{port}"
+  server.stop(grace=0)
+
+
+def _register(address, server_id="decode-0", at="127.0.0.1:5001", model=CFG, tokenizer="builtin-arithmetic-v1"):
+  return registry.register(address, server_id=server_id, address=at, model_config=model,
+                           tokenizer_id=tokenizer, devices=2, mesh={"tensor": 2}, timeout=30)
+
+
+def test_servers_register_and_a_restarted_one_replaces_its_entry(learner):
+  reg, address = learner
+  waiter = threading.Thread(target=lambda: reg.wait_for(2, timeout=30))
+  waiter.start()
+  assert _register(address) == 1
+  assert _register(address, "decode-1", "127.0.0.1:5002") == 2
+  waiter.join(30)
+  assert not waiter.is_alive()
+  assert _register(address, "decode-0", "127.0.0.1:6001") == 2  # restarted elsewhere: same id
+  got = {s.server_id: (s.address, s.devices, s.mesh) for s in reg.servers()}
+  assert got == {"decode-0": ("127.0.0.1:6001", 2, {"tensor": 2}), "decode-1": ("127.0.0.1:5002", 2, {"tensor": 2})}
+
+
+def test_a_model_or_tokenizer_mismatch_is_refused_naming_both_values(learner):
+  reg, address = learner
+  with pytest.raises(registry.RegistrationRefused,
+                     match=r"num_layers=3 \(server\) vs 2 \(learner\); vocab_size=18 \(server\) vs 17"):
+    _register(address, model=dataclasses.replace(CFG, num_layers=3, vocab_size=18))
+  with pytest.raises(registry.RegistrationRefused,
+                     match=r"tokenizer 'hf:other:ab12' \(server\) vs 'builtin-arithmetic-v1' \(learner\)"):
+    _register(address, tokenizer="hf:other:ab12")
+  assert reg.servers() == []
+
+
+def test_waiting_for_servers_that_never_come_names_who_did(learner):
+  reg, address = learner
+  _register(address)
+  with pytest.raises(TimeoutError, match=r"1 of 2 decode servers registered within 1s \(decode-0 at 127.0.0.1:5001\)"):
+    reg.wait_for(2, timeout=1)
+
+
+def test_no_learner_at_the_address_times_out_clearly():
+  with pytest.raises(TimeoutError, match="no learner registry at 127.0.0.1:9 within 1s"):
+    registry.register("127.0.0.1:9", server_id="d", address="a:1", model_config=CFG, tokenizer_id="t",
+                      devices=1, timeout=1)
