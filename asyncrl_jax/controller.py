@@ -59,6 +59,7 @@ class TrainingBatch:
   trajectories: list
   rewards: np.ndarray
   prompt_indices: list
+  prompt_digests: list  # Prompt.digest of each group's question, in the order of prompt_indices
   max_staleness_seen: int
   mean_staleness: float
   failed: int
@@ -249,7 +250,8 @@ class Controller:
     max_seen = max(staleness, default=0)
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
                          rewards=rewards,
-                         prompt_indices=[g.prompt.index for g in groups], max_staleness_seen=max_seen,
+                         prompt_indices=[g.prompt.index for g in groups],
+                         prompt_digests=[g.prompt.digest for g in groups], max_staleness_seen=max_seen,
                          mean_staleness=float(np.mean(staleness)) if staleness else 0.0, failed=failed)
 
   def close(self) -> None:

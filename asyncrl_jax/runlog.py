@@ -162,6 +162,7 @@ class RunLog:
     _append_jsonl(self.metrics_path, record)
     self.history.append(record)
     _append_jsonl(self.prompts_path, {"version": batch.version, "prompts": batch.prompt_indices,
+                                      "digests": batch.prompt_digests,
                                       "completion_lengths": [len(t.completion_tokens)
                                                              for t in batch.trajectories]})
     for k, v in record.items():

@@ -65,7 +65,9 @@ class _Data:
     builder = builder_lib.from_config(config, workdir)
     return cls(builder, load_tokenizer(config.data.tokenizer_path), reward_fn(config.data.task),
                pipeline.read_split(builder, builder_lib.held_out_split(builder), config.data.eval_problems),
-               pipeline.PromptStream(builder.as_data_source(split="train"), seed=config.seed))
+               # the one controller reads every prompt, however many learner processes there are
+               pipeline.PromptStream(builder.as_data_source(split="train"), seed=config.seed,
+                                     shard_index=0, shard_count=1))
 
 
 class _Evaluation:

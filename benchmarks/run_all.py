@@ -37,6 +37,8 @@ BENCHMARKS = {
     "engine_throughput": ("engine_throughput.py", ["--quick"], [], "Goal: >= 0.9 of a fused decode loop."),
     "learner_throughput": ("learner_throughput.py", ["--quick"], [], "No seed figure."),
     "transfer": ("transfer.py", ["--quick"], [], "No seed figure."),
+    "twin": ("twin.py", ["--quick"], [], "No seed figure: the pod's twin (P learner processes, K decode "
+             "servers) on one machine."),
     "async_vs_sync": ("async_vs_sync.py", ["--quick"], [],
                       "Seed (AReaL, 1.5B): 2.77x effective throughput at eta 2 over eta 0."),
     "async_vs_sync_split": ("async_vs_sync.py", ["--quick", "--split-cores", "--name", "async_vs_sync_split"],

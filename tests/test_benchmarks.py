@@ -70,3 +70,19 @@ def test_gpu_script_runs_end_to_end_at_a_tiny_size(tmp_path):
   assert engine["engine_tok_s"] > 0 and learner["policy_tokens_per_s"] > 0
   planner = (tmp_path / "gpu_planner_demo.md").read_text()
   assert "a prediction, not a measurement" in planner and "colocated sync" in planner
+
+
+def test_twin_figures_hand_computed():
+  from benchmarks.twin import figures  # pylint: disable=import-outside-toplevel
+  rec = lambda t, tok, blocked, pull: dict(time=t, trained_tokens=tok, learner_seconds=0.5,
+                                           publish_blocked_seconds=blocked, transfer_seconds=pull)
+  run = {"metrics": [rec(20.0, 999, 9.0, 9.0),  # compilation: excluded
+                     rec(22.0, 100, 0.01, 0.02), rec(25.0, 300, 0.03, 0.04)],
+         "summary": dict(max_staleness_seen=1, learner_processes=2, decode_servers=2,
+                         transfer_bytes_sent=[10, 12]), "seconds": 40.0}
+  f = figures(run, skip=1)
+  assert f["tokens_per_s"] == pytest.approx(400 / 5.0)  # versions 2-3: 400 tokens in 25 - 20 s
+  assert f["seconds_per_version"] == pytest.approx(2.5)
+  assert f["publish_blocked_seconds"] == pytest.approx(0.02)
+  assert f["transfer_seconds"] == pytest.approx(0.03)
+  assert f["transfer_bytes_sent"] == [10, 12] and f["wall_seconds"] == 40.0

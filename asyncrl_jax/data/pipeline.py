@@ -8,6 +8,7 @@ the first untrained prompt starts: on resume nothing is skipped and nothing is r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Optional
 
 import grain
@@ -21,13 +22,19 @@ class Prompt:
   answer: str
   solution: str
 
+  @property
+  def digest(self) -> str:
+    """A short hash of the question: which problem this is, whatever its position in the stream."""
+    return hashlib.sha1(self.question.encode()).hexdigest()[:12]
+
 
 def _text(x) -> str:
   return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class PromptStream:
-  """Shuffled, repeated, per-process-sharded prompts with checkpointable position."""
+  """Shuffled, repeated prompts with checkpointable position, sharded over ``shard_count`` readers
+  (default: one per process; the main job's single controller reads them all, ``shard_count=1``)."""
 
   def __init__(self, data_source, *, seed: int, shard_index: Optional[int] = None,
                shard_count: Optional[int] = None):

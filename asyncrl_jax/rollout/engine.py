@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
+import zlib
 from typing import Any, Optional, Sequence
 
 import jax
@@ -429,11 +430,19 @@ class Engine(engine_api.Engine):
     return self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
 
 
-def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=None) -> "Engine":
+def server_seed(seed: int, server_id: str) -> int:
+  """The sampling seed of decode server ``server_id`` in a run seeded ``seed``: distinct per server, so
+  that a group's samples spread over several servers are independent draws, not copies of each other."""
+  return (seed * 1_000_003 + zlib.crc32(server_id.encode())) % 2**31
+
+
+def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=None,
+                       seed: Optional[int] = None) -> "Engine":
   """The engine an experiment config describes, on the rollout ``mesh`` (built by the caller, who owns
-  it) for ``model_config`` (``models.config_of(config)``)."""
+  it) for ``model_config`` (``models.config_of(config)``); ``seed``: its sampling seed (default
+  ``config.seed``; each decode-server process passes ``server_seed``)."""
   return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
                 sampling=SamplingSettings.from_config(config), tokenizer_path=config.data.tokenizer_path, params=params,
-                hf_path=config.model.hf_path, seed=config.seed)
+                hf_path=config.model.hf_path, seed=config.seed if seed is None else seed)

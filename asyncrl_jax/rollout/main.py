@@ -27,7 +27,7 @@ from absl import app, flags, logging
 
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rollout import registry
-from asyncrl_jax.rollout.engine import engine_from_config
+from asyncrl_jax.rollout.engine import engine_from_config, server_seed
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.service import RolloutService, serve
 from asyncrl_jax.transfer.remote import WeightReceiver
@@ -42,7 +42,9 @@ def main(argv=None) -> None:
     del args
     config = cli.validated(_CONFIG.value)
     mesh = sharding.make_mesh(jax.local_devices(), config.mesh.rollout.to_dict(), role="mesh.rollout")
-    engine = engine_from_config(config, mesh, models.config_of(config))
+    # each server its own sampling seed: a group's requests spread over servers must not repeat
+    engine = engine_from_config(config, mesh, models.config_of(config),
+                                seed=server_seed(config.seed, _SERVER_ID.value))
     # No weights until the learner pushes its current version (version -1 accepts any).
     server = DecodeServer(engine, None, version=-1, server_id=_SERVER_ID.value,
                           on_weight_update=config.rollout.on_weight_update,

@@ -166,3 +166,10 @@ def test_only_servers_at_most_one_version_behind_get_work():
   assert eligible([3, None, 3], published=3) == [0, 2]  # no weights yet: no work
   assert eligible([1, 1], published=3) == [0, 1]  # every server behind: none is held back for good
   assert eligible([None, None], published=None) == [0, 1]
+
+
+def test_each_decode_server_process_samples_with_its_own_seed():
+  from asyncrl_jax.rollout.engine import server_seed  # pylint: disable=import-outside-toplevel
+  seeds = {server_seed(0, f"decode-{i}") for i in range(64)}
+  assert len(seeds) == 64 and all(0 <= s < 2**31 for s in seeds)
+  assert server_seed(0, "decode-1") == server_seed(0, "decode-1") != server_seed(1, "decode-1")
