@@ -1,4 +1,4 @@
-"""Qwen2.5-1.5B-class reasoning RL on math data, on Cloud TPU (see launch/tpu.sh).
+"""Qwen2.5-1.5B-class reasoning RL on math data, on Cloud TPU (launch/tpu/, with launch/tpu/examples/qwen2_5_1_5b_v5p.env).
 
   python -m asyncrl_jax.train --config=configs/qwen2_5_1_5b.py --workdir=gs://BUCKET/run \
       --config.model.hf_path=/path/to/Qwen2.5-1.5B-Instruct --config.data.path=/path/to/tfds

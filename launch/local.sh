@@ -43,6 +43,7 @@ PY="${PYTHON:-.venv/bin/python}"
 mkdir -p "$WORKDIR/learners" "$WORKDIR/servers"
 rm -f "$WORKDIR/registry_address"
 pids=(); names=()
+# shellcheck disable=SC2329  # called by the EXIT trap
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   sleep 0.5

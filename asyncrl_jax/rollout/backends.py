@@ -99,10 +99,10 @@ class RemoteRollout:
   """
 
   def __init__(self, addresses: Sequence[str], group, *, push_timeout: float = 300.0,
-               connect_timeout: float = 120.0):
+               connect_timeout: float = 120.0, client: Callable[[str], RolloutClient] = RolloutClient):
     if not addresses:
       raise ValueError("RemoteRollout needs at least one decode server address")
-    self.clients = [RolloutClient(a) for a in addresses]
+    self.clients = [client(a) for a in addresses]
     for c in self.clients:
       c.wait_ready(connect_timeout)
     self.group = group
@@ -120,6 +120,7 @@ class RemoteRollout:
     self.transfer_seconds = 0.0  # the slowest server's pull of the newest version fully pulled
     self._pull_seconds: dict[int, list[float]] = {}
     self.error: Optional[BaseException] = None
+    self.registry_server = None  # the learner's registry (gRPC server), stopped with the backend
 
   @property
   def num_servers(self) -> int:
@@ -235,6 +236,8 @@ class RemoteRollout:
         log.warning("pull of weights v%d did not finish: %r", v, e)
     for c in self.clients:
       c.close()
+    if self.registry_server is not None:
+      self.registry_server.stop(grace=0)
     self._pool.shutdown(wait=False)
     for p in self._pushers:
       p.shutdown(wait=False)
