@@ -4,6 +4,8 @@ Commands:
   train    the main job: asynchronous RL (``python -m asyncrl_jax.train`` is the same)
   sft      supervised warm start, exported in Hugging Face format
   decode   a decode server as its own process (``python -m asyncrl_jax.rollout.main``)
+  export   the policy a run trained, as a Hugging Face or params-only Orbax checkpoint
+  eval     an exported policy on a JSONL/Parquet math set: greedy accuracy and pass@1
   serve    JetStream serving of an exported checkpoint
   info     print the validated config and model size
 """
@@ -11,7 +13,8 @@ Commands:
 import sys
 
 COMMANDS = {"train": "asyncrl_jax.train", "sft": "asyncrl_jax.sft", "decode": "asyncrl_jax.rollout.main",
-            "serve": "asyncrl_jax.serve", "info": "asyncrl_jax.info"}
+            "serve": "asyncrl_jax.serve", "info": "asyncrl_jax.info",
+            "export": "asyncrl_jax.export", "eval": "asyncrl_jax.eval_cli"}
 
 
 def main() -> None:

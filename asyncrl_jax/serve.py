@@ -2,7 +2,7 @@
 
 Runs JetStream's own orchestrator (``jetstream.core.orchestrator.Driver``, interleaved prefill and
 generate on one engine) and gRPC server (``jetstream.core.server_lib.JetStreamServer``) over our engine
-on an exported checkpoint (a Hugging Face directory written by ``asyncrl_jax.models.export_hf``), so
+on an exported checkpoint (Hugging Face or Orbax, written by ``asyncrl_jax.export``), so
 JetStream's standard ``Decode`` RPC and client tools work against the model.
 
 Notes on JetStream 0.2.2 behaviour (not ours to change):
@@ -24,12 +24,14 @@ import grpc
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import models, sharding
+from asyncrl_jax import sharding
+from asyncrl_jax.export import load_export
 from asyncrl_jax.jetstream_compat import orchestrator, server_lib
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.models.sampling import SamplingSettings
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face directory (config.json + safetensors).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export: Hugging Face (config.json + safetensors) "
+                                  "or Orbax (model_config.json + params/), see asyncrl_jax.export.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "Directory with tokenizer.json; '' = built-in "
                                  "(or the checkpoint directory if it holds a tokenizer.json).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
@@ -61,7 +63,7 @@ def start_server(engine: Engine, params, *, host: str = "127.0.0.1", port: int =
 
 def engine_for_checkpoint(path: str, *, tokenizer_path: str, slots: int, max_prefill_length: int,
                           max_target_length: int, temperature: float) -> tuple[Engine, object]:
-  config, params = models.load_hf(path, max_seq_len=max_target_length)
+  config, params = load_export(path, max_seq_len=max_target_length)  # HF or Orbax export
   mesh = sharding.make_mesh(jax.local_devices()[:1], dict(data=1, fsdp=1, tensor=1), role="serve")
   engine = Engine(config, mesh=mesh, num_slots=slots, max_prefill_length=max_prefill_length,
                   max_target_length=max_target_length,

@@ -1,5 +1,6 @@
 """JetStream's own gRPC client gets the same greedy tokens from ``serve`` as direct decoding."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -7,27 +8,31 @@ from tests.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.models.generate import greedy_generate
+from asyncrl_jax.export import ExportError, load_export, write_orbax
 from asyncrl_jax.serve import engine_for_checkpoint, start_server
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["hf", "orbax"])
+def served(tmp_path_factory, request):
   import grpc
   path = str(tmp_path_factory.mktemp("export"))
   params = sharp_params(CFG, 4)
   # EOS (id 2) gets a logit near 0 while the max over the other 16 random logits is positive, so greedy
   # decoding runs for a while instead of stopping at once.
   params["lm_head"] = params["lm_head"].at[:, 2].multiply(1e-3)
-  models.export_hf(CFG, params, path)
+  if request.param == "hf":
+    models.export_hf(CFG, params, path)
+  else:
+    write_orbax(CFG, jax.device_get(params), path)
   engine, engine_params = engine_for_checkpoint(path, tokenizer_path="", slots=4, max_prefill_length=16,
                                                 max_target_length=64, temperature=0.0)
   server, port = start_server(engine, engine_params)
   channel = grpc.insecure_channel(f"127.0.0.1:{port}")
   grpc.channel_ready_future(channel).result(timeout=60)
-  yield path, jetstream_pb2_grpc.OrchestratorStub(channel)
+  yield params, jetstream_pb2_grpc.OrchestratorStub(channel)
   channel.close()
   server.stop()
 
@@ -43,8 +48,8 @@ def _decode(stub, token_ids, max_tokens):
 
 
 def test_jetstream_decode_matches_direct_greedy(served):
-  path, stub = served
-  config, params = models.load_hf(path)
+  params, stub = served  # the weights before export: the reference does not read the export
+  config = CFG
   for prompt in ([5, 13, 7, 14], [3, 3, 13, 9, 13, 4, 14], [12]):
     got = _decode(stub, prompt, max_tokens=20)
     full = [1] + prompt  # JetStream prepends bos_id to token content
@@ -58,3 +63,8 @@ def test_jetstream_decode_matches_direct_greedy(served):
 def test_jetstream_health_check(served):
   _, stub = served
   assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+
+
+def test_a_directory_without_an_export_is_named(tmp_path):
+  with pytest.raises(ExportError, match="neither an Orbax export"):
+    load_export(str(tmp_path))

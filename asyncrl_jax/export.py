@@ -1,0 +1,139 @@
+"""Exporting the policy a run trained: ``python -m asyncrl_jax export --workdir=RUN --format=hf|orbax --out=DIR``.
+
+Reads the run's ``config.json`` (the model architecture) and one checkpoint step (``--step``, default
+the newest), restoring the policy parameters only (not the optimizer state), on this host's CPU.
+
+* ``hf``: ``model.safetensors`` + ``config.json`` (Hugging Face Qwen2/Llama layout, which
+  ``transformers`` loads) and, when the run's tokenizer is a ``tokenizer.json`` directory
+  (``data.tokenizer_path``), its tokenizer files. The built-in tokenizer has no such files; the export
+  says so.
+* ``orbax``: a params-only Orbax checkpoint in ``DIR/params`` (``orbax.checkpoint.StandardCheckpointer``
+  restores it without this project's code) and the model config in ``DIR/model_config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+FORMATS = ("hf", "orbax")
+
+
+class ExportError(ValueError):
+  """The run cannot be exported as asked (the message names the file, step or format)."""
+
+
+def run_config(workdir: str):
+  """The ``ConfigDict`` a run recorded in ``workdir/config.json``."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise ExportError(f"{path} not found: is {workdir!r} a run's workdir?")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def restore_params(workdir: str, step=None):
+  """``(model_config, params, step)``: the policy parameters of checkpoint ``step`` (default the
+  newest) as host arrays; the optimizer state is not read."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  config = run_config(workdir)
+  model_config = models.config_of(config)
+  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  mgr = ocp.CheckpointManager(directory, item_names=("state", "meta"))
+  steps = sorted(mgr.all_steps())
+  if not steps:
+    raise ExportError(f"no checkpoint in {directory}")
+  step = steps[-1] if step is None else step
+  if step not in steps:
+    raise ExportError(f"no checkpoint step {step} in {directory} (have {steps})")
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
+                          models.abstract_params(model_config))
+  item = {"params": abstract}  # the policy only: the optimizer state is never read
+  out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+  mgr.close()
+  return model_config, jax.device_get(out.state["params"]), step
+
+
+def export(workdir: str, out: str, *, fmt: str = "hf", step=None) -> dict:
+  """Writes the export; returns what was written (format, step, files)."""
+  if fmt not in FORMATS:
+    raise ExportError(f"format {fmt!r}: must be one of {FORMATS}")
+  if os.path.exists(out) and os.listdir(out):
+    raise ExportError(f"{out} is not empty; choose a new directory")
+  model_config, params, step = restore_params(workdir, step)
+  config = run_config(workdir)
+  if fmt == "hf":
+    from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+    tokenizer_dir = config.data.tokenizer_path or None
+    models.export_hf(model_config, params, out, tokenizer_dir=tokenizer_dir)
+    note = "" if tokenizer_dir else "the built-in tokenizer has no tokenizer files; none were written"
+  else:
+    write_orbax(model_config, params, out)
+    note = ""
+  return {"format": fmt, "step": step, "out": out, "files": sorted(os.listdir(out)), "note": note}
+
+
+def write_orbax(model_config, params, out: str) -> None:
+  """``out/params`` (a params-only Orbax checkpoint) and ``out/model_config.json``."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  os.makedirs(out, exist_ok=True)
+  ckpt = ocp.StandardCheckpointer()
+  ckpt.save(os.path.join(os.path.abspath(out), "params"), params)
+  ckpt.wait_until_finished()
+  with open(os.path.join(out, "model_config.json"), "w") as f:
+    json.dump(dataclasses.asdict(model_config), f, indent=2, default=str)
+
+
+def load_export(path: str, *, max_seq_len=None):
+  """``(model_config, params)`` of an export in either format (told apart by its files)."""
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  if os.path.exists(os.path.join(path, "model_config.json")) and os.path.isdir(os.path.join(path, "params")):
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+    with open(os.path.join(path, "model_config.json")) as f:
+      described = json.load(f)
+    if max_seq_len is not None:
+      described["max_seq_len"] = max_seq_len
+    params = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"))
+    return models.ModelConfig.from_mapping(described), params
+  if os.path.exists(os.path.join(path, "config.json")):
+    return models.load_hf(path, max_seq_len=max_seq_len)
+  raise ExportError(f"{path} holds neither an Orbax export (model_config.json + params/) nor a Hugging "
+                    "Face one (config.json + safetensors)")
+
+
+def main(argv=None) -> None:
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  # (defined here, not at import: serve imports load_export and has flags of its own)
+  workdir = flags.DEFINE_string("workdir", None, "The run's directory (holds config.json and checkpoints/).")
+  step = flags.DEFINE_integer("step", None, "Checkpoint step (policy version) to export; default the newest.")
+  fmt = flags.DEFINE_enum("format", "hf", list(FORMATS), "Export format.")
+  out = flags.DEFINE_string("out", None, "Output directory (created; must be empty if it exists).")
+
+  def _main(args):
+    if len(args) > 1:
+      raise app.UsageError(f"unexpected arguments: {args[1:]}")
+    if not workdir.value or not out.value:
+      print("error: --workdir and --out are required", file=sys.stderr)
+      sys.exit(2)
+    try:
+      result = export(workdir.value, out.value, fmt=fmt.value, step=step.value)
+    except ExportError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    print(f"exported policy version {result['step']} of {workdir.value} as {result['format']} to "
+          f"{result['out']}: {', '.join(result['files'])}")
+    if result["note"]:
+      print(f"note: {result['note']}")
+
+  app.run(_main, argv=argv)
+
+
+if __name__ == "__main__":
+  main()

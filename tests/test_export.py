@@ -1,0 +1,74 @@
+"""Exporting a run's policy: the HF export loads in transformers with our logits, the Orbax export
+restores with orbax alone to the run's exact parameters, and bad requests are named."""
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from asyncrl_jax import config as config_lib
+from asyncrl_jax import export, models, runlog, sharding
+from asyncrl_jax.checkpoint import Checkpointer
+from asyncrl_jax.learner import Learner
+from tests.helpers import sharp_params
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A run's workdir: its config.json and checkpoints of versions 2 and 3 (params differ)."""
+  workdir = tmp_path_factory.mktemp("run")
+  config = config_lib.base_config()
+  runlog.record_config(config, str(workdir / "config.json"))
+  model_config = models.config_of(config)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
+  saved = {}
+  for step, seed in ((2, 4), (3, 5)):
+    learner = Learner(model_config, sharp_params(model_config, seed, mesh=mesh), mesh, config, total_steps=10)
+    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, meta={"version": step})
+    saved[step] = jax.device_get(learner.params)
+  ckpt.close()
+  return workdir, model_config, saved
+
+
+def test_hf_export_loads_in_transformers_with_our_logits(run, tmp_path):
+  transformers = pytest.importorskip("transformers")
+  from tests.models.hf_fixtures import torch_logits  # pylint: disable=import-outside-toplevel
+  workdir, model_config, saved = run
+  result = export.export(str(workdir), str(tmp_path / "hf"), fmt="hf")
+  assert result["step"] == 3 and {"config.json", "model.safetensors"} <= set(result["files"])
+  assert "built-in tokenizer" in result["note"]
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+  tokens = np.random.default_rng(0).integers(0, model_config.vocab_size, size=(2, 11)).astype(np.int32)
+  ours = np.asarray(models.logits(model_config, saved[3], tokens))
+  assert np.abs(ours).max() > 1.0
+  np.testing.assert_allclose(torch_logits(reloaded, tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_orbax_export_restores_with_orbax_alone_to_the_exact_parameters(run, tmp_path):
+  workdir, model_config, saved = run
+  result = export.export(str(workdir), str(tmp_path / "ox"), fmt="orbax", step=2)
+  assert result["step"] == 2
+  restored = ocp.StandardCheckpointer().restore(str(tmp_path / "ox" / "params"))  # no target, no project code
+  want, got = jax.tree_util.tree_flatten_with_path(saved[2])[0], jax.tree_util.tree_flatten_with_path(restored)[0]
+  assert [k for k, _ in got] == [k for k, _ in want]
+  for (_, w), (_, g) in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  described = json.loads((tmp_path / "ox" / "model_config.json").read_text())
+  assert described["hidden_size"] == model_config.hidden_size and described["num_layers"] == model_config.num_layers
+
+
+def test_bad_export_requests_are_named(run, tmp_path):
+  workdir, _, _ = run
+  with pytest.raises(export.ExportError, match=r"no checkpoint step 7 .*have \[2, 3\]"):
+    export.export(str(workdir), str(tmp_path / "a"), step=7)
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "x").write_text("1")
+  with pytest.raises(export.ExportError, match="is not empty"):
+    export.export(str(workdir), str(tmp_path / "full"))
+  with pytest.raises(export.ExportError, match="config.json not found"):
+    export.export(str(tmp_path), str(tmp_path / "b"))
+  with pytest.raises(export.ExportError, match="format 'onnx'"):
+    export.export(str(workdir), str(tmp_path / "c"), fmt="onnx")
