@@ -131,10 +131,12 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> KVCa
 
 
 def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,
-                 mesh: Optional[Mesh] = None) -> tuple[jax.Array, KVCache]:
-  """Traceable cached forward: writes keys/values at ``positions_bt``; returns (logits [B,T,V], cache)."""
+                 mesh: Optional[Mesh] = None, *, logits_at_b=None) -> tuple[jax.Array, KVCache]:
+  """Traceable cached forward: writes keys/values at ``positions_bt``; returns (logits [B,T,V], cache),
+  or (logits [B,1,V] at ``logits_at_b`` only, cache) when a position per row is given (a prefill)."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh).apply({"params": params}, tokens_bt, positions_bt, None, cache)
+    return _module(config, mesh).apply({"params": params}, tokens_bt, positions_bt, None, cache,
+                                       logits_at_b)
 
 
 @functools.lru_cache(maxsize=None)

@@ -156,13 +156,19 @@ def cache_mask(positions_bt: jax.Array, cache_len: int) -> jax.Array:
 
 
 class Transformer(nn.Module):
-  """Returns float32 logits ``[B, T, V]`` (and the updated cache when one is given)."""
+  """Returns float32 logits ``[B, T, V]`` (and the updated cache when one is given).
+
+  ``logits_at_b`` (int ``[B]``): compute the logits at that one position of each row only, ``[B, 1,
+  V]``: a prefill needs the next-token logits after the prompt, not ``[B, T, V]`` (at a 150k
+  vocabulary that buffer dominates prefill memory).
+  """
 
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
 
   @nn.compact
-  def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None):
+  def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None,
+               logits_at_b: Optional[jax.Array] = None):
     cfg = self.cfg
     embed = _param(self, "embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                    ("vocab", "embed"), cfg)
@@ -179,6 +185,8 @@ class Transformer(nn.Module):
       x, layer_cache = Block(cfg, self.mesh, name=f"layer_{i}")(
           x, positions_bt, mask, None if cache is None else cache[i])
       new_cache.append(layer_cache)
+    if logits_at_b is not None:
+      x = jnp.take_along_axis(x, logits_at_b[:, None, None], axis=1)  # [B, 1, D]
     x = RMSNorm(cfg, name="final_norm")(x)
     if cfg.tie_embeddings:
       head = embed.T

@@ -358,8 +358,9 @@ class Engine(engine_api.Engine):
     p = tokens_1p.shape[1]
     cache = models.init_cache(self.config, 1, p)
     positions = jnp.arange(p, dtype=jnp.int32)[None]
-    logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache)
-    return Prefix(cache=cache, logits=logits[:, true_length - 1], length=jnp.int32(true_length))
+    logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache,
+                                        logits_at_b=jnp.full((1,), true_length - 1, jnp.int32))
+    return Prefix(cache=cache, logits=logits[:, 0], length=jnp.int32(true_length))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     def put(big, small):
@@ -409,8 +410,10 @@ class Engine(engine_api.Engine):
     n, p = tokens_np.shape
     cache = models.init_cache(self.config, n, p)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
-    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, cache)
-    last = jnp.take_along_axis(logits, (lengths_n - 1)[:, None, None], axis=1)[:, 0]
+    # next-token logits at each row's last prompt token only: [N, 1, V], not [N, P, V]
+    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, cache,
+                                        logits_at_b=jnp.maximum(lengths_n - 1, 0))
+    last = logits[:, 0]
     rows, cols = slots_n[:, None], jnp.arange(p)[None, :]
     # Cache entries beyond a row's length keep older contents; they are never read (see transformer).
     new_cache = jax.tree.map(lambda big, small: big.at[rows, cols].set(small.astype(big.dtype),
