@@ -83,14 +83,13 @@ class LearnerGroup:
     self.ckpt = checkpointer
     self.processes = jax.process_count()
     self.is_leader = jax.process_index() == 0
-    leaves = jax.tree.leaves(learner.params)
-    self.planned = shards.plan(leaves, [x.sharding for x in leaves])
-    self.blocks = shards.blocks_by_process(self.planned)
-    self.sender = self.addresses = None
-    if transfer_host is not None:
+    self.planned = self.blocks = self.sender = self.addresses = None
+    if transfer_host is not None:  # remote decode servers: plan the blocks once, start a sender
+      leaves = jax.tree.leaves(learner.params)
+      self.planned = shards.plan(leaves, [x.sharding for x in leaves])
+      self.blocks = shards.blocks_by_process(self.planned)
       self.sender = WeightSender(f"{transfer_host}:0")
       self.addresses = self._gather_addresses(self.sender.address)
-    self.offered_bytes = 0  # by this process, per receiver and version, summed
 
   def _gather_addresses(self, mine: str) -> list[str]:
     if self.processes == 1:
@@ -106,45 +105,47 @@ class LearnerGroup:
 
   # ------------------------------------------------------------------ ops (process 0 calls these)
 
-  def _broadcast(self, op: int, version: int, payload: Optional[dict] = None) -> None:
-    if self.processes == 1:
-      return
-    header = np.asarray([op, version] + ([len(payload["lengths"]), len(payload["tokens"]),
-                                          len(payload["floats"])] if op == TRAIN else
-                                         [len(payload["data"]), 0, 0] if payload else [0, 0, 0]),
-                        np.int32)
+  def _broadcast(self, op: int, version: int, payload: Optional[dict] = None, sizes=()) -> None:
+    """The op's header (op, version, up to 3 sizes the followers allocate by), then its payload."""
+    header = np.zeros(5, np.int32)
+    header[:2 + len(sizes)] = [op, version, *sizes]
     multihost_utils.broadcast_one_to_all(header)
     if payload:
       multihost_utils.broadcast_one_to_all(payload)
 
   def train(self, sequences: Sequence[SequenceData], *, version: int) -> dict:
-    self._broadcast(TRAIN, version, pack_sequences(sequences))
+    if self.processes > 1:  # (one process: no copy of the batch is made)
+      packed = pack_sequences(sequences)
+      self._broadcast(TRAIN, version, packed,
+                      (len(packed["lengths"]), len(packed["tokens"]), len(packed["floats"])))
     return self.learner.train(sequences, version=version)
 
   def offer(self, version: int, receivers: Sequence[int]) -> None:
     """Every learner process offers its blocks of the current weights to each receiver; returns once
     all have (so that a receiver told of the version finds every source ready)."""
-    self._broadcast(OFFER, version, {"data": np.asarray(receivers, np.int32)} if receivers else None)
+    if self.processes > 1:
+      self._broadcast(OFFER, version, {"data": np.asarray(receivers, np.int32)} if receivers else None,
+                      (len(receivers),))
     self._offer(version, receivers)
 
   def save(self, meta: dict) -> None:
     """Every process saves its part of the state at the learner's version; ``meta`` goes in the
     checkpoint once (Orbax writes JSON from process 0 only, but every process passes the same)."""
-    data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
-    self._broadcast(SAVE, self.learner.version, {"data": data})
+    if self.processes > 1:
+      data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+      self._broadcast(SAVE, self.learner.version, {"data": data}, (len(data),))
     self.ckpt.save(self.learner.version, params=self.learner.params, opt_state=self.learner.opt_state,
                    meta=meta)
 
   def stop(self) -> None:
-    self._broadcast(STOP, self.learner.version)
+    if self.processes > 1:
+      self._broadcast(STOP, self.learner.version)
 
   # ------------------------------------------------------------------ both sides
 
   def _offer(self, version: int, receivers: Sequence[int]) -> None:
     if receivers:
-      nbytes, _ = self.sender.offer(self.learner.params, self.planned,
-                                    *[uuid_for(version, r) for r in receivers])
-      self.offered_bytes += nbytes * len(receivers)
+      self.sender.offer(self.learner.params, self.planned, *[uuid_for(version, r) for r in receivers])
     if self.processes > 1:
       multihost_utils.sync_global_devices(f"offered v{version}")
 

@@ -153,8 +153,7 @@ class RemoteRollout:
                                 f"v{version}: {e!r}")
       raise
     with self._lock:
-      self.server_versions[i] = max(version, self.server_versions[i] if self.server_versions[i] is not None
-                                    else version)
+      self.server_versions[i] = version  # (notices to one server go in version order)
       for p, n in enumerate(reply.source_bytes):
         self.bytes_by_source[p] += n
       pulls = self._pull_seconds.setdefault(version, [])

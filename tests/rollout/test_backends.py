@@ -45,19 +45,22 @@ def _until(condition, timeout: float = 30.0) -> None:
 
 
 def _backend():
+  """Two fake servers, a fast one and a slow one, both holding version 0 (as after the main job's
+  first push)."""
   clients = {"fast": FakeClient("fast"), "slow": FakeClient("slow", slow=True)}
   offered = []
   group = types.SimpleNamespace(processes=1, offer=lambda v, receivers: offered.append(v),
                                 sources=lambda v, i: [])
-  return RemoteRollout(["fast", "slow"], group, push_timeout=30, client=clients.__getitem__), clients, offered
+  backend = RemoteRollout(["fast", "slow"], group, push_timeout=30, client=clients.__getitem__)
+  clients["slow"].release(0)
+  backend.update_weights(None, 0)
+  backend.wait_for_pulls(0)
+  return backend, clients, offered
 
 
 def test_publishing_does_not_wait_for_a_slow_pull_but_holds_at_most_two_versions():
   backend, clients, offered = _backend()
   try:
-    clients["slow"].release(0)
-    backend.update_weights(None, 0)
-    backend.wait_for_pulls(0)
     assert backend.version == 0
     backend.update_weights(None, 1)  # returns although the slow server has not pulled v1
     backend.update_weights(None, 2)
@@ -79,9 +82,6 @@ def test_publishing_does_not_wait_for_a_slow_pull_but_holds_at_most_two_versions
 def test_a_server_more_than_one_version_behind_gets_no_work_and_admission_counts_with_the_oldest():
   backend, clients, _ = _backend()
   try:
-    clients["slow"].release(0)
-    backend.update_weights(None, 0)
-    backend.wait_for_pulls(0)
     backend.update_weights(None, 1)
     _until(lambda: clients["fast"].pulled == [0, 1])
     # one behind: still gets work; admission counts with the oldest server that gets work
