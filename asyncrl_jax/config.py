@@ -86,6 +86,9 @@ def base_config() -> ml_collections.ConfigDict:
       eval_every=10,  # policy versions between held-out evaluations (0: never, not even before RL)
       warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
       warm_start_batch=128, warm_start_lr=1e-3,
+      # memory, not maths: recompute each block in the backward pass; log-softmax over the vocabulary
+      # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits)
+      remat=False, vocab_chunk=0,
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
@@ -232,6 +235,9 @@ def _validate_learner(config) -> None:
   _number(config, "learner.warm_start_steps", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
+  _check(isinstance(config.learner.remat, bool), "learner.remat", config.learner.remat, "True or False")
+  _number(config, "learner.vocab_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
+          integer=True)
   if not config.model.hf_path:
     longest = config.data.max_prompt_len + config.data.max_completion_len
     _check(config.learner.token_budget >= longest, "learner.token_budget", config.learner.token_budget,

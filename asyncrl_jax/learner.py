@@ -96,7 +96,8 @@ class Learner:
 
   def _prox_impl(self, params, batch):
     return token_logprobs(self.model_config, params, batch.tokens, batch.positions, batch.segment_ids,
-                          temperature=self.settings.temperature, mesh=self.mesh)
+                          temperature=self.settings.temperature, mesh=self.mesh,
+                          vocab_chunk=self.settings.vocab_chunk)
 
   def check_version(self, version: int, what: str) -> None:
     if version != self.version:

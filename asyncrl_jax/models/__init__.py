@@ -2,8 +2,9 @@
 
 import jax
 
-from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_logits, count_params, decode,
-                                    init_cache, init_params, logits, param_shardings)
+from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_hidden, apply_logits,
+                                    count_params, decode, init_cache, init_params, logits,
+                                    param_shardings)
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf, load_hf,
                                    read_hf_config)
@@ -31,6 +32,7 @@ def from_config(config, mesh):
 
 __all__ = [
     "ModelConfig", "ModelConfigError", "CheckpointError", "KVCache", "abstract_params", "apply_decode",
-    "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params", "decode", "export_hf", "from_config",
+    "apply_hidden", "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params",
+    "decode", "export_hf", "from_config",
     "init_cache", "init_params", "load_hf", "logits", "param_shardings",
 ]

@@ -8,6 +8,12 @@ One module serves training and decoding:
   at ``positions_bt`` and attends to cache entries ``s <= position``. Prefill is a call with the prompt,
   each decode step a call with one token per row. Rows may sit at different positions (continuous
   batching), and entries beyond a row's position are never read, so stale cache contents are harmless.
+* prefill into slots: ``Transformer(tokens_bt, positions_bt, cache=cache, cache_rows_b=rows)`` prefills
+  rows that start at position 0 and writes their keys/values straight into cache rows ``rows`` (out of
+  range: dropped). Attention runs over the new tokens only, so no second cache of the batch is built.
+* training with ``remat=True`` keeps only each block's input for the backward pass and recomputes the
+  rest; ``hidden_only=True`` returns the final hidden states and the output projection instead of the
+  logits, for a log-softmax that never holds ``[B, T, V]`` (``rl.logprobs``).
 
 Parameters carry logical axis names (see ``asyncrl_jax.sharding``); outside this module they are a plain
 nested dict of arrays.
@@ -72,7 +78,7 @@ class Attention(nn.Module):
   mesh: Optional[jax.sharding.Mesh] = None
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_btts, cache=None):
+  def __call__(self, x_btd, positions_bt, mask_btts, cache=None, cache_rows_b=None):
     cfg = self.cfg
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     dt = _dtype(cfg.dtype)
@@ -96,11 +102,12 @@ class Attention(nn.Module):
     new_cache = None
     if cache is not None:
       cache_k, cache_v = cache
-      b_idx = jnp.arange(x.shape[0])[:, None]
-      cache_k = cache_k.at[b_idx, positions_bt].set(key.astype(cache_k.dtype))
-      cache_v = cache_v.at[b_idx, positions_bt].set(val.astype(cache_v.dtype))
+      rows = (jnp.arange(x.shape[0]) if cache_rows_b is None else cache_rows_b)[:, None]
+      cache_k = cache_k.at[rows, positions_bt].set(key.astype(cache_k.dtype), mode="drop")
+      cache_v = cache_v.at[rows, positions_bt].set(val.astype(cache_v.dtype), mode="drop")
       new_cache = (cache_k, cache_v)
-      key, val = cache_k.astype(dt), cache_v.astype(dt)
+      if cache_rows_b is None:  # decoding: attend to the whole cache; a slot prefill, to its own tokens
+        key, val = cache_k.astype(dt), cache_v.astype(dt)
 
     b, t = q.shape[:2]
     q = q.reshape(b, t, k, n // k, h)  # group query heads by the kv head they share
@@ -134,9 +141,9 @@ class Block(nn.Module):
   mesh: Optional[jax.sharding.Mesh] = None
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_btts, cache=None):
+  def __call__(self, x_btd, positions_bt, mask_btts, cache=None, cache_rows_b=None):
     attn, new_cache = Attention(self.cfg, self.mesh, name="attn")(
-        RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask_btts, cache)
+        RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask_btts, cache, cache_rows_b)
     x_btd = x_btd + attn
     x_btd = x_btd + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_btd))
     return x_btd, new_cache
@@ -160,30 +167,38 @@ class Transformer(nn.Module):
 
   ``logits_at_b`` (int ``[B]``): compute the logits at that one position of each row only, ``[B, 1,
   V]``: a prefill needs the next-token logits after the prompt, not ``[B, T, V]`` (at a 150k
-  vocabulary that buffer dominates prefill memory).
+  vocabulary that buffer dominates prefill memory). ``cache_rows_b`` (int ``[B]``, with a cache):
+  prefill from position 0 into those cache rows. ``hidden_only``: return ``(hidden [B, T, D], head
+  [D, V])`` instead of the logits (training only).
   """
 
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
+  remat: bool = False  # training: recompute each block in the backward pass
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None,
-               logits_at_b: Optional[jax.Array] = None):
+               logits_at_b: Optional[jax.Array] = None, cache_rows_b: Optional[jax.Array] = None,
+               hidden_only: bool = False):
     cfg = self.cfg
     embed = _param(self, "embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                    ("vocab", "embed"), cfg)
     x = jnp.take(embed, tokens_bt, axis=0).astype(_dtype(cfg.dtype))
     x = _constrain(x, ("activation_batch", "activation_length", "activation_embed"), self.mesh)
-    if cache is None:
+    if cache is None or cache_rows_b is not None:
       if segment_ids_bt is None:
         segment_ids_bt = jnp.ones_like(tokens_bt)
       mask = training_mask(segment_ids_bt)
     else:
       mask = cache_mask(positions_bt, cache[0][0].shape[1])
+    block = nn.remat(Block) if self.remat and cache is None else Block
     new_cache = []
     for i in range(cfg.num_layers):
-      x, layer_cache = Block(cfg, self.mesh, name=f"layer_{i}")(
-          x, positions_bt, mask, None if cache is None else cache[i])
+      if cache is None:
+        x, layer_cache = block(cfg, self.mesh, name=f"layer_{i}")(x, positions_bt, mask)
+      else:
+        x, layer_cache = block(cfg, self.mesh, name=f"layer_{i}")(x, positions_bt, mask, cache[i],
+                                                                  cache_rows_b)
       new_cache.append(layer_cache)
     if logits_at_b is not None:
       x = jnp.take_along_axis(x, logits_at_b[:, None, None], axis=1)  # [B, 1, D]
@@ -193,6 +208,8 @@ class Transformer(nn.Module):
     else:
       head = _param(self, "lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
                     ("embed", "vocab"), cfg)
+    if hidden_only:
+      return x, head
     logits = jnp.einsum("BTD,DV->BTV", x, head.astype(x.dtype)).astype(jnp.float32)
     if cache is None:
       return logits

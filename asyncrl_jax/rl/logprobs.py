@@ -7,6 +7,11 @@ gets 0: such positions must carry mask 0.
 ``temperature`` divides the logits first. Behaviour log-probs recorded from the sampling distribution
 (``rollout.logprob_source = "sampling"``) are only comparable with log-probs computed at the same
 temperature, so the prox pass and the loss use the rollout temperature.
+
+``vocab_chunk > 0`` computes the log-softmax a vocabulary chunk at a time (an online log-sum-exp, each
+chunk recomputed in the backward pass), so neither pass holds ``[B, T, V]`` logits: at Qwen's 151936
+vocabulary and an 8k-token micro-batch those are 5 GB in float32, each. ``remat`` recomputes each
+transformer block in the backward pass instead of keeping its activations.
 """
 
 from __future__ import annotations
@@ -29,35 +34,102 @@ def logprobs_from_logits(logits_btv, tokens_bt, segment_ids_bt, *, temperature: 
   targets = tokens_bt[:, 1:]
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  entropy = None
+  if with_entropy:
+    entropy = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+  return _aligned(picked - lse, entropy, segment_ids_bt, with_entropy)
+
+
+_MASKED = -1e30  # the padded columns of the last vocabulary chunk: finite, so 0 * logit is 0, not NaN
+
+
+def _chunked_head(head_dv, chunk: int):
+  """``[n, D, chunk]`` slices of the output projection, zero-padded to a whole number of chunks."""
+  d, v = head_dv.shape
+  n = -(-v // chunk)
+  if n * chunk != v:
+    head_dv = jnp.pad(head_dv, ((0, 0), (0, n * chunk - v)))
+  return head_dv.reshape(d, n, chunk).transpose(1, 0, 2)
+
+
+def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperature: float = 1.0):
+  """``(log p(targets), entropy)``, each ``[B, T]``, of ``softmax(hidden @ head / temperature)``,
+  one vocabulary chunk of ``chunk`` columns at a time.
+
+  Equal to the full log-softmax up to float rounding. The scan keeps a running max, sum of exps, sum
+  of exp-weighted logits (for the entropy) and the target's logit; each step is rematerialised, so the
+  backward pass holds one ``[B, T, chunk]`` block at a time.
+  """
+  v = head_dv.shape[1]
+  heads = _chunked_head(head_dv, chunk)
+
+  @jax.checkpoint
+  def step(carry, xs):
+    m, s, sl, picked = carry
+    head_dc, start = xs
+    logits = jnp.einsum("BTD,DC->BTC", hidden_btd, head_dc.astype(hidden_btd.dtype))
+    logits = logits.astype(jnp.float32) / temperature
+    cols = start + jnp.arange(chunk)
+    logits = jnp.where(cols < v, logits, _MASKED)
+    m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(logits, axis=-1)))  # any m is exact
+    scale = jnp.exp(m - m_new)
+    e = jnp.exp(logits - m_new[..., None])
+    s = s * scale + jnp.sum(e, axis=-1)
+    sl = sl * scale + jnp.sum(jnp.where(cols < v, e * logits, 0.0), axis=-1)
+    picked = picked + jnp.sum(jnp.where(cols == targets_bt[..., None], logits, 0.0), axis=-1)
+    return (m_new, s, sl, picked), None
+
+  zeros = jnp.zeros(targets_bt.shape, jnp.float32)
+  starts = jnp.arange(heads.shape[0], dtype=jnp.int32) * chunk
+  (m, s, sl, picked), _ = jax.lax.scan(step, (zeros + _MASKED, zeros, zeros, zeros), (heads, starts))
+  lse = m + jnp.log(s)
+  return picked - lse, lse - sl / s
+
+
+def _aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
+  """Shifts next-token values ``[B, T-1]`` (predicted at ``t - 1``) to ``[B, T]`` and zeroes every
+  position without context in its segment."""
   valid = (segment_ids_bt[:, 1:] == segment_ids_bt[:, :-1]) & (segment_ids_bt[:, 1:] > 0)
-  pad = jnp.zeros_like(lse[:, :1])
-  logp = jnp.concatenate([pad, jnp.where(valid, picked - lse, 0.0)], axis=1)
+  pad = jnp.zeros_like(logp_bt[:, :1])
+  logp = jnp.concatenate([pad, jnp.where(valid, logp_bt, 0.0)], axis=1)
   if not with_entropy:
     return logp
-  probs = jax.nn.softmax(logits, axis=-1)
-  entropy = lse - jnp.sum(probs * logits, axis=-1)
-  return logp, jnp.concatenate([pad, jnp.where(valid, entropy, 0.0)], axis=1)
+  return logp, jnp.concatenate([pad, jnp.where(valid, entropy_bt, 0.0)], axis=1)
 
 
 def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
-                   temperature: float = 1.0, mesh: Optional[Mesh] = None, with_entropy: bool = False):
-  """Traceable: forward + aligned log-probs (use inside a jitted loss)."""
-  logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh)
-  return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
-                              with_entropy=with_entropy)
+                   temperature: float = 1.0, mesh: Optional[Mesh] = None, with_entropy: bool = False,
+                   remat: bool = False, vocab_chunk: int = 0):
+  """Traceable: forward + aligned log-probs (use inside a jitted loss).
+
+  ``vocab_chunk``: columns per chunk of the log-softmax (0: the whole vocabulary at once, through
+  ``[B, T, V]`` logits). ``remat``: recompute each block's activations in the backward pass.
+  """
+  if not vocab_chunk:
+    logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
+                              remat=remat)
+    return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
+                                with_entropy=with_entropy)
+  hidden, head = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
+                                  remat=remat)
+  logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
+                                     temperature=temperature)
+  return _aligned(logp, entropy, segment_ids_bt, with_entropy)
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(config: ModelConfig, temperature: float, mesh: Optional[Mesh]):
-  return jax.jit(functools.partial(token_logprobs, config, temperature=temperature, mesh=mesh))
+def _jitted(config: ModelConfig, temperature: float, mesh: Optional[Mesh], vocab_chunk: int):
+  return jax.jit(functools.partial(token_logprobs, config, temperature=temperature, mesh=mesh,
+                                   vocab_chunk=vocab_chunk))
 
 
 def compute_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
-                     temperature: float = 1.0, mesh: Optional[Mesh] = None) -> jax.Array:
+                     temperature: float = 1.0, mesh: Optional[Mesh] = None,
+                     vocab_chunk: int = 0) -> jax.Array:
   """One jitted pass: per-token log-probs ``[B, T]`` of ``tokens_bt`` under ``params``.
 
   Used once per global batch for ``prox_logp`` (with the weights before the update) and for scoring.
   """
-  return _jitted(config, float(temperature), mesh)(
+  return _jitted(config, float(temperature), mesh, int(vocab_chunk))(
       params, jnp.asarray(tokens_bt, jnp.int32), jnp.asarray(positions_bt, jnp.int32),
       jnp.asarray(segment_ids_bt, jnp.int32))

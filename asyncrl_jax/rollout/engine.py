@@ -406,21 +406,19 @@ class Engine(engine_api.Engine):
 
   def _prefill_scatter(self, params, state: DecodeState, tokens_np, lengths_n, slots_n) -> DecodeState:
     """Prefills ``tokens_np`` [N, P] from position 0 and writes each row's cache, next-token logits and
-    position into slot ``slots_n[i]``; out-of-range slot ids (padding rows) are dropped."""
+    position into slot ``slots_n[i]``; out-of-range slot ids (padding rows) are dropped.
+
+    Keys and values go straight into the slots' rows of the (donated) decode cache: no second cache of
+    the N rows is built, and padding rows write nothing.
+    """
     n, p = tokens_np.shape
-    cache = models.init_cache(self.config, n, p)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
     # next-token logits at each row's last prompt token only: [N, 1, V], not [N, P, V]
-    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, cache,
-                                        logits_at_b=jnp.maximum(lengths_n - 1, 0))
-    last = logits[:, 0]
-    rows, cols = slots_n[:, None], jnp.arange(p)[None, :]
-    # Cache entries beyond a row's length keep older contents; they are never read (see transformer).
-    new_cache = jax.tree.map(lambda big, small: big.at[rows, cols].set(small.astype(big.dtype),
-                                                                        mode="drop"),
-                             state.cache, cache)
-    return state.replace(cache=new_cache,
-                         logits=state.logits.at[slots_n].set(last, mode="drop"),
+    # Cache entries beyond a row's length may hold padding's keys; they are never read (see transformer).
+    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, state.cache,
+                                        logits_at_b=jnp.maximum(lengths_n - 1, 0), cache_rows_b=slots_n)
+    return state.replace(cache=cache,
+                         logits=state.logits.at[slots_n].set(logits[:, 0], mode="drop"),
                          positions=state.positions.at[slots_n].set(lengths_n, mode="drop"))
 
   def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n):

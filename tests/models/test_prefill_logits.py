@@ -1,5 +1,8 @@
 """A prefill computes next-token logits at one position per row, equal to the full forward's there,
-and never materialises the ``[B, T, V]`` logits."""
+and never materialises the ``[B, T, V]`` logits; a prefill into decode slots writes straight into the
+slots' cache rows, equal to prefilling a fresh cache and copying it in, without that second cache."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,3 +44,54 @@ def test_the_prefill_never_holds_the_full_logits():
   used = lambda c: c.memory_analysis().temp_size_in_bytes + c.memory_analysis().output_size_in_bytes
   assert used(full) >= full_bytes  # the control: the full forward does hold them
   assert used(picked) < used(full) - 0.9 * full_bytes
+
+
+# Deep and narrow-vocabulary, so that a second cache of the prefilled rows dominates prefill memory.
+DEEP = models.ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_layers=8, num_heads=4,
+                          num_kv_heads=2, max_seq_len=128)
+
+
+def _old_style_slot_prefill(params, cache, tokens, slots, cfg=CFG):
+  """The reference: prefill into a fresh cache of the rows, then scatter those rows into the slots."""
+  n, p = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+  logits, small = models.apply_decode(cfg, params, tokens, positions, models.init_cache(cfg, n, p),
+                                      logits_at_b=jnp.full((n,), p - 1))
+  rows, cols = slots[:, None], jnp.arange(p)[None, :]
+  return logits, jax.tree.map(lambda big, s: big.at[rows, cols].set(s, mode="drop"), cache, small)
+
+
+def _slot_prefill(params, cache, tokens, slots, cfg=CFG):
+  n, p = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+  return models.apply_decode(cfg, params, tokens, positions, cache, logits_at_b=jnp.full((n,), p - 1),
+                             cache_rows_b=slots)
+
+
+def test_a_slot_prefill_writes_its_rows_of_the_cache_and_nothing_else():
+  params = sharp_params(CFG, 3)
+  rng = np.random.default_rng(1)
+  cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), models.init_cache(CFG, 6, 40))
+  tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 16)), jnp.int32)
+  slots = jnp.asarray([4, 1, 6], jnp.int32)  # slot 6 does not exist: a padding row, dropped
+  logits, got = _slot_prefill(params, cache, tokens, slots)
+  want_logits, want = _old_style_slot_prefill(params, cache, tokens, slots)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
+  for g, w, before in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(cache)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(g)[[0, 2, 3, 5]], np.asarray(before)[[0, 2, 3, 5]])
+    np.testing.assert_array_equal(np.asarray(g)[[1, 4], 16:], np.asarray(before)[[1, 4], 16:])
+    assert not np.array_equal(np.asarray(g)[[1, 4], :16], np.asarray(before)[[1, 4], :16])
+
+
+def test_a_slot_prefill_builds_no_second_cache():
+  params = sharp_params(DEEP, 3)
+  cache = jax.eval_shape(lambda: models.init_cache(DEEP, 16, 128))
+  tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+  slots = jax.ShapeDtypeStruct((8,), jnp.int32)
+  second = 8 * 64 * DEEP.num_kv_heads * DEEP.head_dim * 4 * 2 * DEEP.num_layers  # [N, P] keys+values, f32
+  compile_ = lambda f: jax.jit(functools.partial(f, cfg=DEEP), donate_argnums=(1,)).lower(
+      params, cache, tokens, slots).compile()
+  temp = lambda f: compile_(f).memory_analysis().temp_size_in_bytes
+  assert temp(_old_style_slot_prefill) >= second  # the control holds it
+  assert temp(_slot_prefill) < temp(_old_style_slot_prefill) - 0.9 * second
