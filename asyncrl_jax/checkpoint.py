@@ -1,20 +1,23 @@
 """Orbax checkpoints of the whole run: params, optimizer state, policy version, staleness counters,
 prompt-stream (grain) state. Saves are asynchronous and atomic (a save interrupted by SIGKILL leaves
-no half-written step behind); ``RunCheckpointer.restore_run`` resumes from the newest complete step."""
+no half-written step behind); ``RunCheckpointer.restore_run`` resumes from the newest complete step.
+The directory may be a bucket (``gs://bucket/run/checkpoints``), which every learner host writes."""
 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
 
+from asyncrl_jax import paths
+
 
 class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
+    paths.require_backend(directory)  # before Orbax fails on it with a less telling ImportError
+    self.directory = paths.absolute(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                            enable_async_checkpointing=async_save, create=True)
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))

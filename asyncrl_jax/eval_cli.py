@@ -5,15 +5,16 @@ math set in the AIME / MATH-500 layout: one problem per record, ``problem`` (or 
 ``answer``. Reports greedy accuracy and pass@1 over ``--samples`` sampled completions per problem
 (temperature / top-p / top-k as given), scored with ``math-verify`` (``--reward=math``) or the built-in
 task's exact answer (``--reward=arithmetic``), and writes them to ``--out`` as JSON when given.
+``DIR``, ``FILE`` and ``--out`` may be in a bucket (``gs://...``, through ``asyncrl_jax.paths``).
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import sys
 
-from asyncrl_jax import cli
+from asyncrl_jax import cli, paths
 
 cli.ensure_cpu_devices(1)
 
@@ -21,20 +22,19 @@ cli.ensure_cpu_devices(1)
 def read_problems(path: str, limit: int = 0) -> list[dict]:
   """``[{"question", "answer"}]`` from a JSONL or Parquet file; a record without a problem or an
   answer is an error naming its line (row)."""
-  if not os.path.exists(path):
+  if not paths.exists(path):
     raise ValueError(f"{path} not found")
   if path.endswith(".parquet"):
     import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-    records = pq.read_table(path).to_pylist()
+    records = pq.read_table(io.BytesIO(paths.read_bytes(path))).to_pylist()
   elif path.endswith((".jsonl", ".json")):
-    with open(path) as f:
-      records = []
-      for n, line in enumerate(f, start=1):
-        if line.strip():
-          try:
-            records.append(json.loads(line))
-          except ValueError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+    records = []
+    for n, line in enumerate(paths.read_text(path).split("\n"), start=1):
+      if line.strip():
+        try:
+          records.append(json.loads(line))
+        except ValueError as e:
+          raise ValueError(f"{path}:{n}: not JSON ({e})") from e
   else:
     raise ValueError(f"{path}: expected a .jsonl or .parquet file")
   out = []
@@ -55,16 +55,18 @@ def evaluate_export(checkpoint: str, problems: list[dict], *, tokenizer_path: st
   import jax  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import models, sharding  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.evaluation import Evaluator  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.export import load_export  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.export import load_export, local_export  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
-  if not tokenizer_path and os.path.exists(os.path.join(checkpoint, "tokenizer.json")):
-    tokenizer_path = checkpoint
-  model_config, params = load_export(checkpoint, max_seq_len=max_prompt_len + max_new_tokens)
+  with local_export(checkpoint) as checkpoint:
+    if not tokenizer_path and paths.exists(paths.join(checkpoint, "tokenizer.json")):
+      tokenizer_path = checkpoint
+    model_config, params = load_export(checkpoint, max_seq_len=max_prompt_len + max_new_tokens)
+    tokenizer = load_tokenizer(tokenizer_path)
   mesh = sharding.make_mesh(jax.local_devices(), {"data": -1, "fsdp": 1, "tensor": 1}, role="eval")
   params = jax.device_put(params, models.param_shardings(model_config, mesh))
-  evaluator = Evaluator(model_config, mesh, load_tokenizer(tokenizer_path), problems,
+  evaluator = Evaluator(model_config, mesh, tokenizer, problems,
                         max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens, samples=samples,
                         sampling=SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k),
                         seed=seed)
@@ -114,8 +116,7 @@ def main(argv=None) -> None:
       sys.exit(2)
     print(json.dumps(result, indent=2))
     if v["out"]:
-      with open(v["out"], "w") as out:
-        json.dump(result, out, indent=2)
+      paths.write_text(v["out"], json.dumps(result, indent=2))
 
   app.run(_main, argv=argv)
 

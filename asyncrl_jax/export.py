@@ -9,14 +9,21 @@ the newest), restoring the policy parameters only (not the optimizer state), on 
   says so.
 * ``orbax``: a params-only Orbax checkpoint in ``DIR/params`` (``orbax.checkpoint.StandardCheckpointer``
   restores it without this project's code) and the model config in ``DIR/model_config.json``.
+
+The run and ``DIR`` may be buckets (``gs://...``, through ``asyncrl_jax.paths``). A Hugging Face export
+is written locally and then copied up, and read back through a local copy (``local_export``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import os
 import sys
+import tempfile
+from typing import Iterator
+
+from asyncrl_jax import paths
 
 FORMATS = ("hf", "orbax")
 
@@ -28,11 +35,10 @@ class ExportError(ValueError):
 def run_config(workdir: str):
   """The ``ConfigDict`` a run recorded in ``workdir/config.json``."""
   import ml_collections  # pylint: disable=import-outside-toplevel
-  path = os.path.join(workdir, "config.json")
-  if not os.path.exists(path):
+  path = paths.join(workdir, "config.json")
+  if not paths.exists(path):
     raise ExportError(f"{path} not found: is {workdir!r} a run's workdir?")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  return ml_collections.ConfigDict(json.loads(paths.read_text(path)))
 
 
 def restore_params(workdir: str, step=None):
@@ -43,7 +49,7 @@ def restore_params(workdir: str, step=None):
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
   config = run_config(workdir)
   model_config = models.config_of(config)
-  directory = os.path.join(os.path.abspath(workdir), "checkpoints")
+  directory = paths.join(paths.absolute(workdir), "checkpoints")
   mgr = ocp.CheckpointManager(directory, item_names=("state", "meta"))
   steps = sorted(mgr.all_steps())
   if not steps:
@@ -65,45 +71,71 @@ def export(workdir: str, out: str, *, fmt: str = "hf", step=None) -> dict:
   """Writes the export; returns what was written (format, step, files)."""
   if fmt not in FORMATS:
     raise ExportError(f"format {fmt!r}: must be one of {FORMATS}")
-  if os.path.exists(out) and os.listdir(out):
+  if paths.exists(out) and paths.listdir(out):
     raise ExportError(f"{out} is not empty; choose a new directory")
   model_config, params, step = restore_params(workdir, step)
   config = run_config(workdir)
   if fmt == "hf":
-    from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
     tokenizer_dir = config.data.tokenizer_path or None
-    models.export_hf(model_config, params, out, tokenizer_dir=tokenizer_dir)
+    write_hf(model_config, params, out, tokenizer_dir=tokenizer_dir)
     note = "" if tokenizer_dir else "the built-in tokenizer has no tokenizer files; none were written"
   else:
     write_orbax(model_config, params, out)
     note = ""
-  return {"format": fmt, "step": step, "out": out, "files": sorted(os.listdir(out)), "note": note}
+  return {"format": fmt, "step": step, "out": out, "files": sorted(paths.listdir(out)), "note": note}
+
+
+def write_hf(model_config, params, out: str, *, tokenizer_dir=None) -> None:
+  """``models.export_hf`` into ``out``; a remote ``out`` gets a local export copied up
+  (``models.export_hf`` writes local files only)."""
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  if not paths.is_remote(out):
+    models.export_hf(model_config, params, out, tokenizer_dir=tokenizer_dir)
+    return
+  with tempfile.TemporaryDirectory(prefix="asyncrl_jax_export_") as tmp:
+    models.export_hf(model_config, params, tmp, tokenizer_dir=tokenizer_dir)
+    paths.copy_tree(tmp, out)
 
 
 def write_orbax(model_config, params, out: str) -> None:
   """``out/params`` (a params-only Orbax checkpoint) and ``out/model_config.json``."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  os.makedirs(out, exist_ok=True)
+  paths.makedirs(out)
   ckpt = ocp.StandardCheckpointer()
-  ckpt.save(os.path.join(os.path.abspath(out), "params"), params)
+  ckpt.save(paths.join(paths.absolute(out), "params"), params)
   ckpt.wait_until_finished()
-  with open(os.path.join(out, "model_config.json"), "w") as f:
-    json.dump(dataclasses.asdict(model_config), f, indent=2, default=str)
+  paths.write_text(paths.join(out, "model_config.json"),
+                   json.dumps(dataclasses.asdict(model_config), indent=2, default=str))
+
+
+def _is_orbax_export(path: str) -> bool:
+  return paths.exists(paths.join(path, "model_config.json")) and paths.isdir(paths.join(path, "params"))
+
+
+@contextlib.contextmanager
+def local_export(path: str) -> Iterator[str]:
+  """``path``, or for a remote Hugging Face export a temporary local copy of it (its readers,
+  ``models.load_hf`` and the tokenizer, read local files only); Orbax reads remote exports itself."""
+  if not paths.is_remote(path) or _is_orbax_export(path):
+    yield path
+    return
+  with paths.local_dir(path) as local:
+    yield local
 
 
 def load_export(path: str, *, max_seq_len=None):
   """``(model_config, params)`` of an export in either format (told apart by its files)."""
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
-  if os.path.exists(os.path.join(path, "model_config.json")) and os.path.isdir(os.path.join(path, "params")):
+  if _is_orbax_export(path):
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-    with open(os.path.join(path, "model_config.json")) as f:
-      described = json.load(f)
+    described = json.loads(paths.read_text(paths.join(path, "model_config.json")))
     if max_seq_len is not None:
       described["max_seq_len"] = max_seq_len
-    params = ocp.StandardCheckpointer().restore(os.path.join(os.path.abspath(path), "params"))
+    params = ocp.StandardCheckpointer().restore(paths.join(paths.absolute(path), "params"))
     return models.ModelConfig.from_mapping(described), params
-  if os.path.exists(os.path.join(path, "config.json")):
-    return models.load_hf(path, max_seq_len=max_seq_len)
+  if paths.exists(paths.join(path, "config.json")):
+    with local_export(path) as local:
+      return models.load_hf(local, max_seq_len=max_seq_len)
   raise ExportError(f"{path} holds neither an Orbax export (model_config.json + params/) nor a Hugging "
                     "Face one (config.json + safetensors)")
 

@@ -5,12 +5,16 @@
 history, the run's running totals, and at the end ``DIR/summary.json``, ``DIR/progress.png`` and the
 printed summary table. On resume it keeps the records up to the checkpoint resumed from (``resume``);
 on a fresh start it removes an earlier run's (``start_fresh``).
+
+``DIR`` may be a bucket (``gs://bucket/run``): every file goes through ``asyncrl_jax.paths``, where
+appending a record to an object rewrites it whole (``paths.append_text``), and TensorBoard's event file
+is kept in memory and uploaded whole on each of the writer's flushes (every two minutes, and at close).
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import sys
 import time
 from typing import Callable, Optional
@@ -18,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from asyncrl_jax import learner as learner_lib
+from asyncrl_jax import paths
 from asyncrl_jax.rollout.stats import DecodeStats
 
 
@@ -39,16 +44,14 @@ def record_config(config, path: str) -> None:
   """Writes the run's full config to ``path``; a rerun in the same directory with other values says
   which (a resume continues from the checkpoint either way)."""
   new = json.loads(config.to_json_best_effort())
-  if os.path.exists(path):
-    with open(path) as f:
-      old = _flat(json.load(f))
+  if paths.exists(path):
+    old = _flat(json.loads(paths.read_text(path)))
     flat = _flat(new)
     changed = sorted(k for k, v in flat.items() if old.get(k, v) != v)
     if changed:
       say("config differs from this directory's previous run: " + ", ".join(
           f"{k}={old[k]!r} -> {flat[k]!r}" for k in changed))
-  with open(path, "w") as f:
-    json.dump(new, f, indent=2)
+  paths.write_text(path, json.dumps(new, indent=2))
 
 
 def truncate_jsonl(path: str, keep: Callable[[dict], bool]) -> None:
@@ -58,10 +61,9 @@ def truncate_jsonl(path: str, keep: Callable[[dict], bool]) -> None:
   checkpoint of their version, so it is always one the resume drops anyway; any other unreadable line
   is an error.
   """
-  if not os.path.exists(path):
+  if not paths.exists(path):
     return
-  with open(path) as f:
-    lines = f.readlines()
+  lines = io.StringIO(paths.read_text(path)).readlines()
   kept = []
   for i, line in enumerate(lines):
     if not line.strip():
@@ -75,20 +77,36 @@ def truncate_jsonl(path: str, keep: Callable[[dict], bool]) -> None:
       raise ValueError(f"{path}, line {i + 1}: not a JSON record ({e}); the log is damaged") from e
     if keep(record):
       kept.append(line)
-  with open(path, "w") as f:
-    f.writelines(kept)
+  paths.write_text(path, "".join(kept))
 
 
 def _append_jsonl(path: str, record: dict) -> None:
-  with open(path, "a") as f:
-    f.write(json.dumps(record) + "\n")
+  paths.append_text(path, json.dumps(record) + "\n")
 
 
 def _load_jsonl(path: str) -> list[dict]:
-  if not os.path.exists(path):
+  if not paths.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(l) for l in f if l.strip()]
+  return [json.loads(l) for l in paths.read_text(path).split("\n") if l.strip()]
+
+
+class _RemoteEventFiles:
+  """tensorboardX's writer factory for a scheme (``record_writer.register_writer_factory``): event
+  files as ``paths.RewrittenFile``, so TensorBoard writes to a bucket with this project's backend
+  (tensorboardX's own ``gs://`` writer needs ``google-cloud-storage``)."""
+
+  def open(self, path: str) -> paths.RewrittenFile:
+    return paths.RewrittenFile(path)
+
+  def directory_check(self, path: str) -> None:
+    del path  # objects need no directories
+
+
+def _summary_writer(logdir: str):
+  from tensorboardX import SummaryWriter, record_writer  # pylint: disable=import-outside-toplevel
+  if paths.is_remote(logdir):
+    record_writer.register_writer_factory(logdir.split("://", 1)[0], _RemoteEventFiles())
+  return SummaryWriter(logdir)
 
 
 class RunLog:
@@ -96,11 +114,11 @@ class RunLog:
 
   def __init__(self, workdir: str, config):
     self.workdir = workdir
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     self.t_start = time.time()
-    self.metrics_path = os.path.join(workdir, "metrics.jsonl")
-    self.prompts_path = os.path.join(workdir, "trained_prompts.jsonl")
-    record_config(config, os.path.join(workdir, "config.json"))
+    self.metrics_path = paths.join(workdir, "metrics.jsonl")
+    self.prompts_path = paths.join(workdir, "trained_prompts.jsonl")
+    record_config(config, paths.join(workdir, "config.json"))
     self.steps, self.eta, self.loss = config.steps, config.rl.max_staleness, config.rl.loss
     self.history: list[dict] = []
     self._writer = self._bar = None
@@ -119,16 +137,15 @@ class RunLog:
 
   def start_fresh(self) -> None:
     for path in (self.metrics_path, self.prompts_path):
-      if os.path.exists(path):
-        os.remove(path)
+      if paths.exists(path):
+        paths.remove(path)
     self.history = []
 
   def start_rl(self, version: int, decode_stats: DecodeStats) -> None:
     """RL starts now at ``version``; decode counters count from ``decode_stats`` (remote decode servers
     may have been up, idle, for a while)."""
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-    self._writer = SummaryWriter(os.path.join(self.workdir, "tb"))
+    self._writer = _summary_writer(paths.join(self.workdir, "tb"))
     self._bar = tqdm(total=self.steps, initial=version, desc=f"async RL (eta={self.eta}, {self.loss})",
                      unit="step", file=sys.stdout, dynamic_ncols=True)
     self._decode_base, self.t_rl = decode_stats, time.time()
@@ -204,9 +221,8 @@ class RunLog:
 
   def finish(self, summary: dict) -> None:
     """Writes summary.json and progress.png and prints the summary table."""
-    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
-    _plot(self.history, summary, os.path.join(self.workdir, "progress.png"))
+    paths.write_text(paths.join(self.workdir, "summary.json"), json.dumps(summary, indent=2))
+    _plot(self.history, summary, paths.join(self.workdir, "progress.png"))
     _print_summary(summary)
 
 
@@ -258,5 +274,7 @@ def _plot(history, summary, path) -> None:
   ax.set_title(f"{summary['loss']}, eta={summary['max_staleness']}")
   ax.legend()
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=100)
   plt.close(fig)
+  paths.write_bytes(path, png.getvalue())

@@ -23,7 +23,6 @@ cli.ensure_cpu_devices(4)
 
 # pylint: disable=wrong-import-position
 import dataclasses
-import os
 import sys
 import time
 
@@ -31,7 +30,7 @@ import jax
 from absl import app, flags, logging
 
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import distributed, models, sharding
+from asyncrl_jax import distributed, models, paths, sharding
 from asyncrl_jax.checkpoint import RunCheckpointer
 from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
@@ -148,9 +147,7 @@ def _registered(config, model_config, tokenizer, workdir: str):
   registry = Registry(model_config, tokenizer.identity)
   server, port = registry.serve(config.rollout.host, config.rollout.registry_port)
   address = f"{config.rollout.host}:{port}"
-  with open(os.path.join(workdir, "registry_address.tmp"), "w") as f:
-    f.write(address)
-  os.replace(os.path.join(workdir, "registry_address.tmp"), os.path.join(workdir, "registry_address"))
+  paths.write_text(paths.join(workdir, "registry_address"), address)  # atomic: readers poll for it
   say(f"waiting for {config.rollout.servers} decode servers to register at {address}")
   return server, registry.wait_for(config.rollout.servers, config.rollout.register_timeout)
 
@@ -202,7 +199,7 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
 
 
 def _checkpointer(config, workdir: str) -> RunCheckpointer:
-  return RunCheckpointer(os.path.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
+  return RunCheckpointer(paths.join(workdir, "checkpoints"), max_to_keep=config.checkpoint.max_to_keep,
                          async_save=config.checkpoint.async_save)
 
 

@@ -1,5 +1,6 @@
 """Exporting a run's policy: the HF export loads in transformers with our logits, the Orbax export
-restores with orbax alone to the run's exact parameters, and bad requests are named."""
+restores with orbax alone to the run's exact parameters, an export into a (fake) bucket reads back
+with the same logits, and bad requests are named."""
 
 import json
 
@@ -13,6 +14,7 @@ from asyncrl_jax import export, models, runlog, sharding
 from asyncrl_jax.checkpoint import Checkpointer
 from asyncrl_jax.learner import Learner
 from tests.helpers import sharp_params
+from tests.test_paths import bucket  # noqa: F401  pylint: disable=unused-import
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +74,25 @@ def test_bad_export_requests_are_named(run, tmp_path):
     export.export(str(tmp_path), str(tmp_path / "b"))
   with pytest.raises(export.ExportError, match="format 'onnx'"):
     export.export(str(workdir), str(tmp_path / "c"), fmt="onnx")
+
+
+def test_hf_export_into_a_bucket_reads_back_with_the_runs_logits(run, bucket):  # pylint: disable=redefined-outer-name
+  workdir, model_config, saved = run
+  result = export.export(str(workdir), "gs://bkt/hf", fmt="hf")
+  assert result["step"] == 3 and {"config.json", "model.safetensors"} <= set(result["files"])
+  assert "/bkt/hf/model.safetensors" in bucket
+  with pytest.raises(export.ExportError, match="is not empty"):
+    export.export(str(workdir), "gs://bkt/hf", fmt="hf")
+  loaded_config, loaded = export.load_export("gs://bkt/hf")
+  tokens = np.random.default_rng(1).integers(0, model_config.vocab_size, size=(2, 9)).astype(np.int32)
+  ours = np.asarray(models.logits(model_config, saved[3], tokens))
+  assert np.abs(ours).max() > 1.0
+  np.testing.assert_allclose(np.asarray(models.logits(loaded_config, loaded, tokens)), ours, atol=1e-5, rtol=0)
+
+
+def test_a_runs_config_is_read_from_a_bucket(bucket):  # pylint: disable=redefined-outer-name,unused-argument
+  config = config_lib.base_config()
+  runlog.record_config(config, "gs://bkt/run/config.json")
+  assert export.run_config("gs://bkt/run").to_dict() == json.loads(config.to_json_best_effort())
+  with pytest.raises(export.ExportError, match="gs://bkt/none/config.json not found"):
+    export.run_config("gs://bkt/none")
