@@ -16,7 +16,7 @@ def config_of(config) -> ModelConfig:
   ``config.json`` when set, else the ``model`` section."""
   if config.model.hf_path:
     return config_from_hf(read_hf_config(config.model.hf_path), config.model.hf_path,
-                          dtype=config.model.param_dtype)
+                          dtype=config.model.dtype, param_dtype=config.model.param_dtype)
   return ModelConfig.from_mapping(config.model.to_dict())
 
 
@@ -25,7 +25,8 @@ def from_config(config, mesh):
   in ``model.param_dtype``), else the ``model`` section's architecture, randomly initialised from
   ``seed``."""
   if config.model.hf_path:
-    return load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.param_dtype)
+    return load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.dtype,
+                   param_dtype=config.model.param_dtype)
   model_config = ModelConfig.from_mapping(config.model.to_dict())
   return model_config, init_params(model_config, jax.random.key(config.seed), mesh=mesh)
 

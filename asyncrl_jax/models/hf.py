@@ -55,8 +55,9 @@ def _rope_theta(hf: dict, path: str) -> float:
 
 
 def config_from_hf(hf: dict, path: str = "<config>", *, max_seq_len: Optional[int] = None,
-                   dtype: str = "float32") -> ModelConfig:
-  """Translates a Hugging Face config.json dict into a ModelConfig (strictly)."""
+                   dtype: str = "float32", param_dtype: Optional[str] = None) -> ModelConfig:
+  """Translates a Hugging Face config.json dict into a ModelConfig (strictly), computing in ``dtype``
+  and storing parameters in ``param_dtype`` (default: ``dtype``)."""
   model_type = hf.get("model_type")
   if model_type not in _SUPPORTED:
     raise CheckpointError(f"{path}/config.json: model_type={model_type!r} is not supported; "
@@ -91,7 +92,7 @@ def config_from_hf(hf: dict, path: str = "<config>", *, max_seq_len: Optional[in
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
         dtype=dtype,
-        param_dtype=dtype,
+        param_dtype=param_dtype or dtype,
     )
   except ModelConfigError as e:
     raise CheckpointError(f"{path}/config.json: {e}") from None
@@ -261,16 +262,19 @@ def params_to_hf(config: ModelConfig, params: dict[str, Any], dtype: Optional[st
 
 
 def load_hf(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "float32",
-            max_seq_len: Optional[int] = None) -> tuple[ModelConfig, dict[str, Any]]:
+            max_seq_len: Optional[int] = None,
+            param_dtype: Optional[str] = None) -> tuple[ModelConfig, dict[str, Any]]:
   """Loads a Hugging Face model directory into ``(config, params)``.
 
   Args:
     path: directory with config.json and model.safetensors (or a sharded index).
     mesh: when given, each parameter is placed straight onto this mesh with the learner sharding.
-    dtype: parameter and activation dtype of the returned model.
+    dtype: activation dtype of the returned model (and its parameters', unless ``param_dtype``).
     max_seq_len: overrides ``max_position_embeddings``.
+    param_dtype: storage dtype of the parameters.
   """
-  config = config_from_hf(read_hf_config(path), path, max_seq_len=max_seq_len, dtype=dtype)
+  config = config_from_hf(read_hf_config(path), path, max_seq_len=max_seq_len, dtype=dtype,
+                          param_dtype=param_dtype)
   tensors: dict[str, np.ndarray] = {}
   for file in _safetensor_files(path):
     try:

@@ -166,8 +166,9 @@ class Engine(engine_api.Engine):
     if self._params is not None:
       return self.place_params(self._params)
     if self._hf_path:
-      config, params = models.load_hf(self._hf_path, dtype=self.config.param_dtype)
-      if config.replace(max_seq_len=self.config.max_seq_len, dtype=self.config.dtype) != self.config:
+      config, params = models.load_hf(self._hf_path, dtype=self.config.dtype,
+                                      param_dtype=self.config.param_dtype)
+      if config.replace(max_seq_len=self.config.max_seq_len) != self.config:
         raise ValueError(f"{self._hf_path}: checkpoint config {config} does not match the engine's "
                          f"{self.config}")
       return self.place_params(params)

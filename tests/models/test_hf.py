@@ -82,3 +82,15 @@ def test_sharded_index_checkpoint(tmp_path):
   _, params2 = models.load_hf(str(tmp_path / "sharded"))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_experiment_on_a_checkpoint_computes_in_its_dtype_and_stores_in_its_param_dtype(tmp_path):
+  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  make_hf_model(tmp_path)
+  config = config_lib.base_config()
+  config.model.update(hf_path=str(tmp_path), dtype="bfloat16", param_dtype="float32")
+  model_config = models.config_of(config)
+  assert (model_config.dtype, model_config.param_dtype) == ("bfloat16", "float32")
+  loaded, params = models.from_config(config, None)
+  assert loaded == model_config
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}

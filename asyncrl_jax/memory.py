@@ -1,0 +1,160 @@
+"""How much device memory a run needs, per device of each role, before anything is compiled.
+
+``estimate(config)`` returns two ``RoleMemory`` tables of named terms in bytes:
+
+* learner (per device of the learner mesh): parameters, AdamW's two moments, gradients (the running
+  sum over micro-batches and the current micro-batch's), and the activations one micro-batch of
+  ``learner.token_budget`` tokens keeps for its backward pass: per block its inputs and intermediates
+  and the attention probabilities ``[rows, heads, width, width]``, and the log-softmax's logits
+  ``[tokens, V]`` (or one ``learner.vocab_chunk`` of them). With ``learner.remat`` a block keeps only
+  its input, and one block at a time is live in full.
+* decode server (per device of one server's mesh): parameters, the KV cache (``2 x layers x slots x
+  (prompt + completion) x kv_heads x head_dim``), the decode state's next-token logits, one decode
+  step's intermediates, and the largest prefill's (``num_slots`` rows of the longest prefill: a
+  re-prefill after a weight update may refill every slot).
+
+Parameters and optimizer state are split over ``fsdp x tensor``, rows over ``data x fsdp``, heads and
+the MLP width over ``tensor``. The terms count the buffers a step's program holds at its peak; XLA may
+fuse some away or keep a few copies more (``tests/test_memory.py`` compares the totals with XLA's own
+``compile().memory_analysis()`` on CPU). ``ACCELERATORS`` lists HBM per chip, so that
+``python -m asyncrl_jax info --config=... --accelerator=v5p-8`` says whether each role fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from asyncrl_jax import bucketing
+from asyncrl_jax.models.config import ModelConfig
+
+GiB = 2**30
+
+# HBM per chip (bytes), from Cloud TPU's system-architecture pages.
+ACCELERATORS = {
+    "v4": 32 * GiB,
+    "v5e": 16 * GiB,   # v5litepod
+    "v5p": 95 * GiB,
+    "v6e": 32 * GiB,
+}
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass
+class RoleMemory:
+  """Named terms in bytes per device, and the device count they were computed for."""
+  role: str
+  devices: int
+  terms: dict
+
+  @property
+  def total(self) -> int:
+    return int(sum(self.terms.values()))
+
+  def lines(self) -> list[str]:
+    width = max(len(k) for k in self.terms)
+    out = [f"{self.role} memory per device ({self.devices} devices):"]
+    out += [f"  {k:<{width}}  {v / GiB:9.3f} GiB" for k, v in self.terms.items()]
+    out.append(f"  {'total':<{width}}  {self.total / GiB:9.3f} GiB")
+    return out
+
+
+def _mesh_sizes(axes, devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) with ``-1`` resolved against ``devices``."""
+  sizes = {k: int(axes[k]) for k in ("data", "fsdp", "tensor")}
+  known = math.prod(v for v in sizes.values() if v != -1)
+  for k, v in sizes.items():
+    if v == -1:
+      sizes[k] = max(devices // known, 1)
+  if math.prod(sizes.values()) != devices:
+    raise ValueError(f"mesh {dict(axes)} does not fit {devices} devices")
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, tensor: int) -> dict:
+  """Bytes one block keeps for the backward pass of ``tokens`` tokens in ``rows`` rows of ``width``."""
+  a = _BYTES[m.dtype]
+  heads, kv, mlp = m.num_heads / tensor, m.num_kv_heads / tensor, m.intermediate_size / tensor
+  per_token = (4 * m.hidden_size  # two norms' inputs and outputs
+               + 3 * heads * m.head_dim + 4 * kv * m.head_dim  # q (and roped), k, v (and roped), output
+               + 4 * mlp)  # gate, up, silu(gate), their product
+  # float32 scores, masked scores and probabilities, and the boolean mask broadcast over the heads
+  scores = rows * heads * width * width * (3 * 4 + 1)
+  return dict(residuals=tokens * per_token * a, attention=scores)
+
+
+def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
+  """Per-device memory of the learner on ``devices`` devices (its mesh from ``config.mesh.learner``)."""
+  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  p = _BYTES[m.param_dtype]
+  shard = m.num_params / (fsdp * tensor)
+  budget = int(config.learner.token_budget)
+  width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
+  rows = -(-max(budget // width, 1) // (data * fsdp))  # rows are padded to a multiple of data x fsdp
+  tokens = rows * width
+  block = _block_activations(m, tokens, rows, width, tensor)
+  if config.learner.remat:
+    kept = m.num_layers * tokens * m.hidden_size * _BYTES[m.dtype] + sum(block.values())
+  else:
+    kept = m.num_layers * sum(block.values())
+  columns = int(config.learner.vocab_chunk) or m.vocab_size / tensor
+  logits = 3 * tokens * columns * 4  # float32 logits, their softmax, its gradient
+  return RoleMemory("learner", devices, {
+      "parameters": shard * p,
+      "optimizer (AdamW mu, nu)": 2 * shard * p,
+      "gradients (sum + micro-batch)": 2 * shard * p,
+      "activations": kept,
+      "log-softmax": logits,
+  })
+
+
+def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
+  """Per-device memory of one decode server on ``devices`` devices (``config.mesh.rollout``)."""
+  data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
+  a, p = _BYTES[m.dtype], _BYTES[m.param_dtype]
+  slots = -(-int(config.rollout.num_slots) // (data * fsdp))
+  length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
+  kv = m.num_kv_heads / tensor
+  cache = 2 * m.num_layers * slots * length * kv * m.head_dim * a
+  heads = m.num_heads / tensor
+  vocab = m.vocab_size / tensor
+  step = slots * (3 * vocab * 4 + 3 * heads * length * 4)  # sampling's log-softmaxes; attention
+  # one block at a time is live in a prefill (nothing is kept for a backward pass)
+  refill = _block_activations(m, slots * length, slots, length, tensor)["attention"]
+  refill += 2 * slots * length * m.hidden_size * a  # the residual stream in and out of the block
+  return RoleMemory("decode server", devices, {
+      "parameters": m.num_params / (fsdp * tensor) * p,
+      "KV cache": cache,
+      "next-token logits": slots * vocab * 4,
+      "re-prefill of every slot (> a decode step)": max(step, refill),
+  })
+
+
+def chips(accelerator: str) -> tuple[str, int]:
+  """``"v5p-32"`` -> ("v5p", 16 chips); v4 and v5p count TensorCores (two per chip) in the name."""
+  match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", accelerator)
+  kind = match and re.sub(r"litepod$", "e", match.group(1))  # v5litepod-8 is v5e
+  if kind not in ACCELERATORS:
+    raise ValueError(f"accelerator {accelerator!r}: expected one of {sorted(ACCELERATORS)} with a size, "
+                     "e.g. v5p-8 or v6e-16")
+  n = int(match.group(2))
+  return kind, n // 2 if kind in ("v4", "v5p") else n
+
+
+def host_chips(accelerator: str) -> int:
+  """Chips on one host of the slice: a decode server is one host (v4/v5p: 4; v5e/v6e: 8 up to an
+  8-chip slice, 4 per host beyond)."""
+  kind, n = chips(accelerator)
+  if kind in ("v4", "v5p"):
+    return min(n, 4)
+  return n if n <= 8 else 4
+
+
+def fits(role: RoleMemory, accelerator: str, margin: float = 0.2) -> tuple[bool, float]:
+  """Whether ``role`` fits one chip of ``accelerator`` with ``margin`` of its HBM to spare; and the
+  share of HBM it uses."""
+  kind, _ = chips(accelerator)
+  share = role.total / ACCELERATORS[kind]
+  return share <= 1 - margin, share

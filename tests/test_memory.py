@@ -1,0 +1,142 @@
+"""The memory estimate against XLA's own accounting of the compiled steps, and its arithmetic.
+
+XLA's figure for the learner is what its gradient step holds at once: the step's arguments (parameters,
+micro-batch), outputs (gradients), temporaries (activations), plus what lives beside it between steps
+(AdamW's moments and the running gradient sum). For a decode server it is the larger of the decode
+step and a re-prefill of every slot: arguments + outputs - donated (aliased) + temporaries.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl_jax import bucketing, memory, models, sharding
+from asyncrl_jax import config as config_lib
+from asyncrl_jax.rl.batching import TokenBatch
+from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
+from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.update import make_optimizer
+
+
+def _bytes(tree) -> int:
+  return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _small(name: str, vocab_chunk: int = 0):
+  c = config_lib.base_config()
+  if name == "narrow":
+    c.model.update(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                   num_kv_heads=2, max_seq_len=256)
+    c.learner.update(token_budget=1024)
+    c.rollout.update(num_slots=16)
+    c.data.update(max_prompt_len=32, max_completion_len=96)
+  else:  # wider, deeper, a larger vocabulary
+    c.model.update(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=4, num_heads=8,
+                   num_kv_heads=2, max_seq_len=512)
+    c.learner.update(token_budget=2048)
+    c.rollout.update(num_slots=32)
+    c.data.update(max_prompt_len=64, max_completion_len=192)
+  c.learner.vocab_chunk = vocab_chunk
+  return config_lib.validate(c)
+
+
+def _one_device_mesh():
+  return sharding.make_mesh(jax.devices()[:1], dict(data=1, fsdp=1, tensor=1))
+
+
+def _xla_learner(config, m) -> int:
+  params = jax.eval_shape(lambda: models.init_params(m, jax.random.key(0)))
+  opt = jax.eval_shape(make_optimizer(learning_rate=1e-3, total_steps=10, grad_clip=1.0).init, params)
+  width = bucketing.bucket(min(config.learner.token_budget, m.max_seq_len), bucketing.ROW_BUCKETS)
+  ints = jax.ShapeDtypeStruct((config.learner.token_budget // width, width), jnp.int32)
+  floats = jax.ShapeDtypeStruct(ints.shape, jnp.float32)
+  batch = TokenBatch(ints, ints, ints, floats, floats, floats, ints, floats)
+  loss = functools.partial(micro_batch_loss, model=m, settings=LossSettings.from_config(config),
+                           prox_is_current=True)
+  grad = jax.jit(jax.value_and_grad(lambda p, b, n: loss(p, b, None, n), has_aux=True))
+  stats = grad.lower(params, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile().memory_analysis()
+  step = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+  return step + _bytes(opt) + _bytes(params)
+
+
+def _xla_decode_server(config, m) -> int:
+  length = config.data.max_prompt_len + config.data.max_completion_len
+  engine = Engine(m, mesh=_one_device_mesh(), num_slots=config.rollout.num_slots,
+                  max_prefill_length=config.data.max_prompt_len, max_target_length=length,
+                  background_compile=False)
+  params = jax.eval_shape(lambda: models.init_params(m, jax.random.key(0)))
+  state = jax.eval_shape(engine.init_decode_state)
+  slots = jax.ShapeDtypeStruct((config.rollout.num_slots,), jnp.int32)
+  tokens = jax.ShapeDtypeStruct((config.rollout.num_slots, length), jnp.int32)
+  held = lambda s: (s.argument_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes
+                    + s.temp_size_in_bytes)
+  step = engine._jit_step.lower(params, state).compile().memory_analysis()  # pylint: disable=protected-access
+  refill = engine._jit_refill.lower(params, state, tokens, slots, slots).compile().memory_analysis()  # pylint: disable=protected-access
+  return max(held(step), held(refill))
+
+
+@pytest.mark.parametrize("name,vocab_chunk", [("narrow", 0), ("wide", 0), ("wide", 256)])
+def test_the_learner_estimate_is_within_20_percent_of_xla(name, vocab_chunk):
+  config = _small(name, vocab_chunk)
+  m = config_lib.model_config(config)
+  estimate = memory.learner(config, m, devices=1)
+  assert 0.8 <= estimate.total / _xla_learner(config, m) <= 1.2
+  assert estimate.terms["activations"] > 0.3 * estimate.total  # not a comparison of parameter counts
+
+
+@pytest.mark.parametrize("name", ["narrow", "wide"])
+def test_the_decode_server_estimate_is_within_20_percent_of_xla(name):
+  config = _small(name)
+  m = config_lib.model_config(config)
+  estimate = memory.decode_server(config, m, devices=1)
+  assert 0.8 <= estimate.total / _xla_decode_server(config, m) <= 1.2
+
+
+@pytest.mark.parametrize("tie,bias", [(False, True), (True, True), (True, False)])
+def test_the_parameter_count_is_the_models(tie, bias):
+  m = models.ModelConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=6,
+                         num_kv_heads=2, head_dim=16, qkv_bias=bias, tie_embeddings=tie)
+  assert m.num_params == models.count_params(
+      jax.eval_shape(lambda: models.init_params(m, jax.random.key(0))))
+
+
+def test_terms_split_over_the_mesh_by_hand():
+  config = _small("wide")
+  m = config_lib.model_config(config)
+  config.mesh.learner.update(data=1, fsdp=1, tensor=1)
+  one = memory.learner(config, m, 1)
+  config.mesh.learner.update(data=1, fsdp=-1, tensor=2)
+  eight = memory.learner(config, m, 8)
+  with pytest.raises(ValueError, match="does not fit 7 devices"):
+    memory.learner(config, m, 7)
+  # fsdp resolves to 4: parameters over fsdp x tensor = 8 ways, rows over fsdp = 4 ways
+  assert eight.terms["parameters"] == pytest.approx(one.terms["parameters"] / 8)
+  assert eight.terms["log-softmax"] == pytest.approx(one.terms["log-softmax"] / 8)  # rows / 4, vocab / 2
+  # a KV cache by hand: 2 x layers x slots x length x kv heads x head dim x 4 bytes
+  server = memory.decode_server(config, m, 1)
+  assert server.terms["KV cache"] == 2 * 4 * 32 * 256 * 2 * 16 * 4
+
+
+def test_accelerator_names():
+  assert memory.chips("v5p-8") == ("v5p", 4) and memory.chips("v6e-16") == ("v6e", 16)
+  assert memory.chips("v5litepod-8") == ("v5e", 8) and memory.chips("v4-32") == ("v4", 16)
+  with pytest.raises(ValueError, match="'v9x-8'"):
+    memory.chips("v9x-8")
+  ok, share = memory.fits(memory.RoleMemory("learner", 1, {"x": 76 * memory.GiB}), "v5p-8", margin=0.2)
+  assert ok and share == pytest.approx(0.8)
+  assert not memory.fits(memory.RoleMemory("learner", 1, {"x": 77 * memory.GiB}), "v5p-8", margin=0.2)[0]
+
+
+def test_info_reports_each_role_and_whether_it_fits():
+  from asyncrl_jax import info  # pylint: disable=import-outside-toplevel
+  lines, ok = info.memory_report(_small("wide"), "v5p-8")
+  assert ok and sum("fits one v5p-8 chip" in l for l in lines) == 2
+  assert any(l.startswith("learner memory per device (4 devices)") for l in lines)
+  big = _small("wide")
+  big.learner.token_budget = 2**22  # 8192 rows of 512: over 200 GiB of attention per device
+  lines, ok = info.memory_report(big, "v5p-8", "v6e-8")
+  assert not ok and any("DOES NOT FIT one v5p-8 chip" in l for l in lines)
+  assert any("decode server memory per device (8 devices)" in l for l in lines)
