@@ -24,7 +24,7 @@ def get_config():
                 max_completion_len=27648)
   c.rollout.update(num_slots=128, temperature=1.0, top_p=1.0)
   c.learner.update(batch_size=512, token_budget=32768, learning_rate=2e-5, warmup_steps=10,
-                   weight_decay=0.05, grad_clip=1.0)
+                   weight_decay=0.05, grad_clip=1.0, remat=True, vocab_chunk=8192)
   c.rl.update(loss="decoupled_ppo", max_staleness=8, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)

@@ -63,7 +63,7 @@ def test_math_jsonl_import(tmp_path):
     list(builder_lib.read_records(str(bad)))
   missing = tmp_path / "missing.jsonl"
   missing.write_text('{"problem": "q", "solution": "1"}\n')
-  with pytest.raises(Exception, match="lacks 'question' or 'answer'"):
+  with pytest.raises(Exception, match=r"lacks 'question \(or problem\)' or 'answer'"):
     builder_lib.build_math(str(tmp_path / "tfds2"), {"train": str(missing)})
 
 

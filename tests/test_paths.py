@@ -83,19 +83,28 @@ def test_bucket_uris_stay_uris():
   assert paths.is_remote("gs://b/run") and paths.is_remote("s3://b")
 
 
-def _has_gcs_backend() -> bool:
-  try:
-    fsspec.get_filesystem_class("gs")
-    return True
-  except ImportError:
-    return paths._has_tensorflow()  # pylint: disable=protected-access
+def test_the_pinned_requirements_reach_gs_buckets():
+  """requirements.txt pins gcsfs, so a gs:// workdir works without TensorFlow (epath then uses fsspec)."""
+  assert fsspec.get_filesystem_class("gs").__module__.startswith("gcsfs.")  # a class: no credentials looked up
+  paths.require_backend("gs://b/run/config.json")
 
 
-def test_without_a_backend_a_bucket_is_refused_by_name():
-  if _has_gcs_backend():
-    pytest.skip("a gs:// backend is installed")
+def test_a_scheme_without_a_backend_is_refused_by_name(monkeypatch):
+  monkeypatch.setattr(paths, "_has_tensorflow", lambda: False)
+  with pytest.raises(paths.RemoteStorageError, match=r"nosuchfs://b/run/config.json: nosuchfs:// paths need"):
+    paths.exists("nosuchfs://b/run/config.json")
+
+
+def test_without_gcsfs_a_bucket_is_refused_naming_gcsfs(monkeypatch):
+  """What fsspec raises for gs:// when gcsfs is not installed (its registry's error text)."""
+  def get_filesystem_class(scheme):
+    assert scheme == "gs", scheme
+    raise ImportError("Install gcsfs to access Google Storage")
+  monkeypatch.setattr(fsspec, "get_filesystem_class", get_filesystem_class)
+  monkeypatch.setattr(paths, "_has_tensorflow", lambda: False)
   with pytest.raises(paths.RemoteStorageError, match="pip install gcsfs"):
     paths.exists("gs://b/run/config.json")
+  paths.exists("local/run/config.json")  # local paths never ask for a backend
 
 
 def test_bucket_append_rewrites_the_object(bucket):
@@ -186,3 +195,32 @@ def test_a_record_cut_short_in_the_bucket_is_dropped_on_resume(bucket):
   log.resume(5)
   assert log.history == [_record(1)]
   assert paths.read_text(f"{workdir}/metrics.jsonl") == json.dumps(_record(1)) + "\n"
+
+
+def test_the_data_of_a_bucket_workdir_is_prepared_in_a_local_cache(bucket, monkeypatch, tmp_path):
+  """Neither a local ``gs:`` directory (the fixture checks the current one) nor objects in the bucket;
+  the cache directory changes with what the records are made from, and only then."""
+  from asyncrl_jax.data import builder as builder_lib  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.data import pipeline  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  cache = str(tmp_path / "cache" / "asyncrl_jax" / "data")
+  c = config_lib.base_config()
+  c.data.num_train, c.data.num_test = 12, 3
+  b = builder_lib.from_config(c, "gs://bkt/run")
+  assert str(b.data_dir).startswith(cache + os.sep + "arithmetic-"), b.data_dir
+  assert len(pipeline.read_split(b, "train")) == 12 and len(pipeline.read_split(b, "test")) == 3
+  assert builder_lib.from_config(c, "gs://bkt/other").data_dir == b.data_dir  # same records: reused
+  c.data.seed = 1
+  assert builder_lib.from_config(c, "gs://bkt/run").data_dir != b.data_dir
+
+  train = tmp_path / "src" / "train.jsonl"
+  train.parent.mkdir()
+  train.write_text(json.dumps({"question": "1+2?", "answer": "#### 3"}) + "\n")
+  c.data.task, c.data.path = "jsonl", str(train)
+  first = builder_lib.from_config(c, "gs://bkt/run")
+  assert str(first.data_dir).startswith(cache + os.sep + "jsonl-"), first.data_dir
+  train.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")  # the source edited
+  second = builder_lib.from_config(c, "gs://bkt/run")
+  assert second.data_dir != first.data_dir
+  assert [r["answer"] for r in pipeline.read_split(second, "train")] == ["4"]
+  assert len(os.listdir(cache)) == 4 and not any(k.startswith("/bkt") for k in bucket), sorted(bucket)

@@ -5,10 +5,14 @@
 uses a different seed, so held-out problems are new draws (an exact duplicate of a train question is
 possible for very short sums, as in any such task). ``build_math_jsonl`` imports question/answer records
 (GSM8K / MATH / DeepScaleR style JSONL or Parquet files) into the same feature schema.
+
+``from_config`` prepares the dataset in ``WORKDIR/data``, or, for a bucket workdir (``gs://...``), in a
+local cache directory named after what the records are made from (``prepared_dir``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Iterable, Iterator, Optional
@@ -16,6 +20,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
+from asyncrl_jax import paths
 from asyncrl_jax.data import arithmetic
 
 def _features():
@@ -70,8 +75,9 @@ class MathQA(_QABuilder):
 
   DESCRIPTION = "Imported math question/answer data."
 
-  def __init__(self, *, files: Optional[dict] = None, question_key: str = "question",
+  def __init__(self, *, files: Optional[dict] = None, question_key: Optional[str] = None,
                answer_key: str = "answer", **kwargs):
+    # question_key None: "question", else "problem" (the MATH / AIME / DeepScaleR layout)
     self._files = files or {}
     self._qk, self._ak = question_key, answer_key
     super().__init__(**kwargs)
@@ -81,10 +87,11 @@ class MathQA(_QABuilder):
 
   def _generate_examples(self, split: str) -> Iterator:
     for i, record in enumerate(read_records(self._files[split])):
-      if self._qk not in record or self._ak not in record:
-        raise ValueError(f"{self._files[split]} record {i} lacks {self._qk!r} or {self._ak!r}: "
-                         f"keys {sorted(record)}")
-      yield f"{split}-{i}", {"question": str(record[self._qk]), "answer": final_answer(record[self._ak]),
+      qk = self._qk or ("problem" if "question" not in record and "problem" in record else "question")
+      if qk not in record or self._ak not in record:
+        raise ValueError(f"{self._files[split]} record {i} lacks {self._qk or 'question (or problem)'!r}"
+                         f" or {self._ak!r}: keys {sorted(record)}")
+      yield f"{split}-{i}", {"question": str(record[qk]), "answer": final_answer(record[self._ak]),
                              "solution": str(record[self._ak]), "num_terms": 0}
 
 
@@ -129,24 +136,60 @@ def build_math(data_dir: str, files: dict, **keys) -> MathQA:
   return builder
 
 
+def _file_digest(path: str) -> str:
+  """SHA-256 of a source file's bytes; "" for a missing file (``build_math`` then names it)."""
+  if not os.path.exists(path):
+    return ""
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+def local_cache_dir() -> str:
+  """``$XDG_CACHE_HOME/asyncrl_jax/data`` (default ``~/.cache/asyncrl_jax/data``)."""
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(cache, "asyncrl_jax", "data")
+
+
+def prepared_dir(workdir: str, task: str, made_from: dict) -> str:
+  """The TFDS ``data_dir`` that ``from_config`` prepares a ``task`` dataset in.
+
+  ``WORKDIR/data`` for a local workdir. For a bucket workdir, ``local_cache_dir()/TASK-HASH`` with HASH a
+  digest of ``made_from`` (the generator's settings, or the source files' digests), so a changed
+  config or file never reuses stale records and a resume or a rerun reuses the same ones. Not the
+  bucket: TFDS's array_record writer opens local files only (a ``gs://`` data_dir fails when a split is
+  finalised), only learner process 0 reads the prompts, grain reads them a record at a time in shuffled
+  order, and the records are a pure function of the config or of local files: nothing to share.
+  """
+  if not paths.is_remote(workdir):
+    return os.path.join(workdir, "data")
+  key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
+  return os.path.join(local_cache_dir(), f"{task}-{key}")
+
+
 def from_config(config, workdir: str):
   """The dataset builder that ``config.data`` names, prepared (built or imported) if it is not yet.
 
-  ``arithmetic``: the built-in task in ``data.path`` (default ``WORKDIR/data``); ``jsonl``: the records
-  of ``data.path`` (and of the same path with ``train`` replaced by ``test``, when that file exists)
-  imported into ``WORKDIR/data``; ``tfds``: a prepared TFDS directory at ``data.path``.
+  ``arithmetic``: the built-in task in ``data.path`` (default ``prepared_dir``, ``WORKDIR/data`` for a
+  local workdir); ``jsonl``: the records of ``data.path`` (and of the same path with ``train`` replaced
+  by ``test``, when that file exists) imported into ``prepared_dir``; ``tfds``: a prepared TFDS
+  directory at ``data.path``.
   """
   data = config.data
   if data.task == "arithmetic":
-    return build_arithmetic(data.path or os.path.join(workdir, "data"), num_train=data.num_train,
-                            num_test=data.num_test, seed=data.seed, min_terms=data.min_terms,
-                            max_terms=data.max_terms)
+    settings = dict(num_train=data.num_train, num_test=data.num_test, seed=data.seed,
+                    min_terms=data.min_terms, max_terms=data.max_terms)
+    return build_arithmetic(data.path or prepared_dir(workdir, data.task, settings), **settings)
   if data.task == "jsonl":
     files = {"train": data.path}
     test = data.path.replace("train", "test")
     if test != data.path and os.path.exists(test):
       files["test"] = test
-    return build_math(os.path.join(workdir, "data"), files)
+    # Only the cache directory is named by digests (a read of each file); WORKDIR/data is not.
+    made_from = {split: _file_digest(p) for split, p in files.items()} if paths.is_remote(workdir) else {}
+    return build_math(prepared_dir(workdir, data.task, made_from), files)
   return tfds.builder_from_directory(os.path.expanduser(data.path))
 
 
