@@ -77,6 +77,11 @@ def base_config() -> ml_collections.ConfigDict:
       # compile every batched-prefill shape (new prompts, re-prefills) in the background at start, so
       # decoding rarely waits for a compilation
       warm_up=True,
+      # prefill attention this many queries at a time (0: all at once; a re-prefill of every slot at
+      # the longest length then holds [slots, heads, length, length] scores)
+      attention_chunk=0,
+      # tokens (rows x width) per batched-prefill call at most, single rows excepted (0: no cap)
+      prefill_tokens=0,
   ))
   c.learner = ml_collections.ConfigDict(dict(
       batch_size=32,  # trajectories per policy update (B in the staleness bound)
@@ -87,8 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
       warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
       warm_start_batch=128, warm_start_lr=1e-3,
       # memory, not maths: recompute each block in the backward pass; log-softmax over the vocabulary
-      # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits)
-      remat=False, vocab_chunk=0,
+      # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits); attention
+      # this many queries at a time (0: all at once, through [rows, heads, width, width] scores)
+      remat=False, vocab_chunk=0, attention_chunk=0,
   ))
   c.rl = ml_collections.ConfigDict(dict(
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
@@ -114,6 +120,19 @@ def base_config() -> ml_collections.ConfigDict:
       every_steps=20, max_to_keep=3, async_save=True,
   ))
   return c
+
+
+def config_module(path: str, beside: str = ""):
+  """The experiment-config module at ``path`` (relative to the file ``beside``, e.g. a config's own
+  ``__file__``), loaded by path: configs are files, not a package, so one can build on another."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  if beside:
+    path = os.path.join(os.path.dirname(os.path.abspath(beside)), path)
+  spec = importlib.util.spec_from_file_location(os.path.basename(path).rsplit(".", 1)[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def _check(cond: bool, field: str, value: Any, allowed: str) -> None:
@@ -200,6 +219,10 @@ def _validate_data(config) -> None:
 
 def _validate_rollout(config) -> None:
   _number(config, "rollout.num_slots", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "rollout.attention_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
+          integer=True)
+  _number(config, "rollout.prefill_tokens", lambda v: v >= 0, "an integer >= 0 (0: no cap)",
+          integer=True)
   _number(config, "rollout.temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
   _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
   _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
@@ -237,6 +260,8 @@ def _validate_learner(config) -> None:
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
   _check(isinstance(config.learner.remat, bool), "learner.remat", config.learner.remat, "True or False")
   _number(config, "learner.vocab_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
+          integer=True)
+  _number(config, "learner.attention_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
           integer=True)
   if not config.model.hf_path:
     longest = config.data.max_prompt_len + config.data.max_completion_len

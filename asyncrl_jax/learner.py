@@ -97,7 +97,8 @@ class Learner:
   def _prox_impl(self, params, batch):
     return token_logprobs(self.model_config, params, batch.tokens, batch.positions, batch.segment_ids,
                           temperature=self.settings.temperature, mesh=self.mesh,
-                          vocab_chunk=self.settings.vocab_chunk)
+                          vocab_chunk=self.settings.vocab_chunk,
+                          attention_chunk=self.settings.attention_chunk)
 
   def check_version(self, version: int, what: str) -> None:
     if version != self.version:

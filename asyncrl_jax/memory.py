@@ -7,11 +7,12 @@
   ``learner.token_budget`` tokens keeps for its backward pass: per block its inputs and intermediates
   and the attention probabilities ``[rows, heads, width, width]``, and the log-softmax's logits
   ``[tokens, V]`` (or one ``learner.vocab_chunk`` of them). With ``learner.remat`` a block keeps only
-  its input, and one block at a time is live in full.
+  its input, and one block at a time is live in full; with ``learner.attention_chunk`` the scores of
+  one block of queries are live at a time, and none are kept.
 * decode server (per device of one server's mesh): parameters, the KV cache (``2 x layers x slots x
   (prompt + completion) x kv_heads x head_dim``), the decode state's next-token logits, one decode
-  step's intermediates, and the largest prefill's (``num_slots`` rows of the longest prefill: a
-  re-prefill after a weight update may refill every slot).
+  step's intermediates, and the largest prefill call's (a re-prefill after a weight update may refill
+  every slot at full length, in calls of at most ``rollout.prefill_tokens`` tokens).
 
 Parameters and optimizer state are split over ``fsdp x tensor``, rows over ``data x fsdp``, heads and
 the MLP width over ``tensor``. The terms count the buffers a step's program holds at its peak; XLA may
@@ -73,16 +74,25 @@ def _mesh_sizes(axes, devices: int) -> tuple[int, int, int]:
   return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
-def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, tensor: int) -> dict:
-  """Bytes one block keeps for the backward pass of ``tokens`` tokens in ``rows`` rows of ``width``."""
+def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, tensor: int,
+                       chunk: int = 0) -> dict:
+  """Bytes one block keeps for the backward pass of ``tokens`` tokens in ``rows`` rows of ``width``;
+  with an attention ``chunk``, its attention term is one block of ``chunk`` queries, live only while
+  that block is computed (each block is recomputed in the backward pass)."""
   a = _BYTES[m.dtype]
   heads, kv, mlp = m.num_heads / tensor, m.num_kv_heads / tensor, m.intermediate_size / tensor
   per_token = (4 * m.hidden_size  # two norms' inputs and outputs
                + 3 * heads * m.head_dim + 4 * kv * m.head_dim  # q (and roped), k, v (and roped), output
                + 4 * mlp)  # gate, up, silu(gate), their product
   # float32 scores, masked scores and probabilities, and the boolean mask broadcast over the heads
-  scores = rows * heads * width * width * (3 * 4 + 1)
+  queries = min(chunk, width) if chunk else width
+  scores = rows * heads * queries * width * (3 * 4 + 1)
   return dict(residuals=tokens * per_token * a, attention=scores)
+
+
+def _row_buckets(num_slots: int) -> list[int]:
+  from asyncrl_jax.rollout.prefill_plan import row_bucket  # pylint: disable=import-outside-toplevel
+  return sorted({row_bucket(n, num_slots) for n in range(1, num_slots + 1)})
 
 
 def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
@@ -94,11 +104,13 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
   rows = -(-max(budget // width, 1) // (data * fsdp))  # rows are padded to a multiple of data x fsdp
   tokens = rows * width
-  block = _block_activations(m, tokens, rows, width, tensor)
+  chunk = int(config.learner.attention_chunk)
+  block = _block_activations(m, tokens, rows, width, tensor, chunk)
+  per_layer = block["residuals"] + (0 if chunk else block["attention"])  # kept for the backward pass
   if config.learner.remat:
     kept = m.num_layers * tokens * m.hidden_size * _BYTES[m.dtype] + sum(block.values())
   else:
-    kept = m.num_layers * sum(block.values())
+    kept = m.num_layers * per_layer + (block["attention"] if chunk else 0)
   columns = int(config.learner.vocab_chunk) or m.vocab_size / tensor
   logits = 3 * tokens * columns * 4  # float32 logits, their softmax, its gradient
   return RoleMemory("learner", devices, {
@@ -121,14 +133,24 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   heads = m.num_heads / tensor
   vocab = m.vocab_size / tensor
   step = slots * (3 * vocab * 4 + 3 * heads * length * 4)  # sampling's log-softmaxes; attention
-  # one block at a time is live in a prefill (nothing is kept for a backward pass)
-  refill = _block_activations(m, slots * length, slots, length, tensor)["attention"]
-  refill += 2 * slots * length * m.hidden_size * a  # the residual stream in and out of the block
+  # One block at a time is live in a prefill (nothing is kept for a backward pass), and within it
+  # either the attention (scores, or one block of them) or the MLP's three [tokens, F] intermediates.
+  # The largest call: every slot at full length, or as many rows as rollout.prefill_tokens allows.
+  cap = int(config.rollout.prefill_tokens)
+  rows = int(config.rollout.num_slots)
+  if cap:
+    rows = max(1, min(rows, max(r for r in _row_buckets(rows) if r == 1 or r * length <= cap)))
+  rows = -(-rows // (data * fsdp))
+  tokens = rows * length
+  attention = _block_activations(m, tokens, rows, length, tensor,
+                                 int(config.rollout.attention_chunk))["attention"]
+  refill = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
+  refill += 2 * tokens * m.hidden_size * a  # the residual stream in and out of the block
   return RoleMemory("decode server", devices, {
       "parameters": m.num_params / (fsdp * tensor) * p,
       "KV cache": cache,
       "next-token logits": slots * vocab * 4,
-      "re-prefill of every slot (> a decode step)": max(step, refill),
+      "largest re-prefill call (> a decode step)": max(step, refill),
   })
 
 

@@ -1,16 +1,35 @@
-"""Qwen2.5-1.5B-class reasoning RL on math data, on Cloud TPU (launch/tpu/, with launch/tpu/examples/qwen2_5_1_5b_v5p.env).
+"""Qwen2.5-1.5B-class reasoning RL on math, on Cloud TPU v5p: a v5p-32 learner (16 chips) and 12
+single-host v5p-8 decode servers (48 chips), the 3:1 rollout:learner split
+(launch/tpu/examples/qwen2_5_1_5b_v5p.env).
 
   python -m asyncrl_jax.train --config=configs/qwen2_5_1_5b.py --workdir=gs://BUCKET/run \
-      --config.model.hf_path=/path/to/Qwen2.5-1.5B-Instruct --config.data.path=/path/to/tfds
+      --config.model.hf_path=/path/to/R1-Distill-Qwen-1.5B --config.data.path=/path/to/data
 
-Shape (Qwen2.5-1.5B): 28 layers, d=1536, 12 query / 2 kv heads (head_dim 128), SwiGLU 8960, tied
-embeddings, vocab 151936, rope theta 1e6. With ``model.hf_path`` set, the architecture and weights come
-from the checkpoint's config.json and safetensors; the fields below then document the expected shape and
-serve random-weight benchmarks. Objective and staleness follow AReaL's 1.5B math run (eta 8 is inside the
-flat region of both the throughput and the accuracy curves; decoupled PPO).
+Shape (Qwen2.5-1.5B): 28 layers, d=1536, 12 query / 2 kv heads (head_dim 128), SwiGLU 8960, vocab
+151936. With ``model.hf_path`` set, the architecture and weights come from the checkpoint's
+config.json (R1-Distill-Qwen-1.5B: untied embeddings, rope theta 1e4); the fields below document the
+expected shape and serve random-weight benchmarks.
+
+Settings and their source (AReaL, arXiv:2505.24298, and its repository's 1.5B math configs,
+``examples/configs/v0.2-qwen2-math/1.5B-distill``, with the asynchronous settings of its README):
+512 prompts x 16 responses per batch (``learner.batch_size`` 8192 trajectories, ``rl.group_size``
+16), prompts up to 1024 tokens and completions up to 27648 (32k context), learning rate 2e-5, 4 PPO
+minibatches per batch, temperature 1, decoupled PPO, eta 4 (AReaL's recommended
+``max_head_offpolicyness``; its ablation is flat for eta <= 8), and 32768 tokens per micro-batch per
+device (AReaL: 30720-32768 per GPU), so ``learner.token_budget`` = 16 x 32768.
+
+Memory (``python -m asyncrl_jax info --config=configs/qwen2_5_1_5b.py --accelerator=v5p-32
+--rollout_accelerator=v5p-8``): it fits each role's chips with 20% of HBM to spare (``ACCELERATORS``;
+tests/test_memory.py checks it). That takes remat, a chunked log-softmax and blockwise attention in
+the learner, and on the decode servers blockwise prefill attention and re-prefill calls of at most 4
+full-length rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
+not split over tensor=4.
 """
 
 from asyncrl_jax.config import base_config
+
+ACCELERATORS = dict(learner="v5p-32", rollout="v5p-8", margin=0.2)
+LEARNER_CHIPS = 16
 
 
 def get_config():
@@ -22,12 +41,14 @@ def get_config():
                  param_dtype="float32")
   c.data.update(task="tfds", path="~/tensorflow_datasets", max_prompt_len=1024,
                 max_completion_len=27648)
-  c.rollout.update(num_slots=128, temperature=1.0, top_p=1.0)
-  c.learner.update(batch_size=512, token_budget=32768, learning_rate=2e-5, warmup_steps=10,
-                   weight_decay=0.05, grad_clip=1.0, remat=True, vocab_chunk=8192)
-  c.rl.update(loss="decoupled_ppo", max_staleness=8, eps_clip=0.2, advantage="group", group_size=16)
+  c.rollout.update(num_slots=128, temperature=1.0, top_p=1.0, attention_chunk=512,
+                   prefill_tokens=4 * 28672)
+  c.learner.update(batch_size=512 * 16, token_budget=LEARNER_CHIPS * 32768, learning_rate=2e-5,
+                   warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat=True,
+                   vocab_chunk=8192, attention_chunk=512)
+  c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)
-  c.mesh.rollout.update(data=-1, fsdp=1, tensor=4)
+  c.mesh.rollout.update(data=-1, fsdp=1, tensor=1)
   c.checkpoint.update(every_steps=50, max_to_keep=3, async_save=True)
   return c

@@ -25,7 +25,7 @@ def _bytes(tree) -> int:
   return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _small(name: str, vocab_chunk: int = 0):
+def _small(name: str, vocab_chunk: int = 0, attention_chunk: int = 0):
   c = config_lib.base_config()
   if name == "narrow":
     c.model.update(vocab_size=512, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
@@ -39,7 +39,8 @@ def _small(name: str, vocab_chunk: int = 0):
     c.learner.update(token_budget=2048)
     c.rollout.update(num_slots=32)
     c.data.update(max_prompt_len=64, max_completion_len=192)
-  c.learner.vocab_chunk = vocab_chunk
+  c.learner.update(vocab_chunk=vocab_chunk, attention_chunk=attention_chunk)
+  c.rollout.attention_chunk = attention_chunk
   return config_lib.validate(c)
 
 
@@ -66,7 +67,7 @@ def _xla_decode_server(config, m) -> int:
   length = config.data.max_prompt_len + config.data.max_completion_len
   engine = Engine(m, mesh=_one_device_mesh(), num_slots=config.rollout.num_slots,
                   max_prefill_length=config.data.max_prompt_len, max_target_length=length,
-                  background_compile=False)
+                  background_compile=False, attention_chunk=config.rollout.attention_chunk)
   params = jax.eval_shape(lambda: models.init_params(m, jax.random.key(0)))
   state = jax.eval_shape(engine.init_decode_state)
   slots = jax.ShapeDtypeStruct((config.rollout.num_slots,), jnp.int32)
@@ -78,18 +79,19 @@ def _xla_decode_server(config, m) -> int:
   return max(held(step), held(refill))
 
 
-@pytest.mark.parametrize("name,vocab_chunk", [("narrow", 0), ("wide", 0), ("wide", 256)])
-def test_the_learner_estimate_is_within_20_percent_of_xla(name, vocab_chunk):
-  config = _small(name, vocab_chunk)
+@pytest.mark.parametrize("name,vocab_chunk,attention_chunk",
+                         [("narrow", 0, 0), ("wide", 0, 0), ("wide", 256, 0), ("wide", 256, 64)])
+def test_the_learner_estimate_is_within_20_percent_of_xla(name, vocab_chunk, attention_chunk):
+  config = _small(name, vocab_chunk, attention_chunk)
   m = config_lib.model_config(config)
   estimate = memory.learner(config, m, devices=1)
   assert 0.8 <= estimate.total / _xla_learner(config, m) <= 1.2
   assert estimate.terms["activations"] > 0.3 * estimate.total  # not a comparison of parameter counts
 
 
-@pytest.mark.parametrize("name", ["narrow", "wide"])
-def test_the_decode_server_estimate_is_within_20_percent_of_xla(name):
-  config = _small(name)
+@pytest.mark.parametrize("name,attention_chunk", [("narrow", 0), ("wide", 0), ("wide", 32)])
+def test_the_decode_server_estimate_is_within_20_percent_of_xla(name, attention_chunk):
+  config = _small(name, attention_chunk=attention_chunk)
   m = config_lib.model_config(config)
   estimate = memory.decode_server(config, m, devices=1)
   assert 0.8 <= estimate.total / _xla_decode_server(config, m) <= 1.2
@@ -140,3 +142,30 @@ def test_info_reports_each_role_and_whether_it_fits():
   lines, ok = info.memory_report(big, "v5p-8", "v6e-8")
   assert not ok and any("DOES NOT FIT one v5p-8 chip" in l for l in lines)
   assert any("decode server memory per device (8 devices)" in l for l in lines)
+
+
+def _shipped_configs():
+  import glob  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+    module = config_lib.config_module(path)
+    if hasattr(module, "ACCELERATORS"):
+      yield os.path.basename(path), module
+
+
+def test_every_shipped_accelerator_config_fits_with_the_margin_its_docstring_states():
+  from asyncrl_jax import info  # pylint: disable=import-outside-toplevel
+  shipped = list(_shipped_configs())
+  assert {name for name, _ in shipped} >= {"qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py",
+                                           "r1_distill_qwen_7b_v5p.py"}
+  for name, module in shipped:
+    acc = module.ACCELERATORS
+    config = config_lib.validate(module.get_config())
+    lines, ok = info.memory_report(config, acc["learner"], acc["rollout"], acc["margin"])
+    assert ok, (name, lines)
+    assert f"with {acc['margin']:.0%} of HBM to spare" in " ".join(module.__doc__.split()), name
+    # every learner chip holds whole rows: the token budget is a multiple of the rows' width per chip
+    _, chips = memory.chips(acc["learner"])
+    assert config.learner.token_budget % chips == 0, name
+    assert config.rl.max_staleness == 4 and config.learner.batch_size == 512 * 16, name

@@ -25,8 +25,9 @@ from asyncrl_jax.models.transformer import KVCache, Transformer
 Params = dict
 
 
-def _module(config: ModelConfig, mesh: Optional[Mesh], remat: bool = False) -> Transformer:
-  return Transformer(config, mesh, remat)
+def _module(config: ModelConfig, mesh: Optional[Mesh], remat: bool = False,
+            attention_chunk: int = 0) -> Transformer:
+  return Transformer(config, mesh, remat, attention_chunk)
 
 
 def _boxed_init(config: ModelConfig, mesh: Optional[Mesh]):
@@ -75,20 +76,23 @@ def _jitted_logits(config: ModelConfig, mesh: Optional[Mesh]):
 
 
 def apply_logits(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
-                 mesh: Optional[Mesh] = None, *, remat: bool = False) -> jax.Array:
-  """Traceable forward (use inside other jitted functions, e.g. a loss)."""
+                 mesh: Optional[Mesh] = None, *, remat: bool = False,
+                 attention_chunk: int = 0) -> jax.Array:
+  """Traceable forward (use inside other jitted functions, e.g. a loss); ``remat`` and
+  ``attention_chunk`` trade compute for memory (see ``Transformer``)."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, remat).apply({"params": params}, tokens_bt, positions_bt,
+    return _module(config, mesh, remat, attention_chunk).apply({"params": params}, tokens_bt, positions_bt,
                                               segment_ids_bt)
 
 
 def apply_hidden(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
-                 mesh: Optional[Mesh] = None, *, remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                 mesh: Optional[Mesh] = None, *, remat: bool = False,
+                 attention_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
   """Traceable forward up to the output projection: (final hidden states ``[B, T, D]``, head ``[D,
   V]``); ``hidden @ head`` are the logits. For a log-softmax computed a vocabulary chunk at a time."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, remat).apply({"params": params}, tokens_bt, positions_bt,
-                                              segment_ids_bt, hidden_only=True)
+    return _module(config, mesh, remat, attention_chunk).apply(
+        {"params": params}, tokens_bt, positions_bt, segment_ids_bt, hidden_only=True)
 
 
 def _check_tokens(config: ModelConfig, tokens, name: str = "tokens") -> None:
@@ -141,16 +145,17 @@ def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> KVCa
 
 
 def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,
-                 mesh: Optional[Mesh] = None, *, logits_at_b=None,
-                 cache_rows_b=None) -> tuple[jax.Array, KVCache]:
+                 mesh: Optional[Mesh] = None, *, logits_at_b=None, cache_rows_b=None,
+                 attention_chunk: int = 0) -> tuple[jax.Array, KVCache]:
   """Traceable cached forward: writes keys/values at ``positions_bt``; returns (logits [B,T,V], cache),
   or (logits [B,1,V] at ``logits_at_b`` only, cache) when a position per row is given (a prefill).
 
   ``cache_rows_b``: the rows are prefills from position 0 written into these cache rows (a cache with
   more rows than the batch, e.g. the decode slots); ids out of range are dropped (padding rows).
+  ``attention_chunk``: such a prefill attends that many queries at a time.
   """
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh).apply({"params": params}, tokens_bt, positions_bt, None, cache,
+    return _module(config, mesh, attention_chunk=attention_chunk).apply({"params": params}, tokens_bt, positions_bt, None, cache,
                                        logits_at_b, cache_rows_b)
 
 

@@ -11,6 +11,8 @@ One module serves training and decoding:
 * prefill into slots: ``Transformer(tokens_bt, positions_bt, cache=cache, cache_rows_b=rows)`` prefills
   rows that start at position 0 and writes their keys/values straight into cache rows ``rows`` (out of
   range: dropped). Attention runs over the new tokens only, so no second cache of the batch is built.
+* ``attention_chunk=C`` computes training and prefill attention C queries at a time, each block's mask
+  built from the segment ids, so no ``[B, T, T]`` mask or scores exist (decode steps are unchanged).
 * training with ``remat=True`` keeps only each block's input for the backward pass and recomputes the
   rest; ``hidden_only=True`` returns the final hidden states and the output projection instead of the
   logits, for a log-softmax that never holds ``[B, T, V]`` (``rl.logprobs``).
@@ -73,12 +75,50 @@ def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
   return out.astype(x_btnh.dtype)
 
 
+def _dense_attention(q_btkgh, key_bskh, val_bskh, mask_bts):
+  """Softmax attention of grouped queries over every key, ``mask_bts`` saying which are visible."""
+  h = q_btkgh.shape[-1]
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, key_bskh).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
+  scores = jnp.where(mask_bts[:, None, None, :, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q_btkgh.dtype)
+  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, val_bskh)
+
+
+def _blockwise_attention(q_btkgh, key_btkh, val_btkh, segment_ids_bt, chunk: int):
+  """Causal attention within segments, ``chunk`` queries at a time (training and prefill).
+
+  Equal to ``_dense_attention`` with ``training_mask(segment_ids_bt)``, but the mask is built per
+  block from the segment ids and each block is rematerialised, so neither pass holds more than one
+  ``[B, heads, chunk, T]`` block of scores, nor the ``[B, T, T]`` mask.
+  """
+  b, t = q_btkgh.shape[:2]
+  n = -(-t // chunk)
+  pad = n * chunk - t  # padded queries get segment 0 (padding) and are cut off at the end
+  q = jnp.pad(q_btkgh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+  seg_q = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
+  blocks = (q.reshape((b, n, chunk) + q.shape[2:]).swapaxes(0, 1), seg_q.reshape(b, n, chunk).swapaxes(0, 1),
+            jnp.arange(n * chunk).reshape(n, chunk))
+
+  @jax.checkpoint
+  def block(xs):
+    q_b, seg_b, idx_b = xs
+    mask = (seg_b[:, :, None] == segment_ids_bt[:, None, :]) & (idx_b[None, :, None] >= jnp.arange(t))
+    return _dense_attention(q_b, key_btkh, val_btkh, mask)
+
+  out = jax.lax.map(block, blocks)  # [n, B, chunk, K, G, H]
+  return out.swapaxes(0, 1).reshape((b, n * chunk) + out.shape[3:])[:, :t]
+
+
 class Attention(nn.Module):
+  """``mask`` is a boolean ``[B, T, S]`` (which keys each query sees), or, with ``attention_chunk``,
+  the ``[B, T]`` segment ids of a training row or prefill (causal within segments, blockwise)."""
+
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
+  attention_chunk: int = 0
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_btts, cache=None, cache_rows_b=None):
+  def __call__(self, x_btd, positions_bt, mask, cache=None, cache_rows_b=None):
     cfg = self.cfg
     n, k, h, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
     dt = _dtype(cfg.dtype)
@@ -111,11 +151,11 @@ class Attention(nn.Module):
 
     b, t = q.shape[:2]
     q = q.reshape(b, t, k, n // k, h)  # group query heads by the kv head they share
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, key).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
-    scores = jnp.where(mask_btts[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, val).reshape(b, t, n, h)
-    out = jnp.einsum("BTNH,NHD->BTD", out, wo.astype(dt))
+    if mask.ndim == 2:
+      out = _blockwise_attention(q, key, val, mask, self.attention_chunk)
+    else:
+      out = _dense_attention(q, key, val, mask)
+    out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
     return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
                       self.mesh), new_cache
 
@@ -139,11 +179,12 @@ class MLP(nn.Module):
 class Block(nn.Module):
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
+  attention_chunk: int = 0
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask_btts, cache=None, cache_rows_b=None):
-    attn, new_cache = Attention(self.cfg, self.mesh, name="attn")(
-        RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask_btts, cache, cache_rows_b)
+  def __call__(self, x_btd, positions_bt, mask, cache=None, cache_rows_b=None):
+    attn, new_cache = Attention(self.cfg, self.mesh, self.attention_chunk, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask, cache, cache_rows_b)
     x_btd = x_btd + attn
     x_btd = x_btd + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_btd))
     return x_btd, new_cache
@@ -175,6 +216,7 @@ class Transformer(nn.Module):
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
   remat: bool = False  # training: recompute each block in the backward pass
+  attention_chunk: int = 0  # training and prefill: queries per attention block (0: all at once)
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None,
@@ -188,17 +230,18 @@ class Transformer(nn.Module):
     if cache is None or cache_rows_b is not None:
       if segment_ids_bt is None:
         segment_ids_bt = jnp.ones_like(tokens_bt)
-      mask = training_mask(segment_ids_bt)
+      # blockwise: each attention block builds its own part of the mask from the segment ids
+      mask = segment_ids_bt if self.attention_chunk else training_mask(segment_ids_bt)
     else:
       mask = cache_mask(positions_bt, cache[0][0].shape[1])
     block = nn.remat(Block) if self.remat and cache is None else Block
     new_cache = []
     for i in range(cfg.num_layers):
+      layer = block(cfg, self.mesh, self.attention_chunk, name=f"layer_{i}")
       if cache is None:
-        x, layer_cache = block(cfg, self.mesh, name=f"layer_{i}")(x, positions_bt, mask)
+        x, layer_cache = layer(x, positions_bt, mask)
       else:
-        x, layer_cache = block(cfg, self.mesh, name=f"layer_{i}")(x, positions_bt, mask, cache[i],
-                                                                  cache_rows_b)
+        x, layer_cache = layer(x, positions_bt, mask, cache[i], cache_rows_b)
       new_cache.append(layer_cache)
     if logits_at_b is not None:
       x = jnp.take_along_axis(x, logits_at_b[:, None, None], axis=1)  # [B, 1, D]

@@ -99,19 +99,20 @@ def _aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
 
 def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
                    temperature: float = 1.0, mesh: Optional[Mesh] = None, with_entropy: bool = False,
-                   remat: bool = False, vocab_chunk: int = 0):
+                   remat: bool = False, vocab_chunk: int = 0, attention_chunk: int = 0):
   """Traceable: forward + aligned log-probs (use inside a jitted loss).
 
   ``vocab_chunk``: columns per chunk of the log-softmax (0: the whole vocabulary at once, through
   ``[B, T, V]`` logits). ``remat``: recompute each block's activations in the backward pass.
+  ``attention_chunk``: queries per attention block (0: all at once, through ``[B, heads, T, T]``).
   """
   if not vocab_chunk:
     logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
-                              remat=remat)
+                              remat=remat, attention_chunk=attention_chunk)
     return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
                                 with_entropy=with_entropy)
   hidden, head = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
-                                  remat=remat)
+                                  remat=remat, attention_chunk=attention_chunk)
   logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
                                      temperature=temperature)
   return _aligned(logp, entropy, segment_ids_bt, with_entropy)

@@ -23,8 +23,8 @@ def _finite_or_none(x: float) -> Optional[float]:
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
   """Static (hashable) loss options, taken from the ``rl`` config section (and the learner's memory
-  options ``learner.remat`` and ``learner.vocab_chunk``, which change how the forward pass runs, not
-  what it computes)."""
+  options ``learner.remat``, ``learner.vocab_chunk`` and ``learner.attention_chunk``, which change how
+  the forward pass runs, not what it computes)."""
   loss: str = "decoupled_ppo"
   eps_clip: float = 0.2
   eps_low: float = 0.3
@@ -35,6 +35,7 @@ class LossSettings:
   temperature: float = 1.0
   remat: bool = False
   vocab_chunk: int = 0
+  attention_chunk: int = 0
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
@@ -44,7 +45,8 @@ class LossSettings:
                behav_weight_floor=config.rl.behav_weight_floor or None,
                behav_weight_clip=_finite_or_none(config.rl.behav_weight_clip),
                temperature=config.rollout.temperature or 1.0,
-               remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk))
+               remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
+               attention_chunk=int(config.learner.attention_chunk))
 
 
 def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model: ModelConfig,
@@ -62,7 +64,8 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
     raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
   logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
                                  temperature=settings.temperature, mesh=mesh, with_entropy=True,
-                                 remat=settings.remat, vocab_chunk=settings.vocab_chunk)
+                                 remat=settings.remat, vocab_chunk=settings.vocab_chunk,
+                                 attention_chunk=settings.attention_chunk)
   if prox_is_current:
     prox_logp = jax.lax.stop_gradient(logp) if losses.needs_prox(settings.loss) else None
   return losses.policy_loss(

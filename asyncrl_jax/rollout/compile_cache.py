@@ -24,8 +24,10 @@ class ShapedPrefill:
 
   MAX_DETOUR = 4
 
-  def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool, sharding=None):
+  def __init__(self, fn, name: str, num_slots: int, max_len: int, background: bool, sharding=None,
+               max_tokens: int = 0):
     self.fn, self.name, self.num_slots, self.max_len = fn, name, num_slots, max_len
+    self.max_tokens = max_tokens  # no call of more tokens than this, but for single rows (0: no cap)
     self.sharding = sharding  # where the host's tokens and row arguments go (replicated on the mesh)
     self.background = background
     self._ready: set = set()
@@ -47,13 +49,15 @@ class ShapedPrefill:
   def __call__(self, params, state, lengths, tokens, row_args, call_overhead: int):
     """Prefills row ``i`` (``tokens[i, :lengths[i]]``, for each ``lengths[i] > 0``) with its
     ``row_args`` entries: ``row_args`` is a list of (int array [N], padding value)."""
-    wanted = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead)
+    wanted = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead,
+                          max_tokens=self.max_tokens)
     plan = wanted
     if self.background and wanted:
       ready = self.compiled
       missing = {(rows, width) for _, rows, width in wanted} - ready
       if missing:
-        usable = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead, available=ready)
+        usable = prefill_plan(lengths, self.num_slots, self.max_len, call_overhead, available=ready,
+                              max_tokens=self.max_tokens)
         # Compiled shapes are used only if they cost at most MAX_DETOUR x the wanted plan's tokens (a
         # large shape for a few rows costs memory as well as time); else the wanted plan runs now.
         if usable is not None and plan_tokens(usable) <= self.MAX_DETOUR * plan_tokens(wanted):
@@ -74,7 +78,8 @@ class ShapedPrefill:
     return state
 
   def warm_up(self, params, state, num_row_args: int) -> None:
-    self._compile_later(params, state, prefill_shapes(self.num_slots, self.max_len), num_row_args)
+    self._compile_later(params, state, prefill_shapes(self.num_slots, self.max_len, self.max_tokens),
+                        num_row_args)
 
   def _compile_later(self, params, state, shapes, num_row_args: int) -> None:
     """Queues ``shapes`` (in order) for compilation by one background worker, from abstract arguments."""

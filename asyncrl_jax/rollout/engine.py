@@ -83,12 +83,16 @@ class Engine(engine_api.Engine):
     background_compile: compile the batched-prefill shapes (new prompts, re-prefill after a weight
       update) that a call wants in a background thread, using compiled ones meanwhile (False: compile
       each when first needed, blocking the caller).
+    attention_chunk: prefills attend this many queries at a time (0: all at once).
+    prefill_tokens: no batched-prefill call computes more tokens than this, unless it is one row (0:
+      no cap); bounds a re-prefill's activation memory at long lengths.
   """
 
   def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
                max_target_length: int, sampling: SamplingSettings = SamplingSettings(),
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
-               hf_path: str = "", seed: int = 0, background_compile: bool = True):
+               hf_path: str = "", seed: int = 0, background_compile: bool = True,
+               attention_chunk: int = 0, prefill_tokens: int = 0):
     if max_target_length > config.max_seq_len:
       raise ValueError(f"max_target_length={max_target_length} exceeds model.max_seq_len="
                        f"{config.max_seq_len}")
@@ -100,6 +104,7 @@ class Engine(engine_api.Engine):
       raise ValueError(f"num_slots={num_slots} must be a multiple of the rollout mesh's data x fsdp "
                        f"size {batch_ways}")
     self.config = config
+    self.attention_chunk = attention_chunk
     self._mesh = mesh
     self.num_slots = num_slots
     self._max_prefill = max_prefill_length
@@ -123,18 +128,20 @@ class Engine(engine_api.Engine):
     state = self._state_shardings()
     self._jit_prefill_insert = jax.jit(bounded_traces(
         _function(self._prefill_insert_impl), "prefill_insert",
-        len(prefill_shapes(num_slots, max_prefill_length))), donate_argnums=(1,),
+        len(prefill_shapes(num_slots, max_prefill_length, prefill_tokens))), donate_argnums=(1,),
         in_shardings=(self.param_shardings, state) + (self._replicated,) * 4, out_shardings=state)
     self._jit_refill = jax.jit(bounded_traces(
-        _function(self._refill_impl), "refill", len(prefill_shapes(num_slots, max_target_length))),
+        _function(self._refill_impl), "refill",
+        len(prefill_shapes(num_slots, max_target_length, prefill_tokens))),
         donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 3,
         out_shardings=state)
     self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
     self._prefill_insert_calls = ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
                                                 max_prefill_length, background_compile,
-                                                sharding=self._replicated)
+                                                sharding=self._replicated, max_tokens=prefill_tokens)
     self._refill_calls = ShapedPrefill(self._jit_refill, "refill", num_slots, max_target_length,
-                                        background_compile, sharding=self._replicated)
+                                        background_compile, sharding=self._replicated,
+                                        max_tokens=prefill_tokens)
 
   # ------------------------------------------------------------------ JetStream API: properties
 
@@ -417,7 +424,8 @@ class Engine(engine_api.Engine):
     # next-token logits at each row's last prompt token only: [N, 1, V], not [N, P, V]
     # Cache entries beyond a row's length may hold padding's keys; they are never read (see transformer).
     logits, cache = models.apply_decode(self.config, params, tokens_np, positions, state.cache,
-                                        logits_at_b=jnp.maximum(lengths_n - 1, 0), cache_rows_b=slots_n)
+                                        logits_at_b=jnp.maximum(lengths_n - 1, 0), cache_rows_b=slots_n,
+                                        attention_chunk=self.attention_chunk)
     return state.replace(cache=cache,
                          logits=state.logits.at[slots_n].set(logits[:, 0], mode="drop"),
                          positions=state.positions.at[slots_n].set(lengths_n, mode="drop"))
@@ -447,4 +455,6 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
                 sampling=SamplingSettings.from_config(config), tokenizer_path=config.data.tokenizer_path, params=params,
-                hf_path=config.model.hf_path, seed=config.seed if seed is None else seed)
+                hf_path=config.model.hf_path, seed=config.seed if seed is None else seed,
+                attention_chunk=config.rollout.attention_chunk,
+                prefill_tokens=config.rollout.prefill_tokens)

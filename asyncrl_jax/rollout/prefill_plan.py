@@ -28,16 +28,24 @@ def row_bucket(n: int, num_slots: int) -> int:
   return min(rows, num_slots)
 
 
-def prefill_shapes(num_slots: int, max_len: int) -> list[tuple[int, int]]:
-  """Every (rows, width) shape a batched prefill may use, the covering one (all slots, full width)
-  first, then by decreasing rows and width."""
+def _within(rows: int, width: int, max_tokens: int) -> bool:
+  """Whether one call of ``rows`` x ``width`` keeps under ``max_tokens`` (0: no cap); one row always
+  does, or a long sequence could never be prefilled."""
+  return not max_tokens or rows == 1 or rows * width <= max_tokens
+
+
+def prefill_shapes(num_slots: int, max_len: int, max_tokens: int = 0) -> list[tuple[int, int]]:
+  """Every (rows, width) shape a batched prefill may use, the covering one (most slots, full width)
+  first, then by decreasing rows and width; with ``max_tokens``, only shapes of at most that many
+  tokens (and single rows), which bounds a call's activation memory."""
   rows = sorted({row_bucket(n, num_slots) for n in range(1, num_slots + 1)}, reverse=True)
   widths = sorted({bucket_length(n, max_len) for n in range(1, max_len + 1)}, reverse=True)
-  return [(r, w) for r in rows for w in widths]
+  return [(r, w) for r in rows for w in widths if _within(r, w, max_tokens)]
 
 
 def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 256,
-                  available: Optional[set] = None) -> Optional[list[tuple[np.ndarray, int, int]]]:
+                  available: Optional[set] = None,
+                  max_tokens: int = 0) -> Optional[list[tuple[np.ndarray, int, int]]]:
   """Splits the rows to prefill (``lengths_s > 0``) into calls that waste the fewest padded tokens.
 
   Used for the re-prefill of every busy slot after a weight update, and for new prompts. A call
@@ -54,6 +62,7 @@ def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 2
     available: if given, only these ``(rows, width)`` shapes may be used (e.g. the compiled ones), a
       group of ``k`` slots going into the cheapest shape with ``rows >= k`` and a wide enough width;
       otherwise ``rows = row_bucket(k)`` and ``width = bucket_length(longest)``.
+    max_tokens: no call computes more than this many tokens unless it is a single row (0: no cap).
 
   Returns:
     [(slot indices, rows, width)], longest group first, every busy slot in exactly one group; None if
@@ -70,9 +79,10 @@ def prefill_plan(lengths_s, num_slots: int, max_len: int, call_overhead: int = 2
   for need in set(needs):
     if available is None:
       shape_for[need] = [None] + [(row_bucket(k, num_slots) * need, row_bucket(k, num_slots), need)
+                                  if _within(row_bucket(k, num_slots), need, max_tokens) else None
                                   for k in range(1, n + 1)]
     else:
-      fits = [(r * w, r, w) for r, w in available if w >= need]
+      fits = [(r * w, r, w) for r, w in available if w >= need and _within(r, w, max_tokens)]
       shape_for[need] = [None] + [min((f for f in fits if f[1] >= k), default=None)
                                   for k in range(1, n + 1)]
   best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j slots (in sorted order)

@@ -95,3 +95,18 @@ def test_a_slot_prefill_builds_no_second_cache():
   temp = lambda f: compile_(f).memory_analysis().temp_size_in_bytes
   assert temp(_old_style_slot_prefill) >= second  # the control holds it
   assert temp(_slot_prefill) < temp(_old_style_slot_prefill) - 0.9 * second
+
+
+def test_a_blockwise_slot_prefill_equals_the_dense_one():
+  params = sharp_params(CFG, 3)
+  rng = np.random.default_rng(3)
+  cache = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), models.init_cache(CFG, 4, 40))
+  tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, (3, 21)), jnp.int32)
+  slots, n, p = jnp.asarray([2, 0, 4], jnp.int32), 3, 21
+  positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
+  at = jnp.asarray([20, 9, 14], jnp.int32)
+  want = models.apply_decode(CFG, params, tokens, positions, cache, logits_at_b=at, cache_rows_b=slots)
+  got = models.apply_decode(CFG, params, tokens, positions, cache, logits_at_b=at, cache_rows_b=slots,
+                            attention_chunk=8)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

@@ -144,3 +144,31 @@ def test_the_memory_options_are_validated():
   config.learner.vocab_chunk = -1
   with pytest.raises(config_lib.ConfigError, match=r"learner\.vocab_chunk=-1"):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize("chunk", [8, 7, 64])  # divides the width; does not (padded queries); one block
+def test_blockwise_attention_gives_the_same_logprobs_and_gradients(chunk):
+  params = sharp_params(CFG, 3)
+  tokens, positions, segments = _batch()  # two sequences packed in a row, padding at a row's end
+
+  def loss(p, **options):
+    logp = token_logprobs(CFG, p, tokens, positions, segments, **options)
+    return jnp.sum(logp * jnp.arange(logp.shape[1])), logp
+
+  (_, want), want_grad = jax.value_and_grad(loss, has_aux=True)(params)
+  (_, got), got_grad = jax.value_and_grad(functools.partial(loss, attention_chunk=chunk, remat=True),
+                                          has_aux=True)(params)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+  for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-5)
+
+
+def test_blockwise_attention_holds_one_block_of_scores():
+  cfg = models.ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+                           num_heads=8, num_kv_heads=2, max_seq_len=1024)
+  scores = 2 * cfg.num_heads * 1024 * 1024 * 4  # [rows, heads, T, T] float32, one copy: 64 MiB
+  dense = _grad_temp_bytes(cfg, 2, 1024)
+  blockwise = _grad_temp_bytes(cfg, 2, 1024, attention_chunk=128)
+  block = scores * 128 // 1024  # one block of 128 queries
+  assert dense >= 2 * scores  # the control holds several copies per layer
+  assert blockwise < dense / 4 and blockwise < 6 * block  # a few copies of one block, per pass

@@ -20,10 +20,10 @@ def params():
   return sharp_params(CFG, 0)
 
 
-def _engine(params, sampling, slots=4, devices=2, seed=0):
+def _engine(params, sampling, slots=4, devices=2, seed=0, **options):
   mesh = sharding.make_mesh(jax.devices()[:devices], dict(data=-1, fsdp=1, tensor=1))
   return Engine(CFG, mesh=mesh, num_slots=slots, max_prefill_length=16, max_target_length=48,
-                sampling=sampling, params=params, seed=seed)
+                sampling=sampling, params=params, seed=seed, **options)
 
 
 def _prompts(n, seed=0):
@@ -201,10 +201,12 @@ def test_prefill_plan_cover_every_busy_slot_once_at_a_wide_enough_bucket():
     assert sum(r * w + 256 for _, r, w in groups) <= one_call + 256 * bool(busy)
 
 
-def test_refill_recomputes_every_busy_slot_as_a_full_forward(params):
+@pytest.mark.parametrize("options", [{}, dict(attention_chunk=8, prefill_tokens=64)])
+def test_refill_recomputes_every_busy_slot_as_a_full_forward(params, options):
   """Slots of very different lengths (several groups), one idle: after a refill under new weights each
-  busy slot's next-token logits and the next greedy step equal a full forward of its sequence."""
-  engine = _engine(params, SamplingSettings(temperature=0.0), slots=8)
+  busy slot's next-token logits and the next greedy step equal a full forward of its sequence; also
+  with blockwise attention and a cap on each call's tokens."""
+  engine = _engine(params, SamplingSettings(temperature=0.0), slots=8, **options)
   old = engine.place_params(sharp_params(CFG, 5))
   state = engine.prefill_insert(old, engine.init_decode_state(), _prompts(8, seed=4), list(range(8)))
   rng = np.random.default_rng(2)
@@ -224,6 +226,8 @@ def test_refill_recomputes_every_busy_slot_as_a_full_forward(params):
     seq.append(int(step_tokens[i]))
     want = np.asarray(models.logits(CFG, params, np.array([seq], np.int32)))[0, -1]
     np.testing.assert_allclose(after[i], want, atol=1e-4)  # the cache the refill wrote is right
+  if options:
+    assert all(r * w <= 64 or r == 1 for r, w in engine.compiled_shapes()["refill"])
 
 
 def test_refill_rejects_bad_shapes_and_lengths(params):

@@ -1,0 +1,22 @@
+"""The Qwen2.5-1.5B math run of ``configs/qwen2_5_1_5b.py`` on Cloud TPU v6e: a v6e-16 learner (16
+chips, 4 hosts) and 6 single-host v6e-8 decode servers (48 chips), the 3:1 rollout:learner split.
+
+Same objective, batch (512 prompts x 16 responses, AReaL), lengths, eta and per-device micro-batch as
+the v5p config. A v6e chip has 32 GiB of HBM, a third of a v5p chip's, so each decode server spreads
+its 128 slots over 8 chips (16 per chip). Memory (``python -m asyncrl_jax info
+--config=configs/qwen2_5_1_5b_v6e.py --accelerator=v6e-16 --rollout_accelerator=v6e-8``): each role
+fits its chips with 20% of HBM to spare (``ACCELERATORS``; tests/test_memory.py checks it).
+"""
+
+from asyncrl_jax.config import config_module
+
+_base = config_module("qwen2_5_1_5b.py", beside=__file__)
+
+ACCELERATORS = dict(learner="v6e-16", rollout="v6e-8", margin=0.2)
+
+
+def get_config():
+  c = _base.get_config()
+  c.learner.token_budget = 16 * 32768  # 16 learner chips, 32768 tokens each
+  c.rollout.prefill_tokens = 8 * 28672  # one full-length row per chip of a server
+  return c
