@@ -50,6 +50,7 @@ OVERRIDES = {
     "checkpoint.every_steps": 1, "checkpoint.max_to_keep": VERSIONS,
     # the real config computes in bfloat16; float32 here so that logits compare with transformers' at 1e-4
     "model.dtype": "float32",
+    "learner.ppo_minibatches": 1,  # the config's 4 optimizer updates per version only cost time here
 }
 
 
@@ -219,13 +220,16 @@ def _decode_text(stub, text: str, max_tokens: int):
   return tokens, "".join(pieces)
 
 
-def test_serve_on_the_hf_export_gives_our_greedy_tokens(exports, final, inputs):
+@pytest.mark.parametrize("fmt", ["hf", "orbax"])
+def test_serve_on_each_export_gives_our_greedy_tokens(exports, final, inputs, fmt):
   import grpc  # pylint: disable=import-outside-toplevel
   import portpicker  # pylint: disable=import-outside-toplevel
   model_config, params = final
   port = portpicker.pick_unused_port()
-  # the tokenizer comes from the export directory (serve finds its tokenizer.json)
-  server = subprocess.Popen([sys.executable, "-m", "asyncrl_jax", "serve", f"--checkpoint={exports.hf}",
+  # the HF export holds the tokenizer (serve finds its tokenizer.json); the Orbax one is params only
+  tokenizer = [] if fmt == "hf" else [f"--tokenizer={inputs.tokenizer_dir}"]
+  server = subprocess.Popen([sys.executable, "-m", "asyncrl_jax", "serve",
+                             f"--checkpoint={getattr(exports, fmt)}", *tokenizer,
                              f"--port={port}", "--slots=2", "--max_prefill_length=32",
                              "--max_target_length=64"],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
