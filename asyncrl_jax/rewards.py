@@ -29,18 +29,30 @@ def _math_verify(completion: str, answer: str) -> float:
 
 
 class MathReward:
-  """``math-verify`` reward with a per-call timeout (seconds), in a small process pool."""
+  """``math-verify`` reward with a per-call timeout (seconds), in a small process pool.
 
-  def __init__(self, timeout: float = 5.0, workers: int = 1):
-    self.timeout = timeout
+  The timeout bounds one verification, not the worker's start: a new pool (at first and after a
+  timeout kills a hung worker) first verifies a trivial answer, waiting up to ``startup_timeout``.
+  Without that, on a loaded host the spawn and the import of math-verify (sympy) alone outlast the
+  timeout, every call times out, restarts the pool and scores 0, and the run trains on zeros.
+  """
+
+  def __init__(self, timeout: float = 5.0, workers: int = 1, startup_timeout: float = 300.0):
+    self.timeout, self.startup_timeout = timeout, startup_timeout
     self._workers = workers
     self._pool = self._new_pool()
     self.timeouts = 0
 
   def _new_pool(self) -> cf.ProcessPoolExecutor:
     # "spawn", not fork: forking a process that runs JAX threads can deadlock the child.
-    return cf.ProcessPoolExecutor(max_workers=self._workers,
+    pool = cf.ProcessPoolExecutor(max_workers=self._workers,
                                   mp_context=multiprocessing.get_context("spawn"))
+    try:
+      pool.submit(_math_verify, "1", "1").result(timeout=self.startup_timeout)
+    except cf.TimeoutError:
+      pool.shutdown(wait=False, cancel_futures=True)
+      raise RuntimeError(f"math-verify did not start within {self.startup_timeout:.0f} s") from None
+    return pool
 
   def __call__(self, completion: str, answer: str) -> float:
     future = self._pool.submit(_math_verify, completion, answer)

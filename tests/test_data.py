@@ -96,6 +96,12 @@ def test_math_verify_reward_and_timeout():
     assert reward("The answer is $8$.", "7") == 0.0
   finally:
     reward.close()
+  # the per-call timeout does not count the worker's start (spawn + importing sympy takes seconds)
+  warm = MathReward(timeout=1.0)
+  try:
+    assert warm("The answer is $7$.", "7") == 1.0 and warm.timeouts == 0
+  finally:
+    warm.close()
   hasty = MathReward(timeout=1e-6)
   try:
     assert hasty("\\boxed{1}", "1") == 0.0 and hasty.timeouts == 1
