@@ -36,19 +36,17 @@ class ConfigError(ValueError):
   """A configuration value is not allowed. The message names the field."""
 
 
-def base_config() -> ml_collections.ConfigDict:
-  """Every field with its default. Experiments override; they never add fields."""
-  c = ml_collections.ConfigDict()
-  c.seed = 0
-  c.steps = 100  # learner updates (policy versions) to train for
-
-  c.model = ml_collections.ConfigDict(dict(
+def _model_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       hf_path="",  # when set, architecture and weights come from this HF directory
       vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
       num_kv_heads=2, head_dim=0, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
       tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",
   ))
-  c.data = ml_collections.ConfigDict(dict(
+
+
+def _data_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       task="arithmetic",  # built-in task; "jsonl" / "tfds" read prepared math data
       path="",  # file or TFDS data_dir for non-built-in tasks
       tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
@@ -59,7 +57,10 @@ def base_config() -> ml_collections.ConfigDict:
       eval_problems=256,  # held-out problems per evaluation
       eval_samples=4,  # sampled completions per held-out problem (pass@1); 0 = greedy accuracy only
   ))
-  c.rollout = ml_collections.ConfigDict(dict(
+
+
+def _rollout_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       num_slots=32,  # per decode server (one per rollout host, or per decode-server process)
       temperature=1.0, top_p=1.0, top_k=0,
       logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
@@ -83,7 +84,10 @@ def base_config() -> ml_collections.ConfigDict:
       # tokens (rows x width) per batched-prefill call at most, single rows excepted (0: no cap)
       prefill_tokens=0,
   ))
-  c.learner = ml_collections.ConfigDict(dict(
+
+
+def _learner_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       batch_size=32,  # trajectories per policy update (B in the staleness bound)
       token_budget=4096,  # tokens per micro-batch (dynamic micro-batching)
       learning_rate=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999,
@@ -96,7 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
       # this many queries at a time (0: all at once, through [rows, heads, width, width] scores)
       remat=False, vocab_chunk=0, attention_chunk=0,
   ))
-  c.rl = ml_collections.ConfigDict(dict(
+
+
+def _rl_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
       # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
       # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
@@ -108,7 +115,10 @@ def base_config() -> ml_collections.ConfigDict:
       # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)
       aggregation="token_mean",
   ))
-  c.mesh = ml_collections.ConfigDict(dict(
+
+
+def _mesh_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       rollout_fraction=0.75,  # share of devices for decode servers (3:1 as in AReaL)
       # True: decode servers and learner share every device, taking turns (one-device machines, and the
       # colocated synchronous baseline); rollout_fraction is then unused
@@ -116,9 +126,26 @@ def base_config() -> ml_collections.ConfigDict:
       learner=ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
       rollout=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),
   ))
-  c.checkpoint = ml_collections.ConfigDict(dict(
+
+
+def _checkpoint_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
       every_steps=20, max_to_keep=3, async_save=True,
   ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field with its default. Experiments override; they never add fields."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.steps = 100  # learner updates (policy versions) to train for
+  c.model = _model_section()
+  c.data = _data_section()
+  c.rollout = _rollout_section()
+  c.learner = _learner_section()
+  c.rl = _rl_section()
+  c.mesh = _mesh_section()
+  c.checkpoint = _checkpoint_section()
   return c
 
 
