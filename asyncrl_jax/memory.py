@@ -90,11 +90,6 @@ def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, t
   return dict(residuals=tokens * per_token * a, attention=scores)
 
 
-def _row_buckets(num_slots: int) -> list[int]:
-  from asyncrl_jax.rollout.prefill_plan import row_bucket  # pylint: disable=import-outside-toplevel
-  return sorted({row_bucket(n, num_slots) for n in range(1, num_slots + 1)})
-
-
 def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of the learner on ``devices`` devices (its mesh from ``config.mesh.learner``)."""
   data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
@@ -136,11 +131,9 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   # One block at a time is live in a prefill (nothing is kept for a backward pass), and within it
   # either the attention (scores, or one block of them) or the MLP's three [tokens, F] intermediates.
   # The largest call: every slot at full length, or as many rows as rollout.prefill_tokens allows.
-  cap = int(config.rollout.prefill_tokens)
-  rows = int(config.rollout.num_slots)
-  if cap:
-    rows = max(1, min(rows, max(r for r in _row_buckets(rows) if r == 1 or r * length <= cap)))
-  rows = -(-rows // (data * fsdp))
+  from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
+  shapes = prefill_shapes(int(config.rollout.num_slots), length, int(config.rollout.prefill_tokens))
+  rows = -(-max(r for r, w in shapes if w == length) // (data * fsdp))
   tokens = rows * length
   attention = _block_activations(m, tokens, rows, length, tensor,
                                  int(config.rollout.attention_chunk))["attention"]
