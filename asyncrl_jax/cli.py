@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 
 def ensure_cpu_devices(n: int) -> None:
-  """Asks XLA for ``n`` virtual CPU devices unless the user chose a count. Call before importing jax."""
+  """Asks XLA for ``n`` virtual CPU devices unless the user chose a count. Call before importing jax.
+  (Every entry point calls this first, so it also arms ``kill -USR1 PID``: every thread's stack to
+  stderr, for a process that seems stuck.)"""
+  faulthandler.register(signal.SIGUSR1, all_threads=True)
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()

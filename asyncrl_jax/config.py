@@ -71,6 +71,13 @@ def _rollout_section() -> ml_collections.ConfigDict:
       servers=0, registry_port=0, learner_address="",
       register_timeout=600.0,  # seconds the learner waits for rollout.servers to register
       push_timeout=300.0,  # seconds a decode server may take to pull a version of the weights
+      # a decode server that has not answered a health check for this many seconds (killed, stalled)
+      # is dropped: its requests go to the others, and no weight push waits for it
+      server_deadline=30.0,
+      push_retries=2,  # a failed pull is retried (new uuid, newest version) this often, then dropped
+      # a rollout that comes back failed or malformed is resubmitted under its id this often, then
+      # trained as a failed rollout (reward 0, counted)
+      max_retries=2,
       # on new weights: "recompute" re-prefills every in-flight sequence under them (exact); "keep_cache"
       # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
       # still those of the distribution each token was drawn from)
@@ -261,8 +268,10 @@ def _validate_rollout(config) -> None:
     _number(config, port, lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)", integer=True)
   _number(config, "rollout.servers", lambda v: v >= 0, "an integer >= 0 (0 = decode in this process)",
           integer=True)
-  for timeout in ("rollout.register_timeout", "rollout.push_timeout"):
+  for timeout in ("rollout.register_timeout", "rollout.push_timeout", "rollout.server_deadline"):
     _number(config, timeout, lambda v: v > 0, "a number of seconds > 0")
+  for retries in ("rollout.push_retries", "rollout.max_retries"):
+    _number(config, retries, lambda v: v >= 0, "an integer >= 0", integer=True)
   address = config.rollout.learner_address
   _check(not address or (address.rpartition(":")[0] and address.rpartition(":")[2].isdigit()),
          "rollout.learner_address", address, "must be HOST:PORT (or empty)")

@@ -11,13 +11,18 @@ makes the set of trained prompts a function of the seed and the number of steps 
 makes resuming exact: a checkpoint at version ``k`` resumes the prompt stream at batch ``k``'s first
 prompt.
 
-Duplicate deliveries are dropped by trajectory id. Aborted rollouts are resubmitted under the same id.
-A rollout that failed (``finish_reason == "error"``) keeps its place in the group with no tokens and
-reward 0, so a bad prompt cannot stall training; failures are counted in the metrics.
+Duplicate deliveries are dropped by trajectory id. A rollout that comes back aborted, failed
+(``finish_reason == "error"``) or malformed (``check_trajectory``: a prompt other than the request's,
+tokens outside the vocabulary, versions that decrease or come from the future, log-probs that are not
+finite or positive, more tokens than asked for) is resubmitted under the same id up to
+``max_retries`` times; then it keeps its place in the group with no tokens and reward 0 (a failed
+rollout), so a bad prompt or server cannot stall training. Every rejection is counted by reason
+(``rejected``), failures too.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -65,6 +70,30 @@ class TrainingBatch:
   failed: int
 
 
+def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int
+                     ) -> str:
+  """Why ``t`` (returned for ``request``) cannot be trained, or "" if it can. Failed and aborted
+  trajectories are not checked here (they carry no usable tokens)."""
+  n = len(t.completion_tokens)
+  if list(t.prompt_tokens) != list(request.prompt_tokens):
+    return "prompt differs from the request's"
+  if n == 0:
+    return "no completion tokens"
+  if n > request.max_new_tokens:
+    return f"{n} completion tokens, more than max_new_tokens={request.max_new_tokens}"
+  if len(t.logprobs) != n or len(t.versions) != n:
+    return f"{n} tokens but {len(t.logprobs)} log-probs and {len(t.versions)} versions"
+  if t.completion_tokens.min() < 0 or t.completion_tokens.max() >= vocab_size:
+    return f"a token outside the vocabulary [0, {vocab_size})"
+  if not np.all(np.isfinite(t.logprobs)) or t.logprobs.max() > 1e-3:
+    return "a log-prob that is not finite or is positive"
+  if t.versions.min() < 0 or np.any(np.diff(t.versions) < 0):
+    return "versions that decrease along the sequence (or are negative)"
+  if t.versions.max() > newest_version:
+    return f"a token of version {int(t.versions.max())}, newer than the learner's {newest_version}"
+  return ""
+
+
 class Controller:
   """Feeds a rollout backend (anything with ``submit(*requests)``) and assembles training batches."""
 
@@ -73,7 +102,8 @@ class Controller:
                reward: Callable[[str, str], float], batch_size: int,
                group_size: int, max_new_tokens: int, advantage: str = "group",
                scale_by_std: bool = False, reward_threads: int = 2,
-               reward_source: str = "exact_answer"):
+               reward_source: str = "exact_answer", max_retries: int = 2,
+               newest_version: Optional[Callable[[], int]] = None):
     if advantage != "group":
       raise NotImplementedError("the built-in loop computes group-relative advantages; rl.advantage="
                                 "'value' needs a critic, which the main job does not train yet")
@@ -95,14 +125,20 @@ class Controller:
     self._seen: set[str] = set()
     self._batch_states: dict[int, dict] = {}
     self._cond = threading.Condition()
+    self.newest_version = newest_version or version  # no token may be newer than this
+    self.max_retries = max_retries
+    self._retries: collections.Counter = collections.Counter()  # request id -> resubmissions
     self.duplicates = 0
     self.failed = 0
+    self.rejected: collections.Counter = collections.Counter()  # reason -> rejected trajectories
+    self.retried = 0
     self._rewards = RewardWorker(reward, self._on_reward, threads=reward_threads, decode=tokenizer.decode)
 
   @classmethod
   def from_config(cls, config, *, prompts: PromptStream, tokenizer: Tokenizer, submit: Callable,
                   version: Callable[[], int], reward: Callable[[str, str], float],
-                  num_servers: int) -> "Controller":
+                  num_servers: int, newest_version: Optional[Callable[[], int]] = None
+                  ) -> "Controller":
     """The main job's controller: ``rl`` and ``learner`` sections, a staleness manager sized to the
     decode slots of ``num_servers`` servers (whole groups), restored at the current ``version()``."""
     group = config.rl.group_size
@@ -114,8 +150,9 @@ class Controller:
     return cls(prompts=prompts, tokenizer=tokenizer, submit=submit, manager=manager, version=version,
                reward=reward, batch_size=config.learner.batch_size, group_size=group,
                max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
-               scale_by_std=config.rl.scale_by_std,
-               reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify")
+               scale_by_std=config.rl.scale_by_std, max_retries=config.rollout.max_retries,
+               reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify",
+               newest_version=newest_version)
 
   # ------------------------------------------------------------------ admission
 
@@ -165,13 +202,24 @@ class Controller:
         log.warning("dropping trajectory %s of unknown group %s", t.trajectory_id, t.group_id)
         self.duplicates += 1
         return
-      if t.finish_reason == "aborted":
-        resubmit = group.requests[t.trajectory_id]
-      else:
-        resubmit = None
+      request = group.requests[t.trajectory_id]
+      reason = self._rejection(t, request)
+      resubmit = None
+      if reason:
+        self.rejected[reason.split(":")[0]] += 1
+        if self._retries[t.trajectory_id] < self.max_retries:
+          self._retries[t.trajectory_id] += 1
+          self.retried += 1
+          resubmit = request
+        else:  # out of retries: trained as a failed rollout
+          t = dataclasses.replace(t, finish_reason="error", error=f"{reason} (after "
+                                  f"{self.max_retries} retries)")
+      if resubmit is None:
         self._seen.add(t.trajectory_id)
         group.trajectories[t.trajectory_id] = t
     if resubmit is not None:
+      log.warning("rollout %s rejected (%s); resubmitted (%d of %d)", t.trajectory_id, reason,
+                  self._retries[t.trajectory_id], self.max_retries)
       self._submit(resubmit)
       return
     self.manager.accept()
@@ -183,6 +231,16 @@ class Controller:
       self._on_reward(t, 0.0)
       return
     self._rewards.submit(t, t.completion_tokens, self._groups[t.group_id].prompt.answer)
+
+  def _rejection(self, t: Trajectory, request: RolloutRequest) -> str:
+    """Why ``t`` is not accepted as it is ("" if it is); "kind: detail"."""
+    if t.finish_reason == "aborted":
+      return "aborted"
+    if t.finish_reason == "error":
+      return f"malformed: {t.error}" if t.error.startswith("malformed") else f"failed: {t.error}"
+    problem = check_trajectory(t, request, vocab_size=self.tokenizer.vocab_size,
+                               newest_version=self.newest_version())
+    return f"malformed: {problem}" if problem else ""
 
   def _on_reward(self, t: Trajectory, reward: float) -> None:
     with self._cond:
@@ -210,6 +268,13 @@ class Controller:
       groups = [self._groups.pop(i) for i in indices]
       self._batch_states.pop(version, None)
     return self._assemble(groups, version)
+
+  def missing(self, version: int) -> list[str]:
+    """The request ids the batch of ``version`` still waits for (admitted, not yet scored)."""
+    first = version * self.prompts_per_batch
+    with self._cond:
+      return [i for p in range(first, first + self.prompts_per_batch) if p in self._groups
+              for i in sorted(self._groups[p].requests) if i not in self._groups[p].rewards]
 
   def _check_batch_index(self, version: int) -> None:
     """The oldest batch this controller still holds must be the one for ``version``."""

@@ -65,6 +65,10 @@ def _combine(per_mb: list, num_updates: int) -> dict:
   return out
 
 
+class NonFiniteError(FloatingPointError):
+  """A loss, gradient or parameter of a version was NaN or inf (the message names which)."""
+
+
 class Learner:
   """The policy's params and optimizer state on the learner mesh, and the count of trained versions."""
 
@@ -124,17 +128,35 @@ class Learner:
     needs_prox = losses.needs_prox(self.settings.loss)
     prox = [[self._prox(self.params, b) for b in mbs] if needs_prox and i else None
             for i, (mbs, _) in enumerate(placed)]
-    per_mb, grad_norms = [], []
+    per_mb, health = [], []
     for i, ((mbs, normalizer), aux) in enumerate(zip(placed, prox)):
-      metrics, gnorm = self.updater.update(mbs, normalizer, loss="later" if i else "first", aux=aux)
+      metrics, h = self.updater.update(mbs, normalizer, loss="later" if i else "first", aux=aux,
+                                       proceed=health[-1]["applied"] if health else None)
       per_mb += metrics
-      grad_norms.append(gnorm)
-    per_mb, grad_norms = jax.device_get((per_mb, grad_norms))
-    self.version += 1
+      health.append(h)
+    per_mb, health = jax.device_get((per_mb, health))
     out = _combine(per_mb, len(placed))
-    for k, v in out.items():
-      if not np.isfinite(v):
-        raise FloatingPointError(f"non-finite {k}={v} at policy version {self.version - 1}")
-    out.update(grad_norm=float(np.mean(grad_norms)), learner_seconds=time.perf_counter() - t0,
+    self._check_finite(out, health, version)
+    self.version += 1
+    out.update(grad_norm=float(np.mean([h["grad_norm"] for h in health])),
+               learner_seconds=time.perf_counter() - t0,
                micro_batches=sum(len(m) for m, _ in placed), version=self.version)
     return out
+
+  def _check_finite(self, metrics: dict, health: list, version: int) -> None:
+    """Raises ``NonFiniteError`` naming the version and the first non-finite figure: a loss metric,
+    the gradients or the parameters (an optimizer step whose gradients or results were not finite
+    was not applied)."""
+    bad = [(f"{k} (update {i + 1} of {len(health)})", v) for i, h in enumerate(health)
+           for k, v in (("gradients' norm", h["grad_norm"]), ("new parameters' norm", h["param_norm"]))
+           if not np.isfinite(v)]
+    bad += [(k, v) for k, v in metrics.items() if not np.isfinite(v)]
+    if bad:
+      what, value = bad[0]
+      skipped = sum(not h["applied"] for h in health)
+      raise NonFiniteError(f"policy version {version}: non-finite {what} = {value}; "
+                           f"{skipped} of {len(health)} optimizer steps of this version were not "
+                           "applied (a step's first non-finite figure stops the version's later "
+                           "steps too). The run stops here; its checkpoints are untouched, and the "
+                           "last one is the last good state (lower learner.learning_rate, or look "
+                           "at the batch of this version)")

@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from asyncrl_jax.rl.batching import SequenceData
-from asyncrl_jax.transfer import shards, uuid_for
+from asyncrl_jax.transfer import shards
 from asyncrl_jax.transfer.remote import Source, WeightSender
 
 log = logging.getLogger(__name__)
@@ -97,11 +97,10 @@ class LearnerGroup:
     rows = np.asarray(multihost_utils.process_allgather(_encode(mine)))
     return [bytes(r).rstrip(b"\0").decode() for r in rows]
 
-  def sources(self, version: int, receiver: int) -> list[Source]:
-    """Where receiver ``receiver`` pulls ``version`` from: one source per learner process that offers
+  def sources(self, uuid: int) -> list[Source]:
+    """Where the receiver of offer ``uuid`` pulls from: one source per learner process that offers
     blocks."""
-    return [Source(self.addresses[p], uuid_for(version, receiver), tuple(b))
-            for p, b in sorted(self.blocks.items())]
+    return [Source(self.addresses[p], uuid, tuple(b)) for p, b in sorted(self.blocks.items())]
 
   # ------------------------------------------------------------------ ops (process 0 calls these)
 
@@ -120,13 +119,14 @@ class LearnerGroup:
                       (len(packed["lengths"]), len(packed["tokens"]), len(packed["floats"])))
     return self.learner.train(sequences, version=version)
 
-  def offer(self, version: int, receivers: Sequence[int]) -> None:
-    """Every learner process offers its blocks of the current weights to each receiver; returns once
-    all have (so that a receiver told of the version finds every source ready)."""
-    if self.processes > 1:
-      self._broadcast(OFFER, version, {"data": np.asarray(receivers, np.int32)} if receivers else None,
-                      (len(receivers),))
-    self._offer(version, receivers)
+  def offer(self, version: int, uuids: Sequence[int]) -> None:
+    """Every learner process offers its blocks of the current weights once under each uuid (one per
+    receiver: random, drawn by the caller, so that only a receiver told the uuid can pull); returns
+    once all have (so that a receiver told of the version finds every source ready)."""
+    if self.processes > 1:  # (as uint32 halves: without jax_enable_x64 a broadcast int64 is cut to 32 bits)
+      halves = np.asarray(uuids, np.uint64).view(np.uint32) if uuids else None
+      self._broadcast(OFFER, version, {"data": halves} if uuids else None, (len(uuids),))
+    self._offer(version, uuids)
 
   def save(self, meta: dict) -> None:
     """Every process saves its part of the state at the learner's version; ``meta`` goes in the
@@ -143,9 +143,10 @@ class LearnerGroup:
 
   # ------------------------------------------------------------------ both sides
 
-  def _offer(self, version: int, receivers: Sequence[int]) -> None:
-    if receivers:
-      self.sender.offer(self.learner.params, self.planned, *[uuid_for(version, r) for r in receivers])
+  def _offer(self, version: int, uuids: Sequence[int]) -> None:
+    if uuids:
+      self.learner.check_version(version, "the weight offer")
+      self.sender.offer(self.learner.params, self.planned, *uuids)
     if self.processes > 1:
       multihost_utils.sync_global_devices(f"offered v{version}")
 
@@ -159,9 +160,10 @@ class LearnerGroup:
                 "versions": np.zeros(b, np.int32), "floats": np.zeros((c, b), np.float32)}
         self.learner.train(unpack_sequences(multihost_utils.broadcast_one_to_all(like)), version=version)
       elif op == OFFER:
-        receivers = (np.asarray(multihost_utils.broadcast_one_to_all({"data": np.zeros(a, np.int32)})["data"])
-                     if a else [])
-        self._offer(version, [int(r) for r in receivers])
+        like = {"data": np.zeros(2 * a, np.uint32)}
+        uuids = (np.asarray(multihost_utils.broadcast_one_to_all(like)["data"], np.uint32).view(np.uint64)
+                 if a else [])
+        self._offer(version, [int(u) for u in uuids])
       elif op == SAVE:
         data = multihost_utils.broadcast_one_to_all({"data": np.zeros(a, np.uint8)})["data"]
         self.learner.check_version(version, "the checkpoint")

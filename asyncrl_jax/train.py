@@ -36,7 +36,7 @@ from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
 from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
-from asyncrl_jax.learner import Learner
+from asyncrl_jax.learner import Learner, NonFiniteError
 from asyncrl_jax.learner_group import LearnerGroup
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
@@ -149,16 +149,21 @@ def _registered(config, model_config, tokenizer, workdir: str):
   address = f"{config.rollout.host}:{port}"
   paths.write_text(paths.join(workdir, "registry_address"), address)  # atomic: readers poll for it
   say(f"waiting for {config.rollout.servers} decode servers to register at {address}")
-  return server, registry.wait_for(config.rollout.servers, config.rollout.register_timeout)
+  return registry, server, registry.wait_for(config.rollout.servers, config.rollout.register_timeout)
 
 
 def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: str):
   """The decode servers' backend, holding the learner's current weights (not started)."""
   learner = group.learner
   if meshes.remote:
-    registry_server, servers = _registered(config, models.config_of(config), data.tokenizer, workdir)
-    backend = RemoteRollout([s.address for s in servers], group, push_timeout=config.rollout.push_timeout)
-    backend.registry_server = registry_server  # servers restarted elsewhere register again (later)
+    registry, registry_server, servers = _registered(config, models.config_of(config), data.tokenizer,
+                                                     workdir)
+    r = config.rollout
+    # servers that register later (restarted, perhaps elsewhere) join through the registry
+    backend = RemoteRollout(servers, group, push_timeout=r.push_timeout, deadline=r.server_deadline,
+                            heartbeat=min(1.0, r.server_deadline / 4), push_retries=r.push_retries,
+                            orphan_timeout=r.register_timeout, registry=registry)
+    backend.registry_server = registry_server
     t = time.time()
     backend.update_weights(learner.params, learner.version)  # servers start with no weights
     backend.wait_for_pulls(learner.version)
@@ -176,12 +181,24 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
               meta.get("last_eval_greedy_accuracy", meta["initial_eval_greedy_accuracy"]))
   log.start_rl(learner.version, backend.decode_stats())
   controller.pump()
+  waiting_since = time.time()
   while learner.version < config.steps:
     if backend.error is not None:
       raise RuntimeError(f"rollout failed: {backend.error!r}")
-    batch = controller.next_batch(learner.version, timeout=5.0)
+    backend.maintain()  # (remote servers: joiners get the current weights, failed pulls retried)
+    # admission counts with the decode servers' version, which also moves when a pull lands or a
+    # lagging server is dropped: admit whatever that freed, not only on arrivals and new versions
+    controller.pump()
+    batch = controller.next_batch(learner.version, timeout=1.0)
     if batch is None:
+      if time.time() - waiting_since > 60:  # say what a long wait waits for
+        waiting_since = time.time()
+        missing = controller.missing(learner.version)  # (admitted ones; the rest wait for room)
+        where = backend.locate(missing[:8])
+        logging.warning("version %d still waits for %d rollouts: %s", learner.version, len(missing),
+                        ", ".join(f"{i} at {w}" for i, w in where.items()))
       continue
+    waiting_since = time.time()
     update = group.train(batch.sequences, version=batch.version)
     transfer = backend.update_weights(learner.params, learner.version)
     controller.pump()
@@ -252,7 +269,8 @@ def run(config, workdir: str) -> dict:
     raise
   controller = Controller.from_config(config, prompts=data.prompts, tokenizer=data.tokenizer,
                                       submit=backend.submit, version=lambda: backend.version,
-                                      reward=data.reward, num_servers=backend.num_servers)
+                                      reward=data.reward, num_servers=backend.num_servers,
+                                      newest_version=lambda: learner.version)
   if config.rollout.warm_up:
     t = time.time()
     say("waiting for the decode servers to compile their prefill shapes (rollout.warm_up)")
@@ -271,6 +289,9 @@ def run(config, workdir: str) -> dict:
       meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
       duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
+      rejected_rollouts=dict(controller.rejected), retried_rollouts=controller.retried,
+      decode_server_faults=dict(getattr(backend, "faults", {})),
+      decode_server_events=list(getattr(backend, "events", [])),
       learner_processes=jax.process_count(), decode_servers=backend.num_servers,
       transfer_bytes_sent=list(getattr(backend, "bytes_by_source", [])),
       devices={"rollout": dict(meshes.rollout.shape) if meshes.rollout else meshes.remote,
@@ -298,6 +319,9 @@ def main(argv=None) -> None:
     except config_lib.ConfigError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
+    except NonFiniteError as e:  # a clear stop, not a traceback: the message says what and where
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
     if multi:
       jax.distributed.shutdown()
 

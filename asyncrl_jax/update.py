@@ -97,7 +97,8 @@ class Updater:
                         in_shardings=(self.param_shardings, self.param_shardings),
                         out_shardings=self.param_shardings)
     self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1),
-                          in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings),
+                          in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings,
+                                        self.replicated),
                           out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
 
   def _jit_grad(self, loss_fn: Callable, name: str):
@@ -109,9 +110,17 @@ class Updater:
                                  self.replicated),
                    out_shardings=(self.replicated, self.replicated, self.param_shardings))
 
-  def _apply_impl(self, params, opt_state, grads):
-    updates, opt_state = self.optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+  def _apply_impl(self, params, opt_state, grads, proceed):
+    """The optimizer step, applied only if ``proceed`` and the gradients and the new parameters are
+    finite (else params and optimizer state stay as they were); returns them and the step's health:
+    gradient norm, new parameters' norm, and whether it was applied."""
+    updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(new_params)
+    ok = proceed & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+    return (keep(new_params, params), keep(new_opt_state, opt_state),
+            {"grad_norm": grad_norm, "param_norm": param_norm, "applied": ok})
 
   def jit_forward(self, fn, name: str):
     """``fn(params, batch) -> [R, L]`` jitted with this updater's shardings and trace bound (e.g. the
@@ -150,11 +159,14 @@ class Updater:
         lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x, shape), host)
 
   def update(self, micro_batches: Sequence, normalizer, *, loss: str,
-             aux: Optional[Sequence] = None) -> tuple[list, jax.Array]:
+             aux: Optional[Sequence] = None, proceed=None) -> tuple[list, dict]:
     """One optimizer update from the summed gradients of ``micro_batches`` (from ``place``).
 
-    Returns the per-micro-batch metrics (with ``loss``) and the gradient's global norm, on device:
-    nothing is read back, so the host never stalls the pipeline.
+    Returns the per-micro-batch metrics (with ``loss``) and the step's health (``grad_norm``,
+    ``param_norm``, ``applied``: False when a gradient or a new parameter was not finite, in which
+    case nothing changed), on device: nothing is read back, so the host never stalls the pipeline.
+    ``proceed``: a previous step's ``applied`` (on device): if it is False this step is not applied
+    either, so a version stops changing the weights at its first non-finite step.
     """
     grad_fn = self._grads[loss]
     grads, per_mb = None, []
@@ -162,5 +174,7 @@ class Updater:
       value, metrics, g = grad_fn(self.params, b, None if aux is None else aux[i], normalizer)
       grads = g if grads is None else self._add(grads, g)
       per_mb.append(dict(metrics, loss=value))
-    self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
-    return per_mb, grad_norm
+    if proceed is None:
+      proceed = jax.device_put(np.bool_(True), self.replicated)
+    self.params, self.opt_state, health = self._apply(self.params, self.opt_state, grads, proceed)
+    return per_mb, health

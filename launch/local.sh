@@ -9,13 +9,15 @@
 # N and M count virtual CPU devices per process (default 1 and 1). Learner process 0 prints the run;
 # the others log to WORKDIR/learners/learner-I.log, decode servers to WORKDIR/servers/decode-I.log.
 # Decode servers register with learner process 0 (its registry address appears in
-# WORKDIR/registry_address). Every process is stopped on exit, on error and on Ctrl-C; the exit code
-# is learner process 0's (or 1 if another process failed first).
+# WORKDIR/registry_address; their pids are in WORKDIR/servers/pid-I). Every process is stopped on
+# exit, on error and on Ctrl-C; the exit code is learner process 0's (or 1 if another learner process
+# failed first). A decode server that dies does not stop the run: the learner goes on without it, and
+# a server started again with the same --server_id rejoins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
   exit "${1:-2}"
 }
 [ $# -ge 1 ] || usage
@@ -88,6 +90,7 @@ for i in $(seq 0 $((K - 1))); do
     --port_file="$WORKDIR/servers/port-$i" --config.rollout.learner_address="$registry" \
     "${overrides[@]}" > "$WORKDIR/servers/decode-$i.log" 2>&1 &
   pids+=($!); names+=("decode server $i")
+  echo "$!" > "$WORKDIR/servers/pid-$i"
 done
 echo "[local.sh] $K decode server(s) registering at $registry"
 
@@ -98,9 +101,11 @@ while kill -0 "${pids[0]}" 2>/dev/null; do
     if [ -z "${reaped[$j]:-}" ] && ! kill -0 "${pids[$j]}" 2>/dev/null; then
       reaped[$j]=1
       if wait "${pids[$j]}"; then rc=0; else rc=$?; fi
-      if [ "$rc" -ne 0 ]; then
+      if [ "$rc" -ne 0 ] && [ "$j" -ge "$P" ]; then
+        # the learner drops a dead decode server and goes on with the others (README: Failure modes)
+        echo "[local.sh] ${names[$j]} exited ($rc); the learner goes on without it" >&2
+      elif [ "$rc" -ne 0 ]; then
         log="$WORKDIR/learners/learner-$j.log"
-        [ "$j" -ge "$P" ] && log="$WORKDIR/servers/decode-$((j - P)).log"
         echo "[local.sh] ${names[$j]} failed (exit $rc); last lines of $log:" >&2
         tail -20 "$log" >&2
         exit 1

@@ -149,33 +149,108 @@ def test_versions_disagreeing_with_the_learner_raise_and_name_both():
   _train(ctl, learner, submitted[:4])
   with pytest.raises(VersionMismatch, match="batch of version 0 was already handed out"):
     ctl.next_batch(version=0, timeout=1)
-  # a decode server cannot have sampled with a version the learner has not trained yet
-  with pytest.raises(VersionMismatch, match=r"decode server 'decode-7' sampled a token of p2-s0 at "
-                                            r"policy version 2, but the learner is at version 1"):
-    for r in submitted[4:8]:
-      t = _finish(r, 1)
-      t.server_id = "decode-7"
-      t.versions[-1] = 2 if r.request_id == "p2-s0" else 1
-      ctl.on_trajectory(t)
-    ctl.next_batch(version=1, timeout=10)
+  # a decode server cannot have sampled with a version the learner has not trained yet: rejected on
+  # arrival (counted, resubmitted under its id), and the batch forms from the resubmission
+  n = len(submitted)
+  for r in submitted[4:8]:
+    t = _finish(r, 1)
+    t.server_id = "decode-7"
+    t.versions[-1] = 2 if r.request_id == "p2-s0" else 1
+    ctl.on_trajectory(t)
+  assert ctl.rejected == {"malformed": 1} and [r.request_id for r in submitted[n:]] == ["p2-s0"]
+  ctl.on_trajectory(_finish(submitted[-1], 1))
+  assert ctl.next_batch(version=1, timeout=10).failed == 0
   ctl.close()
 
 
-def test_aborted_is_resubmitted_and_error_keeps_its_place():
+def _failed(r):
+  err = _finish(r, 0, reason="error")
+  err.completion_tokens, err.logprobs, err.versions = (np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                                       np.zeros(0, np.int32))
+  return err
+
+
+def test_aborted_and_failed_are_resubmitted_then_a_failure_keeps_its_place():
   ctl, learner, submitted = _make(eta=0, batch=4, group=2)
   ctl.pump()
   n = len(submitted)
   ctl.on_trajectory(_finish(submitted[0], 0, reason="aborted"))
   assert len(submitted) == n + 1 and submitted[-1].request_id == submitted[0].request_id
-  err = _finish(submitted[1], 0, reason="error")
-  err.completion_tokens, err.logprobs, err.versions = (np.zeros(0, np.int32), np.zeros(0, np.float32),
-                                                       np.zeros(0, np.int32))
-  ctl.on_trajectory(err)
+  for attempt in range(3):  # max_retries=2: resubmitted twice, then trained as failed
+    ctl.on_trajectory(_failed(submitted[1]))
+    assert len(submitted) == n + 1 + min(attempt + 1, 2)
+  assert ctl.rejected == {"aborted": 1, "failed": 3} and ctl.retried == 3
   for r in submitted[:n]:
     if r.request_id != submitted[1].request_id:
       ctl.on_trajectory(_finish(r, 0))
+  ctl.on_trajectory(_failed(submitted[1]))  # a late duplicate of the failed one: dropped
   b = ctl.next_batch(version=0, timeout=10)
   assert b.failed == 1 and len(b.sequences) == 3 and len(b.trajectories) == 4
+  assert ctl.failed == 1 and ctl.duplicates == 1
+  assert b.rewards.tolist().count(0.0) >= 1 and "after 2 retries" in b.trajectories[1].error
+  ctl.close()
+
+
+def _bad(kind: str):
+  """Changes that make a finished trajectory malformed, each with (part of) the reason it gets."""
+  def change(t):
+    if kind == "prompt":
+      t.prompt_tokens = t.prompt_tokens[:-1]
+    elif kind == "vocab":
+      t.completion_tokens[2] = TOK.vocab_size
+    elif kind == "negative":
+      t.completion_tokens[0] = -1
+    elif kind == "decreasing":
+      t.versions[3] = -1
+    elif kind == "logprob":
+      t.logprobs[1] = np.nan
+    elif kind == "positive":
+      t.logprobs[1] = 0.5
+    elif kind == "long":
+      t.completion_tokens = np.arange(9, dtype=np.int32) % 10 + 4
+      t.logprobs, t.versions = np.full(9, -1.0, np.float32), np.zeros(9, np.int32)
+    elif kind == "empty":
+      t.completion_tokens, t.logprobs, t.versions = (np.zeros(0, np.int32), np.zeros(0, np.float32),
+                                                     np.zeros(0, np.int32))
+    return t
+  return change
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("prompt", "prompt differs"), ("vocab", "outside the vocabulary"), ("negative", "outside the vocab"),
+    ("decreasing", "versions that decrease"), ("logprob", "not finite"), ("positive", "positive"),
+    ("long", "more than max_new_tokens=8"), ("empty", "no completion tokens")])
+def test_malformed_trajectories_are_rejected_with_their_reason_and_retried(kind, reason, caplog):
+  ctl, _, submitted = _make(eta=0, batch=4, group=2)
+  ctl.pump()
+  n = len(submitted)
+  ctl.on_trajectory(_bad(kind)(_finish(submitted[0], 0)))
+  assert ctl.rejected == {"malformed": 1} and len(submitted) == n + 1
+  assert reason in caplog.text
+  for r in submitted[:n]:
+    ctl.on_trajectory(_finish(r, 0))  # the resubmission comes back well formed
+  b = ctl.next_batch(version=0, timeout=10)
+  assert b.failed == 0 and len(b.sequences) == 4
+  ctl.close()
+
+
+def test_a_malformed_message_becomes_a_counted_failure_not_a_broken_stream():
+  from asyncrl_jax.rollout import protocol  # pylint: disable=import-outside-toplevel
+  m = protocol.MESSAGES["Trajectory"](trajectory_id="p0-s0", group_id=0, prompt_tokens=[1, 2],
+                                      completion_tokens=[4, 5, 6], logprobs=[-1.0], versions=[0, 0, 0],
+                                      finish_reason="eos")
+  t = protocol.trajectory_from_pb(m)
+  assert t.finish_reason == "error" and t.trajectory_id == "p0-s0"
+  assert t.error.startswith("malformed trajectory message") and "3 tokens but 1 log-probs" in t.error
+  for field, value in [("finish_reason", "done"), ("sampling_json", "[1]"), ("sampling_json", "{")]:
+    bad = protocol.MESSAGES["Trajectory"](**{"trajectory_id": "x", "finish_reason": "eos", field: value})
+    assert protocol.trajectory_from_pb(bad).error.startswith("malformed"), (field, value)
+  ctl, _, submitted = _make(eta=0, batch=4, group=2)
+  ctl.pump()
+  bad = protocol.MESSAGES["Trajectory"](trajectory_id=submitted[0].request_id, group_id=0,
+                                        completion_tokens=[4], finish_reason="eos")
+  ctl.on_trajectory(protocol.trajectory_from_pb(bad))
+  assert ctl.rejected == {"malformed": 1}
   ctl.close()
 
 

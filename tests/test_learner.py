@@ -119,3 +119,32 @@ def test_update_steps_trace_once_per_micro_batch_shape():
     learner.updater.update([odd], jnp.float32(1.0), loss="first")
   with pytest.raises(VersionMismatch, match="for policy version 2, but the learner is at version 3"):
     learner.train(short, version=2)
+
+
+@pytest.mark.parametrize("poison", ["advantage", "behaviour"])
+def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure(poison):
+  """A NaN in one sequence's advantages (or behaviour log-prob) makes the loss and gradients
+  NaN: the step is refused inside the jitted update (params and optimizer state unchanged, bit for
+  bit), the version is not counted, and the error names the version and what was not finite. The next
+  good batch trains normally."""
+  from asyncrl_jax.learner import NonFiniteError  # pylint: disable=import-outside-toplevel
+  config = _config("decoupled_ppo", 2)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  learner = Learner(CFG, sharp_params(CFG, 4, scale=2.0), mesh, config, total_steps=4)
+  learner.train(_sequences(1), version=0)
+  before = jax.device_get((learner.params, learner.opt_state))
+  bad = _sequences(2)  # (the first minibatch holds sequence 0: its step and the next are refused)
+  if poison == "advantage":
+    bad[0].advantages[:] = np.nan
+  else:
+    bad[0].behav_logp[np.flatnonzero(bad[0].mask)[0]] = np.nan
+  with pytest.raises(NonFiniteError, match=r"policy version 1: non-finite .*2 of 2 optimizer steps "
+                                           r"of this version were not applied"):
+    learner.train(bad, version=1)
+  assert learner.version == 1
+  after = jax.device_get((learner.params, learner.opt_state))
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
+  metrics = learner.train(_sequences(3), version=1)
+  assert learner.version == 2 and np.isfinite(metrics["loss"])
+  assert max_abs_diff(learner.params, before[0]) > 0

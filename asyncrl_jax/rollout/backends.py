@@ -15,6 +15,7 @@ lags the learner's while a push is under way, and admission counts with it, so a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import threading
@@ -28,7 +29,7 @@ from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.service import RolloutClient
 from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.transfer import TransferStats, local_transfer
+from asyncrl_jax.transfer import TransferStats, local_transfer, new_uuid
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ class LocalRollout:
 
   def submit(self, *requests: RolloutRequest) -> None:
     self.server.submit(*requests)
+
+  def locate(self, ids) -> dict:
+    return {i: self.server.server_id for i in ids}
+
+  def maintain(self) -> None:
+    """(Nothing to do: one server, in this process.)"""
 
   def update_weights(self, learner_params, version: int) -> TransferStats:
     self.rollout_params, stats = local_transfer(learner_params, self.engine.param_shardings)
@@ -85,158 +92,405 @@ def eligible(server_versions: Sequence[Optional[int]], published: Optional[int])
   return ok or list(range(len(server_versions)))
 
 
+@dataclasses.dataclass(eq=False)
+class _Server:
+  """The learner's view of one decode server (one registration: a restart is a new ``_Server``)."""
+  server_id: str
+  address: str
+  client: RolloutClient
+  registered_at: float = 0.0
+  version: Optional[int] = None  # of the weights it holds (None: none yet)
+  alive: bool = True
+  last_seen: float = dataclasses.field(default_factory=time.time)  # its last answer to Health
+  outstanding: dict = dataclasses.field(default_factory=dict)  # request id -> request sent, not back
+  stats: DecodeStats = dataclasses.field(default_factory=DecodeStats)  # its last reported counters
+  pushes: dict = dataclasses.field(default_factory=dict)  # version -> future of its pull
+  push_error: Optional[str] = None  # the last pull failed (and was not yet retried)
+  push_failures: int = 0  # consecutive failed pulls
+  pusher: futures.ThreadPoolExecutor = dataclasses.field(
+      default_factory=lambda: futures.ThreadPoolExecutor(max_workers=1))
+
+
 class RemoteRollout:
   """Decode servers in other processes (registered with the learner), reached over the rollout gRPC
-  service.
+  service; servers may die, stall, and join or rejoin while the run goes on.
 
-  Requests are spread round-robin over the servers that are at most one version behind; one streaming
-  thread per server delivers trajectories (and reconnects if a stream breaks). New weights: every
-  learner process offers its blocks (``LearnerGroup.offer``), then each server is told, on its own
-  thread and in version order, and pulls at its own pace: the learner's next step does not wait for
-  the slowest pull. At most 2 versions are held: publishing ``v`` first waits (up to
-  ``push_timeout`` seconds) for every pull of ``v - 2``. ``version`` is the oldest version among the
-  servers that get work, so a rollout admitted "at version v" never starts under older weights.
+  * **Work.** Requests are spread round-robin over the live servers at most one version behind; the
+    backend remembers which server holds which request until its trajectory comes back. One streaming
+    thread per server delivers trajectories (and reconnects if a stream breaks).
+  * **Liveness.** A monitor thread asks every live server for ``Health`` every ``heartbeat`` seconds.
+    A server that has not answered for ``deadline`` seconds (killed, stalled, unreachable) or that
+    reports an error is dropped: its outstanding requests go to the remaining servers under the same
+    request ids (a late duplicate from it is dropped by the controller), and the run goes on at
+    reduced capacity. Requests with no live server to go to wait for one; after ``orphan_timeout``
+    seconds without any live server the backend fails (``error``).
+  * **Joining.** With a ``registry``, a server that registers (again, perhaps at another address)
+    becomes a new server: it gets the current weights (``maintain``, from the main loop) before it
+    gets work.
+  * **Weights.** Every learner process offers its blocks under a fresh random uuid per server and
+    version (``LearnerGroup.offer``); each server is told on its own thread, in version order, and
+    pulls at its own pace, so the learner's next step does not wait for the slowest pull. At most 2
+    versions are held: publishing ``v`` first waits for every live server's pull of ``v - 2``, at most
+    ``push_timeout`` seconds (then the server is dropped), and never for a dead one. A failed pull is
+    retried with the newest version under a new uuid (a uuid can be pulled once: retrying it hangs),
+    up to ``push_retries`` times, then the server is dropped. A server swaps in a version only once
+    all of it arrived.
+  * ``version`` is the oldest version among the servers that get work, so a rollout admitted "at
+    version v" never starts under older weights.
   """
 
-  def __init__(self, addresses: Sequence[str], group, *, push_timeout: float = 300.0,
-               connect_timeout: float = 120.0, client: Callable[[str], RolloutClient] = RolloutClient):
-    if not addresses:
-      raise ValueError("RemoteRollout needs at least one decode server address")
-    self.clients = [client(a) for a in addresses]
-    for c in self.clients:
-      c.wait_ready(connect_timeout)
+  def __init__(self, servers: Sequence, group, *, push_timeout: float = 300.0,
+               connect_timeout: float = 120.0, deadline: float = 30.0, heartbeat: float = 1.0,
+               push_retries: int = 2, orphan_timeout: float = 600.0, registry=None,
+               client: Callable[[str], RolloutClient] = RolloutClient):
+    if not servers:
+      raise ValueError("RemoteRollout needs at least one decode server")
     self.group = group
-    self.push_timeout = push_timeout
+    self.push_timeout, self.deadline, self.heartbeat = push_timeout, deadline, heartbeat
+    self.push_retries, self.orphan_timeout = push_retries, orphan_timeout
+    self.registry = registry
+    self._client = client
     self._on_trajectory: Optional[Callable[[Trajectory], None]] = None
     self._turn = itertools.count()
     self._stop = threading.Event()
-    self._pool = futures.ThreadPoolExecutor(max_workers=len(self.clients))
-    self._pushers = [futures.ThreadPoolExecutor(max_workers=1) for _ in self.clients]
-    self._pending: dict[int, list[futures.Future]] = {}
-    self._lock = threading.Lock()
-    self.server_versions: list[Optional[int]] = [None] * len(self.clients)
+    self._lock = threading.RLock()
+    self._servers: list[_Server] = []  # every registration seen, dead ones included, in join order
+    self._unplaced: list[RolloutRequest] = []  # requests waiting for a live server
+    self._no_server_since: Optional[float] = None
     self.published: Optional[int] = None
     self.bytes_by_source = [0] * group.processes  # pulled from each learner process, all versions
-    self.transfer_seconds = 0.0  # the slowest server's pull of the newest version fully pulled
-    self._pull_seconds: dict[int, list[float]] = {}
+    self.transfer_seconds = 0.0  # the slowest pull so far of the newest version pulled
+    self._transfer_version = -1
+    self._retired = DecodeStats(servers=0)  # last counters of servers that are gone
+    self.faults = collections.Counter()  # servers_lost, servers_joined, requests_reassigned, ...
+    self.events: list[dict] = []  # what happened to which server, when
     self.error: Optional[BaseException] = None
     self.registry_server = None  # the learner's registry (gRPC server), stopped with the backend
+    self._pool = futures.ThreadPoolExecutor(max_workers=8)
+    for s in servers:
+      server_id, address = (s, s) if isinstance(s, str) else (s.server_id, s.address)
+      self._servers.append(self._connect(server_id, address, getattr(s, "registered_at", 0.0),
+                                         connect_timeout))
+    self._monitor_thread: Optional[threading.Thread] = None
+
+  def _connect(self, server_id: str, address: str, registered_at: float, timeout: float) -> _Server:
+    client = self._client(address)
+    client.wait_ready(timeout)
+    return _Server(server_id, address, client, registered_at)
+
+  # ------------------------------------------------------------------ the table of servers
+
+  def _live(self) -> list[_Server]:
+    with self._lock:
+      return [s for s in self._servers if s.alive]
 
   @property
   def num_servers(self) -> int:
-    return len(self.clients)
+    """Live decode servers."""
+    return len(self._live())
 
-  def _eligible(self) -> list[int]:
+  @property
+  def server_versions(self) -> list[Optional[int]]:
+    return [s.version for s in self._live()]
+
+  def _eligible(self) -> list[_Server]:
     with self._lock:
-      return eligible(self.server_versions, self.published)
+      live = self._live()
+      held = [s for s in live if s.version is not None]
+      return [held[i] for i in eligible([s.version for s in held], self.published)] if held else live
 
   @property
   def version(self) -> Optional[int]:
-    """The oldest version held by a server that gets work (None before the first push lands)."""
-    held = [self.server_versions[i] for i in self._eligible()]
-    return None if any(v is None for v in held) else min(held)
+    """The oldest version held by a server that gets work (the newest published when none holds
+    any yet, or none is live: requests then wait for a server holding it)."""
+    held = [s.version for s in self._eligible() if s.version is not None]
+    return min(held) if held else self.published
+
+  def _event(self, kind: str, s: _Server, detail: str = "") -> None:
+    self.faults[kind] += 1
+    self.events.append({"event": kind, "server_id": s.server_id, "address": s.address,
+                        "time": time.time(), "detail": detail})
+
+  def _drop(self, s: _Server, reason: str) -> None:
+    """Server ``s`` is gone: its outstanding requests go to the others under the same ids."""
+    with self._lock:
+      if not s.alive:
+        return
+      s.alive = False
+      orphans = list(s.outstanding.values())
+      s.outstanding.clear()
+      self._retired = self._retired + dataclasses.replace(s.stats, servers=0)
+      self._event("servers_lost", s, reason)
+      self.faults["requests_reassigned"] += len(orphans)
+    log.warning("decode server %s at %s dropped (%s); %d requests go to the remaining %d servers",
+                s.server_id, s.address, reason, len(orphans), self.num_servers)
+    try:
+      s.client.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    self._place(orphans)
+
+  def _join(self, entry) -> None:
+    """A registration the backend has not seen: a new server (after dropping the one it replaces)."""
+    with self._lock:
+      old = [s for s in self._servers if s.server_id == entry.server_id and s.alive]
+    for s in old:
+      self._drop(s, f"registered again at {entry.address}")
+    try:
+      s = self._connect(entry.server_id, entry.address, entry.registered_at, self.deadline)
+    except Exception as e:  # pylint: disable=broad-except
+      log.warning("decode server %s registered at %s but cannot be reached: %r", entry.server_id,
+                  entry.address, e)
+      return
+    with self._lock:
+      self._servers.append(s)
+      self._event("servers_joined", s)
+    log.warning("decode server %s joined at %s; it gets the current weights before work",
+                s.server_id, s.address)
+    if self._on_trajectory is not None:
+      self._start_stream(s)
+
+  # ------------------------------------------------------------------ work
 
   def submit(self, *requests: RolloutRequest) -> None:
-    servers = self._eligible()
-    by_server = collections.defaultdict(list)
-    for r in requests:
-      by_server[servers[next(self._turn) % len(servers)]].append(r)
-    for i, rs in by_server.items():
-      self.clients[i].submit(rs)
+    self._place(list(requests))
 
-  def _push(self, i: int, version: int) -> None:
-    try:
-      reply = self.clients[i].update_weights(version, self.group.sources(version, i),
-                                             timeout=self.push_timeout)
-    except Exception as e:  # pylint: disable=broad-except
-      self.error = RuntimeError(f"decode server {self.clients[i].address} failed to take weights "
-                                f"v{version}: {e!r}")
-      raise
+  def _place(self, requests: list, *, avoid: Optional[_Server] = None) -> None:
+    if not requests:
+      return
+    servers = [s for s in self._eligible() if s is not avoid]
+    if not servers:
+      with self._lock:
+        self._unplaced.extend(requests)
+      return
+    by_server = collections.defaultdict(list)
     with self._lock:
-      self.server_versions[i] = version  # (notices to one server go in version order)
+      for r in requests:
+        s = servers[next(self._turn) % len(servers)]
+        s.outstanding[r.request_id] = r
+        by_server[s].append(r)
+    for s, rs in by_server.items():
+      try:
+        s.client.submit(rs)
+      except Exception as e:  # pylint: disable=broad-except
+        log.warning("submit to %s failed (%r); placing its %d requests elsewhere", s.address, e, len(rs))
+        with self._lock:
+          for r in rs:
+            s.outstanding.pop(r.request_id, None)
+        self._place(rs, avoid=s)
+
+  def locate(self, ids) -> dict:
+    """Where each request id is, as far as the backend knows: a server id (sent, not back), "unplaced"
+    (waiting for a live server) or "nowhere" (back, or never submitted)."""
+    with self._lock:
+      where = {r.request_id: "unplaced" for r in self._unplaced}
+      for s in self._servers:
+        for i in s.outstanding:
+          where[i] = f"{s.server_id}{'' if s.alive else ' (dropped)'}"
+    return {i: where.get(i, "nowhere") for i in ids}
+
+  def _arrived(self, t: Trajectory) -> None:
+    with self._lock:
+      for s in self._servers:
+        s.outstanding.pop(t.trajectory_id, None)
+    self._on_trajectory(t)
+
+  def _stream(self, s: _Server) -> None:
+    while not self._stop.is_set() and s.alive:
+      try:
+        for t in s.client.stream(timeout=None):
+          self._arrived(t)
+          if self._stop.is_set():
+            return
+      except Exception as e:  # pylint: disable=broad-except
+        if self._stop.is_set() or not s.alive:
+          return
+        log.info("stream from %s broke (%r); reconnecting", s.address, e)
+        time.sleep(0.5)
+
+  def _start_stream(self, s: _Server) -> None:
+    threading.Thread(target=self._stream, args=(s,), daemon=True, name=f"stream-{s.address}").start()
+
+  # ------------------------------------------------------------------ liveness
+
+  def _check(self, s: _Server) -> None:
+    try:
+      reply = s.client.health(timeout=max(min(self.deadline / 2, 10.0), 0.1))
+    except Exception:  # pylint: disable=broad-except
+      if time.time() - s.last_seen > self.deadline:
+        self._drop(s, f"no answer for {self.deadline:g}s")
+      return
+    s.last_seen = time.time()
+    s.stats = protocol.stats_from_pb(reply.stats)
+    if reply.status == "error":
+      self._drop(s, f"it reports an error: {reply.error}")
+
+  def _monitor(self) -> None:
+    while not self._stop.wait(self.heartbeat):
+      try:
+        if self.registry is not None:
+          seen = {(s.server_id, s.address, s.registered_at) for s in self._servers}
+          for entry in self.registry.servers():
+            if (entry.server_id, entry.address, entry.registered_at) not in seen:
+              self._join(entry)
+        checks = [self._pool.submit(self._check, s) for s in self._live()]
+        futures.wait(checks)
+        with self._lock:
+          unplaced, self._unplaced = self._unplaced, []
+        self._place(unplaced)
+        if self._live():
+          self._no_server_since = None
+        elif self._no_server_since is None:
+          self._no_server_since = time.time()
+        elif time.time() - self._no_server_since > self.orphan_timeout:
+          self.error = RuntimeError(f"no live decode server for {self.orphan_timeout:g}s")
+      except Exception as e:  # pylint: disable=broad-except
+        log.exception("decode-server monitor failed")
+        self.error = e
+        return
+
+  # ------------------------------------------------------------------ weights
+
+  def _push(self, s: _Server, version: int, uuid: int) -> None:
+    try:
+      reply = s.client.update_weights(version, self.group.sources(uuid), timeout=self.push_timeout)
+    except Exception as e:  # pylint: disable=broad-except
+      with self._lock:
+        s.push_error = f"pull of v{version} failed: {e!r}"[:500]
+        s.push_failures += 1
+      if s.alive:
+        log.warning("decode server %s: %s", s.address, s.push_error)
+      return
+    with self._lock:
+      s.version = version  # (notices to one server go in version order)
+      s.push_failures = 0
       for p, n in enumerate(reply.source_bytes):
         self.bytes_by_source[p] += n
-      pulls = self._pull_seconds.setdefault(version, [])
-      pulls.append(reply.seconds)
-      if len(pulls) == len(self.clients):
-        self.transfer_seconds = max(pulls)
-        del self._pull_seconds[version]
+      if version > self._transfer_version:
+        self._transfer_version, self.transfer_seconds = version, reply.seconds
+      elif version == self._transfer_version:
+        self.transfer_seconds = max(self.transfer_seconds, reply.seconds)
 
-  def _wait(self, version: int) -> None:
-    for f in self._pending.pop(version, []):
-      try:
-        f.result(timeout=self.push_timeout)
-      except futures.TimeoutError as e:
-        raise TimeoutError(f"a decode server did not pull weights v{version} within "
-                           f"{self.push_timeout:.0f}s") from e
+  def _send(self, version: int, servers: Sequence[_Server]) -> None:
+    """Offers ``version`` to ``servers`` (every learner process, a fresh uuid each) and tells them."""
+    if not servers:
+      return
+    uuids = [new_uuid() for _ in servers]
+    self.group.offer(version, uuids)
+    for s, uuid in zip(servers, uuids):
+      s.push_error = None
+      s.pushes[version] = s.pusher.submit(self._push, s, version, uuid)
+
+  def _wait(self, version: int, timeout: Optional[float] = None) -> None:
+    """Waits for every live server's pull of ``version`` (dropping one that takes longer than
+    ``timeout``, default ``push_timeout``); never waits for a dead server."""
+    t, timeout = time.time(), self.push_timeout if timeout is None else timeout
+    for s in list(self._servers):
+      f = s.pushes.pop(version, None)
+      while f is not None and s.alive and not f.done():
+        if time.time() - t > timeout:
+          self._drop(s, f"did not pull weights v{version} within {timeout:.0f}s")
+          break
+        try:
+          f.result(timeout=0.1)
+        except futures.TimeoutError:
+          pass
+
+  def maintain(self) -> None:
+    """From the main loop, whenever the learner's weights are those of ``published``: servers that
+    joined get them; a failed pull is retried (up to ``push_retries`` times, then the server is
+    dropped)."""
+    if self.published is None:
+      return
+    todo = []
+    with self._lock:
+      for s in self._live():
+        busy = any(not f.done() for f in s.pushes.values())
+        if busy:
+          continue
+        if s.push_error is not None:
+          if s.push_failures > self.push_retries:
+            failed = s.push_error
+            self._pool.submit(self._drop, s, f"{s.push_failures} failed pulls; last: {failed}")
+            continue
+          todo.append(s)
+          self.faults["push_retries"] += 1
+        elif s.version is None or s.version < self.published - 1:
+          todo.append(s)
+    self._send(self.published, todo)
 
   def update_weights(self, learner_params, version: int) -> TransferStats:
     """Publishes ``version``; returns how long the learner was blocked (``seconds``)."""
     del learner_params  # every learner process offers its own blocks of them
     t = time.perf_counter()
-    for old in [v for v in self._pending if v <= version - 2]:
+    for old in sorted({v for s in self._servers for v in s.pushes if v <= version - 2}):
       self._wait(old)
-    self.group.offer(version, list(range(len(self.clients))))
-    self._pending[version] = [self._pushers[i].submit(self._push, i, version)
-                              for i in range(len(self.clients))]
+    self._send(version, self._live())
     self.published = version
     return TransferStats(time.perf_counter() - t, 0)
 
   def wait_for_pulls(self, version: int) -> None:
-    """Blocks until every server holds ``version`` (raises if one failed or timed out)."""
-    self._wait(version)
+    """Blocks until every live server holds ``version`` (retrying failed pulls); raises if no server
+    does within ``push_timeout`` seconds."""
+    deadline = time.time() + self.push_timeout
+    while True:
+      live = self._live()
+      if live and all(s.version is not None and s.version >= version for s in live):
+        return
+      if time.time() > deadline or not live:
+        states = ", ".join(f"{s.server_id}: v{s.version} {s.push_error or ''}" for s in self._servers)
+        raise TimeoutError(f"decode servers did not pull weights v{version} within "
+                           f"{self.push_timeout:.0f}s ({states})")
+      self.maintain()
+      time.sleep(0.05)
+
+  # ------------------------------------------------------------------ the rest of the interface
 
   def wait_until_warm(self, timeout: float = 600.0) -> None:
     """Waits until no decode server is compiling (``rollout.warm_up``), so that RL starts on warm servers."""
     deadline = time.time() + timeout
-    while any(c.health(timeout=30).status == "warming_up" for c in self.clients):
+
+    def warming(s):
+      try:
+        return s.client.health(timeout=30).status == "warming_up"
+      except Exception:  # pylint: disable=broad-except
+        return False  # (the monitor decides whether it is gone)
+
+    while any(warming(s) for s in self._live()):
       if time.time() > deadline:  # not fatal: RL starts, and calls compile what they still lack
         log.warning("decode servers still compiling after %.0fs; starting anyway", timeout)
         return
       time.sleep(0.2)
 
   def decode_stats(self) -> DecodeStats:
-    """Every decode server's counters (one ``Health`` call each), summed (``servers`` counts them;
-    ``idle_seconds`` is summed too)."""
-    replies = self._pool.map(lambda c: c.health(timeout=30), self.clients)
-    return sum((protocol.stats_from_pb(r.stats) for r in replies), DecodeStats(servers=0))
-
-  def _stream(self, client: RolloutClient) -> None:
-    while not self._stop.is_set():
+    """Every decode server's counters, summed (``servers`` counts the live ones; ``idle_seconds`` is
+    summed too): one ``Health`` call per live server (its last reported counters if it does not
+    answer), plus the last counters of servers that are gone."""
+    def one(s):
       try:
-        for t in client.stream(timeout=None):
-          self._on_trajectory(t)
-          if self._stop.is_set():
-            return
-      except Exception as e:  # pylint: disable=broad-except
-        if self._stop.is_set():
-          return
-        log.warning("stream from %s broke (%r); reconnecting", client.address, e)
-        try:
-          if client.health(timeout=10).status == "error":
-            raise RuntimeError(f"decode server {client.address} reports an error")
-        except Exception as health_error:  # pylint: disable=broad-except
-          self.error = health_error
-          return
-        time.sleep(0.5)
+        s.stats = protocol.stats_from_pb(s.client.health(timeout=10).stats)
+      except Exception:  # pylint: disable=broad-except
+        pass
+      return dataclasses.replace(s.stats, servers=1)
+    return sum(self._pool.map(one, self._live()), self._retired)
 
   def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
     self._on_trajectory = on_trajectory
-    for c in self.clients:
-      th = threading.Thread(target=self._stream, args=(c,), daemon=True, name=f"stream-{c.address}")
-      th.start()
+    for s in self._live():
+      self._start_stream(s)
+    self._monitor_thread = threading.Thread(target=self._monitor, daemon=True, name="rollout-monitor")
+    self._monitor_thread.start()
 
   def stop(self) -> None:
     self._stop.set()
-    for v in sorted(self._pending):  # let pulls under way finish: the senders must outlive them
+    for v in sorted({v for s in self._servers for v in s.pushes}):  # senders must outlive pulls
+      self._wait(v, timeout=self.deadline)
+    for s in self._servers:
       try:
-        self._wait(v)
-      except Exception as e:  # pylint: disable=broad-except
-        log.warning("pull of weights v%d did not finish: %r", v, e)
-    for c in self.clients:
-      c.close()
+        s.client.close()
+      except Exception:  # pylint: disable=broad-except
+        pass
+      s.pusher.shutdown(wait=False)
     if self.registry_server is not None:
       self.registry_server.stop(grace=0)
     self._pool.shutdown(wait=False)
-    for p in self._pushers:
-      p.shutdown(wait=False)

@@ -159,13 +159,32 @@ def trajectory_to_pb(t: Trajectory):
 
 
 def trajectory_from_pb(m) -> Trajectory:
+  """The trajectory; a message that does not make one (lengths that disagree, an unknown finish
+  reason, sampling settings that are not JSON) becomes a failed trajectory under the same id whose
+  error names the problem, so the controller counts and retries it rather than the stream breaking
+  on it (and the server sending it again, for ever)."""
+  try:
+    return _trajectory_from_pb(m)
+  except (ValueError, TypeError) as e:
+    return Trajectory(trajectory_id=m.trajectory_id, prompt_id=m.prompt_id, group_id=m.group_id,
+                      prompt_tokens=np.asarray(m.prompt_tokens, np.int32),
+                      completion_tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                      versions=np.zeros(0, np.int32), finish_reason="error", logprob_source="",
+                      sampling={}, tokenizer_id=m.tokenizer_id, server_id=m.server_id,
+                      error=f"malformed trajectory message: {e}"[:500])
+
+
+def _trajectory_from_pb(m) -> Trajectory:
+  sampling = json.loads(m.sampling_json or "{}")
+  if not isinstance(sampling, dict):
+    raise ValueError(f"sampling_json is not an object: {m.sampling_json[:80]!r}")
   return Trajectory(
       trajectory_id=m.trajectory_id, prompt_id=m.prompt_id, group_id=m.group_id,
       prompt_tokens=np.asarray(m.prompt_tokens, np.int32),
       completion_tokens=np.asarray(m.completion_tokens, np.int32),
       logprobs=np.asarray(m.logprobs, np.float32), versions=np.asarray(m.versions, np.int32),
       finish_reason=m.finish_reason, logprob_source=m.logprob_source,
-      sampling=json.loads(m.sampling_json or "{}"), tokenizer_id=m.tokenizer_id,
+      sampling=sampling, tokenizer_id=m.tokenizer_id,
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
       started_at=m.started_at, finished_at=m.finished_at)
 

@@ -100,10 +100,19 @@ class RolloutService:
                       f"version {request.version} is not newer than {self.server.version}")
       try:
         sources = protocol.sources_from_pb(request.sources)
+      except ValueError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"weights v{request.version}: {e}")
+      try:
         params, stats = self.receiver.pull(sources, self.server.engine.param_spec())
       except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"weights v{request.version}: {e}")
-      self.server.update_weights(params, request.version)
+      except Exception as e:  # pylint: disable=broad-except
+        # e.g. a learner process died mid-pull ("Connection closed"): nothing of v is used, the
+        # server keeps decoding with the weights it has, and the learner may retry under a new uuid
+        for src in sources:
+          self.receiver.forget(src.address)
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"pull of weights v{request.version} failed: {e!r}")
+      self.server.update_weights(params, request.version)  # all of it arrived: swap it in whole
     log.info("pulled weights v%d: %.1f MB from %d learner processes in %.3f s", request.version,
              stats.bytes / 1e6, len(sources), stats.seconds)
     return M["WeightsReply"](version=request.version, seconds=stats.seconds, bytes=stats.bytes,

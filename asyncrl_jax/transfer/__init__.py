@@ -24,6 +24,7 @@ Every transfer reports its wall time and bytes moved.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import time
 from typing import Any
 
@@ -57,6 +58,7 @@ def local_transfer(params: Any, shardings: Any) -> tuple[Any, TransferStats]:
   return out, TransferStats(time.perf_counter() - t, tree_bytes(params))
 
 
-def uuid_for(version: int, receiver: int) -> int:
-  """A distinct uuid per (version, receiver)."""
-  return version * 4096 + receiver + 1
+def new_uuid() -> int:
+  """A fresh transfer uuid: random (not derived from the version), so that the transfer server,
+  which has no authentication of its own, serves only a puller told the uuid by the control plane."""
+  return secrets.randbits(62) + 1

@@ -101,6 +101,10 @@ class WeightReceiver:
       self._connections[address] = self._server.connect(address)
     return self._connections[address]
 
+  def forget(self, address: str) -> None:
+    """Drops the connection to ``address`` (after a failed pull: a restarted sender is a new peer)."""
+    self._connections.pop(address, None)
+
   def pull(self, sources: Sequence[Source], like: Any) -> tuple[Any, TransferStats]:
     """Pulls every source's blocks (in parallel, one thread per learner process) and assembles them
     onto ``like``'s shardings (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or arrays)."""

@@ -5,7 +5,9 @@ import threading
 import time
 import types
 
+from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.backends import RemoteRollout
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest
 
 
@@ -33,6 +35,10 @@ class FakeClient:
   def submit(self, requests):
     self.submitted += [r.request_id for r in requests]
 
+  def health(self, timeout):
+    del timeout
+    return types.SimpleNamespace(status="serving", error="", stats=protocol.stats_to_pb(DecodeStats()))
+
   def close(self):
     pass
 
@@ -50,7 +56,7 @@ def _backend():
   clients = {"fast": FakeClient("fast"), "slow": FakeClient("slow", slow=True)}
   offered = []
   group = types.SimpleNamespace(processes=1, offer=lambda v, receivers: offered.append(v),
-                                sources=lambda v, i: [])
+                                sources=lambda uuid: [])
   backend = RemoteRollout(["fast", "slow"], group, push_timeout=30, client=clients.__getitem__)
   clients["slow"].release(0)
   backend.update_weights(None, 0)
@@ -98,5 +104,166 @@ def test_a_server_more_than_one_version_behind_gets_no_work_and_admission_counts
     clients["slow"].release(2)
     backend.wait_for_pulls(2)
     assert backend.server_versions == [2, 2] and backend.bytes_by_source == [600]
+  finally:
+    backend.stop()
+
+
+class FaultyClient(FakeClient):
+  """A fake server that can die (every call raises), stall (health hangs past its deadline) or fail
+  its next ``fail_pulls`` pulls."""
+
+  def __init__(self, address: str):
+    super().__init__(address)
+    self.dead = self.stalled = False
+    self.fail_pulls = 0
+    self.uuids = []
+
+  def _check(self):
+    if self.dead:
+      raise ConnectionError(f"{self.address} is gone")
+
+  def health(self, timeout):
+    self._check()
+    if self.stalled:
+      time.sleep(timeout)
+      raise TimeoutError("deadline exceeded")
+    return super().health(timeout)
+
+  def submit(self, requests):
+    self._check()
+    super().submit(requests)
+
+  def update_weights(self, version, sources, timeout):
+    self.uuids.append(sources[0])
+    self._check()
+    while self.stalled:  # a stopped process: the pull neither finishes nor fails
+      time.sleep(0.05)
+    if self.fail_pulls:
+      self.fail_pulls -= 1
+      raise RuntimeError("Connection closed")
+    return super().update_weights(version, sources, timeout)
+
+
+def _faulty(names, registry=None, **kw):
+  clients = {n: FaultyClient(n) for n in names}
+  offered = []
+  group = types.SimpleNamespace(processes=1, offer=lambda v, uuids: offered.append((v, list(uuids))),
+                                sources=lambda uuid: [uuid])
+  kw = dict(dict(push_timeout=60, deadline=0.5, heartbeat=0.05), **kw)
+  backend = RemoteRollout(names, group, client=clients.__getitem__, registry=registry, **kw)
+  got = []
+  backend.start(got.append)
+  backend.update_weights(None, 0)
+  backend.wait_for_pulls(0)
+  return backend, clients, offered, got
+
+
+def _requests(n):
+  return [RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=4, request_id=f"r{i}") for i in range(n)]
+
+
+def test_a_dead_server_is_dropped_and_its_requests_go_to_the_others_under_the_same_ids():
+  backend, clients, _, _ = _faulty(["a", "b", "c"])
+  try:
+    backend.submit(*_requests(6))
+    held = list(clients["b"].submitted)
+    assert len(held) == 2
+    clients["b"].dead = True
+    t = time.time()
+    _until(lambda: backend.num_servers == 2, timeout=10)
+    assert time.time() - t < 10
+    _until(lambda: len(clients["a"].submitted) + len(clients["c"].submitted) == 6)
+    again = sorted(set(clients["a"].submitted + clients["c"].submitted) & set(held))
+    assert again == sorted(held)  # the same request ids, on the remaining servers
+    assert backend.faults["servers_lost"] == 1 and backend.faults["requests_reassigned"] == 2
+    assert "no answer for" in backend.events[0]["detail"] and backend.events[0]["server_id"] == "b"
+    # the run goes on at reduced capacity: new work and new weights skip the dead server
+    backend.submit(*_requests(4))
+    assert len(clients["b"].submitted) == 2
+    backend.update_weights(None, 1)
+    _until(lambda: clients["a"].pulled == [0, 1] and clients["c"].pulled == [0, 1])
+    assert backend.version == 1 and backend.error is None
+  finally:
+    backend.stop()
+
+
+def test_a_stalled_server_never_holds_the_learner_past_the_deadline():
+  backend, clients, offered, _ = _faulty(["a", "b"], push_timeout=600)
+  try:
+    clients["b"].stalled = True  # (SIGSTOP: its pulls and health checks hang)
+    backend.update_weights(None, 1)
+    t = time.time()
+    backend.update_weights(None, 2)
+    backend.update_weights(None, 3)  # waits for pulls of v1: b's never comes, and b is dropped
+    assert time.time() - t < 30  # bounded by the server deadline, not push_timeout=600
+    assert backend.num_servers == 1 and backend.events[0]["server_id"] == "b"
+    _until(lambda: clients["a"].pulled == [0, 1, 2, 3])
+    # every offer has its own random uuid: none derived from the version, none reused
+    uuids = [u for _, us in offered for u in us]
+    assert len(set(uuids)) == len(uuids) >= 2 + 2 + 1 + 1
+  finally:
+    clients["b"].stalled = False
+    backend.stop()
+
+
+def test_a_failed_pull_is_retried_under_a_new_uuid_then_the_server_is_dropped():
+  backend, clients, offered, _ = _faulty(["a", "b"], push_retries=2)
+  try:
+    clients["b"].fail_pulls = 1
+    backend.update_weights(None, 1)
+    _until(lambda: clients["b"].uuids and len(clients["b"].uuids) == 2)  # v0, then v1 failed
+    assert backend.server_versions == [1, 0] or clients["a"].pulled[-1] == 1
+    backend.maintain()  # the main loop's call: the retry
+    _until(lambda: clients["b"].pulled == [0, 1])
+    assert len(set(clients["b"].uuids)) == 3 and backend.faults["push_retries"] == 1
+    clients["b"].fail_pulls = 10
+    backend.update_weights(None, 2)
+    for _ in range(3):  # the push of v2, then 2 retries, all failing
+      _until(lambda: not any(not f.done() for f in backend._servers[1].pushes.values()))  # pylint: disable=protected-access
+      backend.maintain()
+    _until(lambda: backend.num_servers == 1)
+    assert "3 failed pulls" in backend.events[-1]["detail"]
+  finally:
+    backend.stop()
+
+
+def test_a_server_that_registers_again_gets_the_current_weights_before_work():
+  entries = [types.SimpleNamespace(server_id="decode-0", address="a", registered_at=1.0),
+             types.SimpleNamespace(server_id="decode-1", address="b", registered_at=1.0)]
+  registry = types.SimpleNamespace(servers=lambda: list(entries))
+  clients = {n: FaultyClient(n) for n in ("a", "b", "b2")}
+  offered = []
+  group = types.SimpleNamespace(processes=1, offer=lambda v, uuids: offered.append(v),
+                                sources=lambda uuid: [uuid])
+  backend = RemoteRollout(entries, group, client=clients.__getitem__, registry=registry, deadline=0.5,
+                          heartbeat=0.05)
+  backend.start(lambda t: None)
+  try:
+    backend.update_weights(None, 0)
+    backend.wait_for_pulls(0)
+    clients["b"].dead = True  # decode-1 dies and restarts at another address
+    _until(lambda: backend.num_servers == 1)
+    backend.update_weights(None, 1)
+    entries[1] = types.SimpleNamespace(server_id="decode-1", address="b2", registered_at=2.0)
+    _until(lambda: backend.faults["servers_joined"] == 1)
+    backend.submit(*_requests(2))  # the joiner holds no weights yet: no work for it
+    assert clients["b2"].submitted == [] and len(clients["a"].submitted) == 2
+    backend.maintain()
+    _until(lambda: clients["b2"].pulled == [1])
+    backend.submit(*_requests(2))
+    assert len(clients["b2"].submitted) == 1 and backend.num_servers == 2
+  finally:
+    backend.stop()
+
+
+def test_requests_wait_for_a_server_and_the_backend_fails_when_none_comes():
+  backend, clients, _, _ = _faulty(["a"], orphan_timeout=1.0)
+  try:
+    clients["a"].dead = True
+    _until(lambda: backend.num_servers == 0)
+    backend.submit(*_requests(2))  # nowhere to go: held, not lost
+    assert len(backend._unplaced) == 2  # pylint: disable=protected-access
+    _until(lambda: backend.error is not None)
+    assert "no live decode server for 1s" in str(backend.error)
   finally:
     backend.stop()

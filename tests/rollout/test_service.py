@@ -17,7 +17,7 @@ from asyncrl_jax import models, sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol
 from asyncrl_jax.rollout.backends import RemoteRollout, eligible
 from asyncrl_jax.rollout.service import RolloutClient, RolloutService, serve
-from asyncrl_jax.transfer import shards, uuid_for
+from asyncrl_jax.transfer import new_uuid, shards
 from asyncrl_jax.transfer.remote import Source, WeightSender
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,8 +144,9 @@ def test_decode_server_process_pulls_weights_from_another_process(tmp_path):
     sender = WeightSender("127.0.0.1:0")
     leaves = jax.tree.leaves(new_params)
     planned = shards.plan(leaves, [x.sharding for x in leaves])
-    sender.offer(new_params, planned, uuid_for(1, 0))
-    source = Source(sender.address, uuid_for(1, 0), tuple(b for b, _ in planned))
+    uuid = new_uuid()
+    sender.offer(new_params, planned, uuid)
+    source = Source(sender.address, uuid, tuple(b for b, _ in planned))
     reply = client.update_weights(1, [source], timeout=120)
     assert reply.version == 1 and reply.bytes == sum(x.nbytes for x in leaves)
     assert list(reply.source_bytes) == [reply.bytes]
