@@ -11,7 +11,7 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from asyncrl_jax import paths
+from asyncrl_jax import faults, paths
 
 
 class Checkpointer:
@@ -27,6 +27,7 @@ class Checkpointer:
     self._mgr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
         meta=ocp.args.JsonSave(meta)))
+    faults.at("save", step)  # (tests: SIGKILL while the write is under way)
 
   def latest_step(self) -> Optional[int]:
     return self._mgr.latest_step()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -34,8 +36,8 @@ from asyncrl_jax.transfer.remote import Source, WeightSender
 
 log = logging.getLogger(__name__)
 
-TRAIN, OFFER, SAVE, STOP = 1, 2, 3, 4
-_OPS = {TRAIN: "train", OFFER: "offer", SAVE: "save", STOP: "stop"}
+TRAIN, OFFER, SAVE, STOP, CHECK = 1, 2, 3, 4, 5
+_OPS = {TRAIN: "train", OFFER: "offer", SAVE: "save", STOP: "stop", CHECK: "check"}
 _ADDRESS_BYTES = 256
 
 
@@ -80,6 +82,7 @@ class LearnerGroup:
 
   def __init__(self, learner, checkpointer, *, transfer_host: Optional[str] = None):
     self.learner = learner
+    self.stop_requested = threading.Event()  # this process got SIGTERM (``install_sigterm``)
     self.ckpt = checkpointer
     self.processes = jax.process_count()
     self.is_leader = jax.process_index() == 0
@@ -141,6 +144,23 @@ class LearnerGroup:
     if self.processes > 1:
       self._broadcast(STOP, self.learner.version)
 
+  def install_sigterm(self) -> None:
+    """SIGTERM (a preemption notice) no longer kills this process: it sets ``stop_requested``, and
+    the run stops at the next ``should_stop``."""
+    signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
+
+  def should_stop(self) -> bool:
+    """Whether any learner process got SIGTERM: every process learns the same answer (one broadcast
+    and one all-gather of a flag), so they all stop at the same version."""
+    if self.processes == 1:
+      return self.stop_requested.is_set()
+    self._broadcast(CHECK, self.learner.version)
+    return self._any_stop()
+
+  def _any_stop(self) -> bool:
+    flags = multihost_utils.process_allgather(np.int32(self.stop_requested.is_set()))
+    return bool(np.asarray(flags).any())
+
   # ------------------------------------------------------------------ both sides
 
   def _offer(self, version: int, uuids: Sequence[int]) -> None:
@@ -169,6 +189,8 @@ class LearnerGroup:
         self.learner.check_version(version, "the checkpoint")
         self.ckpt.save(version, params=self.learner.params, opt_state=self.learner.opt_state,
                        meta=json.loads(bytes(np.asarray(data)).decode()))
+      elif op == CHECK:
+        self._any_stop()
       elif op == STOP:
         return
       else:

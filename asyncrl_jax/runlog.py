@@ -180,6 +180,7 @@ class RunLog:
     self.history.append(record)
     _append_jsonl(self.prompts_path, {"version": batch.version, "prompts": batch.prompt_indices,
                                       "digests": batch.prompt_digests,
+                                      "trajectory_ids": [t.trajectory_id for t in batch.trajectories],
                                       "completion_lengths": [len(t.completion_tokens)
                                                              for t in batch.trajectories]})
     for k, v in record.items():

@@ -23,14 +23,16 @@ cli.ensure_cpu_devices(4)
 
 # pylint: disable=wrong-import-position
 import dataclasses
+import signal
 import sys
+import threading
 import time
 
 import jax
 from absl import app, flags, logging
 
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import distributed, models, paths, sharding
+from asyncrl_jax import distributed, faults, models, paths, sharding
 from asyncrl_jax.checkpoint import RunCheckpointer
 from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
@@ -183,6 +185,9 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
   controller.pump()
   waiting_since = time.time()
   while learner.version < config.steps:
+    faults.at("sigterm", learner.version)
+    if group.should_stop():  # SIGTERM (preemption) in any learner process: save this version, exit
+      return _preempted(config, group, controller, ckpt, meta, accuracy)
     if backend.error is not None:
       raise RuntimeError(f"rollout failed: {backend.error!r}")
     backend.maintain()  # (remote servers: joiners get the current weights, failed pulls retried)
@@ -199,8 +204,12 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
                         ", ".join(f"{i} at {w}" for i, w in where.items()))
       continue
     waiting_since = time.time()
+    faults.at("train", batch.version)
+    if faults.at("nan", batch.version):
+      batch.sequences[0].advantages[:] = float("nan")
     update = group.train(batch.sequences, version=batch.version)
     transfer = backend.update_weights(learner.params, learner.version)
+    faults.at("push", learner.version)
     controller.pump()
     record = log.version_record(batch, update, transfer, backend.decode_stats(),
                                 transfer_seconds=backend.transfer_seconds)
@@ -213,6 +222,18 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
       meta.update(last_eval_accuracy=accuracy[0], last_eval_greedy_accuracy=accuracy[1])
       group.save(ckpt.run_meta(learner, controller, meta))
   return accuracy
+
+
+def _preempted(config, group: LearnerGroup, controller, ckpt, meta: dict, accuracy) -> None:
+  """Every learner process saves the current version (unless it is the newest checkpoint already);
+  returns None (the caller then stops the decode servers and waits for the write)."""
+  learner = group.learner
+  if ckpt.latest_step() != learner.version:
+    meta.update(last_eval_accuracy=accuracy[0], last_eval_greedy_accuracy=accuracy[1])
+    group.save(ckpt.run_meta(learner, controller, meta))
+  say(f"SIGTERM: saving policy version {learner.version} of {config.steps} and stopping; the same "
+      "command resumes from it")
+  return None
 
 
 def _checkpointer(config, workdir: str) -> RunCheckpointer:
@@ -243,6 +264,7 @@ def _follow(config, workdir: str) -> dict:
   del params
   ckpt.restore_run(learner, None)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)
+  _take_sigterm(group)
   try:
     group.follow()
   finally:
@@ -250,9 +272,20 @@ def _follow(config, workdir: str) -> dict:
   return {}
 
 
+_EARLY_SIGTERM = threading.Event()
+
+
+def _take_sigterm(group: LearnerGroup) -> None:
+  """From now on SIGTERM is the group's stop request (one that came during setup counts too)."""
+  group.install_sigterm()
+  if _EARLY_SIGTERM.is_set():
+    group.stop_requested.set()
+
+
 def run(config, workdir: str) -> dict:
   """The main job in this process: all of it on learner process 0, ``_follow`` on the others."""
   _check_multi_process(config)
+  signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.set())  # (until the group takes over)
   if jax.process_index() != 0:
     return _follow(config, workdir)
   log = RunLog(workdir, config)
@@ -262,6 +295,7 @@ def run(config, workdir: str) -> dict:
   ckpt = _checkpointer(config, workdir)
   learner, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
+  _take_sigterm(group)
   try:
     backend = _rollout(config, meshes, engine, group, data, workdir)
   except BaseException:
@@ -284,7 +318,9 @@ def run(config, workdir: str) -> dict:
     backend.stop()
     group.stop()
     controller.close()
-    ckpt.close()
+    ckpt.close()  # (waits for the last write)
+  if final is None:  # preempted: the checkpoint is written, the summary is the resumed run's
+    return {"preempted_at_version": learner.version}
   summary = log.summary(
       meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
@@ -310,6 +346,7 @@ def main(argv=None) -> None:
       sys.exit(2)
     logging.set_verbosity(logging.WARNING)
     try:
+      faults.planned()  # a malformed ASYNCRL_FAULT is refused before anything starts
       multi = distributed.initialize()
     except ValueError as e:
       print(f"error: {e}", file=sys.stderr)

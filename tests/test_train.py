@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,40 +90,109 @@ def _latest_checkpoint(workdir):
   return max(steps, default=None)
 
 
-def test_sigkill_and_resume_trains_the_same_prompts(tmp_path):
-  # no held-out evaluation and no warm start: neither changes which prompts train, and both cost time
-  steps = ["--config.steps=6", "--config.rl.max_staleness=1", "--config.learner.eval_every=0",
-           "--config.learner.warm_start_steps=0"]
-  reference = tmp_path / "reference"  # the uninterrupted run, alongside the one to be killed
-  ref = subprocess.Popen(_cmd(reference, *steps), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-  killed = tmp_path / "killed"
-  proc = subprocess.Popen(_cmd(killed, *steps), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
-  # Kill once versions past the latest checkpoint are logged, so that resuming has to drop them.
-  deadline = time.time() + 300
-  while True:
-    assert proc.poll() is None, "run ended before it could be killed"
-    assert time.time() < deadline
-    ckpt = _latest_checkpoint(killed)
-    logged = _complete_lines(killed / "trained_prompts.jsonl")
-    if ckpt is not None and logged > ckpt:
-      break
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  ref_out, _ = ref.communicate(timeout=400)
-  assert ref.returncode == 0, ref_out[-3000:]
-  ckpt = _latest_checkpoint(killed)
-  assert _complete_lines(killed / "trained_prompts.jsonl") > ckpt  # records the resume must drop
-  with open(killed / "trained_prompts.jsonl", "a") as f:
-    f.write('{"version": 99, "prom')  # and a record cut short by the kill
-  out = _run(killed, *steps)
-  assert f"resumed from checkpoint at policy version {ckpt}" in out.stdout
-  got, want = _trained_prompts(killed), _trained_prompts(reference)
-  assert [r["version"] for r in got] == list(range(6))  # every version once, none repeated
-  assert sorted(p for r in got for p in r["prompts"]) == sorted(p for r in want for p in r["prompts"])
-  assert json.loads((killed / "summary.json").read_text())["steps"] == 6
+def _start(workdir, *overrides, fault=""):
+  env = dict(_env(), PYTHONUNBUFFERED="1", **({"ASYNCRL_FAULT": fault} if fault else {}))
+  log = open(workdir.parent / f"{workdir.name}-{time.time():.3f}.log", "w")
+  proc = subprocess.Popen(_cmd(workdir, *overrides), cwd=ROOT, env=env, stdout=log,
+                          stderr=subprocess.STDOUT, text=True)
+  proc.log_path = log.name
+  return proc
+
+
+def _wait_until(proc, condition, what: str, timeout: float = 300.0) -> None:
+  deadline = time.time() + timeout
+  while not condition():
+    assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}: " + \
+        open(proc.log_path).read()[-3000:]
+    assert time.time() < deadline, f"not {what} within {timeout:.0f}s"
+    time.sleep(0.05)
+
+
+def _finish(proc, timeout: float = 400.0) -> str:
+  proc.wait(timeout=timeout)
+  return open(proc.log_path).read()
+
+
+def test_learner_preempted_and_killed_resumes_each_time_and_trains_every_prompt_once(tmp_path):
+  """One lineage of 5 starts of the main job: SIGTERM (a preemption notice) once a version past a
+  checkpoint is logged, then SIGKILL mid-step (``train@v``), mid-checkpoint-save (``save@v``) and at
+  a random time. SIGTERM saves the current version and exits 0 within 25 s; every start resumes
+  from the newest complete checkpoint, dropping what was logged after it; over the final lineage
+  every version has one metrics record and one trained-prompts record, and the prompts and
+  trajectory ids are the stream's, each once."""
+  steps, per_batch = 10, 4  # (batch 16 = 4 prompts x group 4)
+  overrides = [f"--config.steps={steps}", "--config.rl.max_staleness=1",
+               "--config.learner.eval_every=0", "--config.learner.warm_start_steps=0",
+               "--config.rollout.warm_up=False"]
+  run = tmp_path / "run"
+  logged = lambda: _complete_lines(run / "trained_prompts.jsonl")
+  resumed = []
+
+  # 1. SIGTERM once a version past the first checkpoint is logged: save it, exit 0 within 25 s
+  proc = _start(run, *overrides)
+  _wait_until(proc, lambda: logged() >= 3, "version 3 was logged")
+  t = time.time()
+  proc.send_signal(signal.SIGTERM)
+  out = _finish(proc, timeout=60)
+  assert proc.returncode == 0 and time.time() - t < 25, out[-3000:]
+  saved = _latest_checkpoint(run)
+  assert f"SIGTERM: saving policy version {saved} of {steps}" in out and saved >= 3
+  assert not (run / "summary.json").exists()  # (the summary is the finished run's)
+
+  # 2.-4. SIGKILL mid-step, mid-save (checkpoints every 2 versions), then at a random time
+  rng = np.random.default_rng(0)
+  for kind in ("train", "save", "random"):
+    before = _latest_checkpoint(run)
+    if kind == "train":
+      fault = f"train@{before + 1}"
+    elif kind == "save":
+      fault = f"save@{before + 2 - before % 2}"
+    else:
+      fault = ""
+    proc = _start(run, *overrides, fault=fault)
+    if kind == "random":
+      _wait_until(proc, lambda: "resumed from checkpoint" in open(proc.log_path).read(), "it resumed")
+      _wait_until(proc, lambda: logged() > before, "a version past the checkpoint was logged")
+      time.sleep(float(rng.uniform(0, 1.5)))
+      proc.kill()
+    out = _finish(proc)
+    assert proc.returncode == -signal.SIGKILL, out[-3000:]
+    assert f"resumed from checkpoint at policy version {before}" in out
+    resumed.append(before)
+    if kind == "save":  # killed while writing: that step is not a checkpoint
+      assert _latest_checkpoint(run) == before, sorted(p.name for p in (run / "checkpoints").iterdir())
+  with open(run / "trained_prompts.jsonl", "a") as f:
+    f.write('{"version": 99, "prom')  # a record cut short by the kill
+
+  # 5. to the end
+  before = _latest_checkpoint(run)
+  out = _finish(_start(run, *overrides))
+  assert f"resumed from checkpoint at policy version {before}" in out, out[-3000:]
+  got = _trained_prompts(run)
+  assert [r["version"] for r in got] == list(range(steps))  # every version once, none repeated
+  for r in got:  # version v trains the stream's prompts v*P .. v*P+P-1, whichever run trained it
+    assert sorted(r["prompts"]) == list(range(r["version"] * per_batch, (r["version"] + 1) * per_batch))
+  ids = [i for r in got for i in r["trajectory_ids"]]
+  assert len(ids) == len(set(ids)) == steps * 16
+  assert set(ids) == {f"p{p}-s{j}" for p in range(steps * per_batch) for j in range(4)}
+  metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+  assert json.loads((run / "summary.json").read_text())["steps"] == steps
+
+
+def test_a_nan_update_stops_the_run_naming_the_version_and_keeps_the_last_checkpoint(tmp_path):
+  overrides = ["--config.steps=6", "--config.learner.eval_every=0", "--config.learner.warm_start_steps=0",
+               "--config.rollout.warm_up=False", "--config.checkpoint.async_save=False"]
+  out = subprocess.run(_cmd(tmp_path, *overrides), capture_output=True, text=True, cwd=ROOT, timeout=400,
+                       env=dict(_env(), ASYNCRL_FAULT="nan@3"))
+  assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+  error = out.stderr.strip().splitlines()[-1]
+  assert error.startswith("error: policy version 3: non-finite") and "not applied" in error, error
+  assert "Traceback" not in out.stderr
+  assert _latest_checkpoint(tmp_path) == 2  # the last good state, not overwritten by a bad one
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [m["version"] for m in metrics] == [1, 2, 3]
+  assert all(np.isfinite(m["loss"]) for m in metrics)
 
 
 def test_colocated_synchronous_run_on_one_device(tmp_path):
