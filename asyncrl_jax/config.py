@@ -78,6 +78,9 @@ def _rollout_section() -> ml_collections.ConfigDict:
       # a rollout that comes back failed or malformed is resubmitted under its id this often, then
       # trained as a failed rollout (reward 0, counted)
       max_retries=2,
+      # a shared secret every gRPC call must carry (a file; or ASYNCRL_AUTH_TOKEN): required when
+      # rollout.host is not a loopback address. No TLS: keep the traffic on the private network
+      auth_token_file="",
       # on new weights: "recompute" re-prefills every in-flight sequence under them (exact); "keep_cache"
       # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
       # still those of the distribution each token was drawn from)
@@ -270,6 +273,8 @@ def _validate_rollout(config) -> None:
           integer=True)
   for timeout in ("rollout.register_timeout", "rollout.push_timeout", "rollout.server_deadline"):
     _number(config, timeout, lambda v: v > 0, "a number of seconds > 0")
+  _check(isinstance(config.rollout.auth_token_file, str), "rollout.auth_token_file",
+         config.rollout.auth_token_file, "must be a path (or empty)")
   for retries in ("rollout.push_retries", "rollout.max_retries"):
     _number(config, retries, lambda v: v >= 0, "an integer >= 0", integer=True)
   address = config.rollout.learner_address

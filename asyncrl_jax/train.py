@@ -32,7 +32,7 @@ import jax
 from absl import app, flags, logging
 
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import distributed, faults, models, paths, sharding
+from asyncrl_jax import auth, distributed, faults, models, paths, sharding
 from asyncrl_jax.checkpoint import RunCheckpointer
 from asyncrl_jax.controller import Controller
 from asyncrl_jax.data import builder as builder_lib
@@ -44,6 +44,7 @@ from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.registry import Registry
+from asyncrl_jax.rollout.service import RolloutClient
 from asyncrl_jax.runlog import RunLog, say
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
@@ -143,11 +144,11 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   return learner, evaluate, engine, meta
 
 
-def _registered(config, model_config, tokenizer, workdir: str):
+def _registered(config, model_config, tokenizer, workdir: str, token):
   """Starts the registry on process 0 and waits for ``rollout.servers`` decode servers; returns the
   registry's gRPC server and the servers."""
   registry = Registry(model_config, tokenizer.identity)
-  server, port = registry.serve(config.rollout.host, config.rollout.registry_port)
+  server, port = registry.serve(config.rollout.host, config.rollout.registry_port, token=token)
   address = f"{config.rollout.host}:{port}"
   paths.write_text(paths.join(workdir, "registry_address"), address)  # atomic: readers poll for it
   say(f"waiting for {config.rollout.servers} decode servers to register at {address}")
@@ -158,13 +159,15 @@ def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: 
   """The decode servers' backend, holding the learner's current weights (not started)."""
   learner = group.learner
   if meshes.remote:
+    token = auth.load_token(config.rollout.auth_token_file)
     registry, registry_server, servers = _registered(config, models.config_of(config), data.tokenizer,
-                                                     workdir)
+                                                     workdir, token)
     r = config.rollout
     # servers that register later (restarted, perhaps elsewhere) join through the registry
     backend = RemoteRollout(servers, group, push_timeout=r.push_timeout, deadline=r.server_deadline,
                             heartbeat=min(1.0, r.server_deadline / 4), push_retries=r.push_retries,
-                            orphan_timeout=r.register_timeout, registry=registry)
+                            orphan_timeout=r.register_timeout, registry=registry,
+                            client=lambda address: RolloutClient(address, token))
     backend.registry_server = registry_server
     t = time.time()
     backend.update_weights(learner.params, learner.version)  # servers start with no weights
@@ -285,6 +288,8 @@ def _take_sigterm(group: LearnerGroup) -> None:
 def run(config, workdir: str) -> dict:
   """The main job in this process: all of it on learner process 0, ``_follow`` on the others."""
   _check_multi_process(config)
+  if config.rollout.servers:  # (refused before any setup: binding beyond loopback needs a token)
+    auth.require(config.rollout.host, auth.load_token(config.rollout.auth_token_file), "rollout.host")
   signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.set())  # (until the group takes over)
   if jax.process_index() != 0:
     return _follow(config, workdir)
@@ -353,7 +358,7 @@ def main(argv=None) -> None:
       sys.exit(2)
     try:
       run(config, _WORKDIR.value)
-    except config_lib.ConfigError as e:
+    except (config_lib.ConfigError, auth.AuthError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     except NonFiniteError as e:  # a clear stop, not a traceback: the message says what and where

@@ -6,9 +6,10 @@ Each process has one CPU device; the learner mesh puts ``fsdp`` across the proce
 batch is the same in every process; each puts only its own rows on device. Process 0 writes the
 parameters after one policy version (gathered from both) and what each process held.
 
-With CHECKPOINTS (a directory holding a 1-process checkpoint of version 1): the processes restore it
-instead, write the restored parameters, train version 1 on the second batch, write those, and save
-version 2 from both processes into the same directory.
+With CHECKPOINTS (a directory holding a 1-process checkpoint of version 1): the processes then
+restore it into the same learner, write the restored parameters, train version 1 on the second
+batch, write those (to OUT_NPZ with ``-resume`` before ``.npz``), and save version 2 from both
+processes into the same directory.
 """
 
 import os
@@ -52,10 +53,6 @@ def main(pid: int, n: int, port: int, out: str, checkpoints: str = "") -> None:
   mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})
   config = t.config()
   learner = Learner(t.CFG, t.params(), mesh, config, total_steps=config.steps)
-  if checkpoints:
-    resume(learner, checkpoints, out, pid)
-    jax.distributed.shutdown()
-    return
   leaves = jax.tree.leaves(learner.params)
   whole_here = [x.is_fully_addressable for x in leaves]  # all on this process's devices
   split = [x.ndim > 1 and all(s.data.shape != x.shape for s in x.addressable_shards) for x in leaves]
@@ -71,6 +68,8 @@ def main(pid: int, n: int, port: int, out: str, checkpoints: str = "") -> None:
     np.savez(out, *flat, held_rows=held, global_rows=np.asarray([b.tokens.shape[0] for b in placed]),
              whole_here=np.asarray(whole_here), split=np.asarray(split),
              matrices=np.asarray(matrices), loss=metrics["loss"])
+  if checkpoints:  # the same learner (its compiled steps too) restores and trains on
+    resume(learner, checkpoints, out.replace(".npz", "-resume.npz"), pid)
   jax.distributed.shutdown()
 
 

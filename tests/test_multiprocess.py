@@ -67,36 +67,19 @@ def _one_process_learner():
   return Learner(CFG, params(), mesh, c, total_steps=c.steps)
 
 
-def test_two_process_update_equals_the_one_process_update(tmp_path):
-  out = str(tmp_path / "update.npz")
-  _two_processes(out)
-  got = np.load(out)
-  # fsdp over 2 processes: no parameter is whole in one process, and every weight matrix is split
-  assert not got["whole_here"].any()
-  assert got["split"][got["matrices"]].all()
-  assert got["matrices"].sum() >= 8
-  # each process put exactly half of every micro-batch's rows on device
-  np.testing.assert_array_equal(got["held_rows"], [got["global_rows"] // 2] * 2)
-  # the same update in one process, on 2 local devices with the same mesh shape
+def test_two_process_learner_equals_one_process_and_checkpoints_move_between_process_counts(tmp_path):
+  """One pair of processes (fsdp across them), two checks.
+
+  * Update: their first version equals the one-process update on 2 local devices with the same
+    mesh shape, each process holding half of every micro-batch and no whole weight matrix.
+  * Checkpoints, 1 -> 2: a 1-process checkpoint restores onto the 2 processes bit for bit, and their
+    next update equals the uninterrupted 1-process run's. 2 -> 1: what the 2 processes saved restores
+    in 1 process bit for bit.
+  """
+  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "update.npz")
   learner = _one_process_learner()
   metrics = learner.train(sequences(), version=0)
-  want = jax.tree.leaves(jax.device_get(learner.params))
-  start = jax.tree.leaves(params())
-  moved = max(float(np.max(np.abs(w - s))) for w, s in zip(want, start))
-  assert moved > 1e-2  # the update is large enough to compare
-  for i, w in enumerate(want):
-    np.testing.assert_allclose(got[f"arr_{i}"], w, rtol=1e-4, atol=1e-5)
-  assert float(got["loss"]) == pytest.approx(metrics["loss"], rel=1e-4)
-
-
-def test_checkpoints_move_between_process_counts(tmp_path):
-  """1 -> 2: a 1-process checkpoint restores onto 2 processes bit for bit, and their next update
-  equals the uninterrupted 1-process run's. 2 -> 1: what the 2 processes saved restores in 1 process
-  bit for bit."""
-  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "resume.npz")
-  learner = _one_process_learner()
-  learner.train(sequences(), version=0)
   ckpt = Checkpointer(directory, async_save=False)
   ckpt.save(1, params=learner.params, opt_state=learner.opt_state, meta={"version": 1})
   ckpt.close()
@@ -104,7 +87,22 @@ def test_checkpoints_move_between_process_counts(tmp_path):
   learner.train(sequences(seed=6), version=1)  # the uninterrupted run's next version
   uninterrupted = jax.tree.leaves(jax.device_get(learner.params))
   _two_processes(out, directory)
+
   got = np.load(out)
+  # fsdp over 2 processes: no parameter is whole in one process, and every weight matrix is split
+  assert not got["whole_here"].any()
+  assert got["split"][got["matrices"]].all()
+  assert got["matrices"].sum() >= 8
+  # each process put exactly half of every micro-batch's rows on device
+  np.testing.assert_array_equal(got["held_rows"], [got["global_rows"] // 2] * 2)
+  start = jax.tree.leaves(params())
+  moved = max(float(np.max(np.abs(w - s))) for w, s in zip(saved, start))
+  assert moved > 1e-2  # the update is large enough to compare
+  for i, w in enumerate(saved):
+    np.testing.assert_allclose(got[f"arr_{i}"], w, rtol=1e-4, atol=1e-5)
+  assert float(got["loss"]) == pytest.approx(metrics["loss"], rel=1e-4)
+
+  got = np.load(out.replace(".npz", "-resume.npz"))
   for i, (s, u) in enumerate(zip(saved, uninterrupted)):
     np.testing.assert_array_equal(got[f"restored_{i}"], s)
     np.testing.assert_allclose(got[f"trained_{i}"], u, rtol=1e-4, atol=1e-5)

@@ -25,7 +25,7 @@ import threading
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import models, sharding
+from asyncrl_jax import auth, models, sharding
 from asyncrl_jax.rollout import registry
 from asyncrl_jax.rollout.engine import engine_from_config, server_seed
 from asyncrl_jax.rollout.server import DecodeServer
@@ -41,6 +41,12 @@ def main(argv=None) -> None:
   def _main(args):
     del args
     config = cli.validated(_CONFIG.value)
+    try:  # binding beyond loopback needs a shared secret: refused before anything starts
+      token = auth.load_token(config.rollout.auth_token_file)
+      auth.require(config.rollout.host, token, "rollout.host")
+    except auth.AuthError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
     mesh = sharding.make_mesh(jax.local_devices(), config.mesh.rollout.to_dict(), role="mesh.rollout")
     # each server its own sampling seed: a group's requests spread over servers must not repeat
     engine = engine_from_config(config, mesh, models.config_of(config),
@@ -51,7 +57,7 @@ def main(argv=None) -> None:
                           warm_up=config.rollout.warm_up)
     host = config.rollout.host
     service = RolloutService(server, WeightReceiver(f"{host}:0"))
-    grpc_server, port = serve(service, host=host, port=config.rollout.port)
+    grpc_server, port = serve(service, host=host, port=config.rollout.port, token=token)
     server.start()
     logging.info("decode server %s on %s:%d (%d devices, %d slots)", _SERVER_ID.value, host, port,
                  len(jax.local_devices()), engine.num_slots)
@@ -60,7 +66,8 @@ def main(argv=None) -> None:
         n = registry.register(config.rollout.learner_address, server_id=_SERVER_ID.value,
                               address=f"{host}:{port}", model_config=engine.config,
                               tokenizer_id=engine.tokenizer.identity, devices=len(jax.local_devices()),
-                              mesh=dict(mesh.shape), timeout=config.rollout.register_timeout)
+                              mesh=dict(mesh.shape), timeout=config.rollout.register_timeout,
+                              token=token)
       except registry.RegistrationRefused as e:
         logging.error("the learner refused this decode server: %s", e)
         grpc_server.stop(grace=0)

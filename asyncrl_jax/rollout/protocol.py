@@ -61,6 +61,11 @@ from asyncrl_jax.transfer import shards
 from asyncrl_jax.transfer.remote import Source
 
 PACKAGE = "asyncrl.rollout.v1"
+# Largest message either side sends or accepts (a Submit of 512 prompts of 1024 tokens is ~2 MB, a
+# 32k-token trajectory ~0.4 MB): a larger one fails with RESOURCE_EXHAUSTED instead of being read.
+MAX_MESSAGE_BYTES = 64 * 2 ** 20
+GRPC_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
 SERVICE = f"{PACKAGE}.Rollout"
 LEARNER_SERVICE = f"{PACKAGE}.Learner"
 

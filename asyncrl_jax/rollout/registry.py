@@ -19,6 +19,7 @@ from typing import Optional
 
 import grpc
 
+from asyncrl_jax import auth
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.service import serve
 
@@ -99,17 +100,19 @@ class Registry:
         self._changed.wait(min(left, 1.0))
       return sorted(self._servers.values(), key=lambda s: s.server_id)
 
-  def serve(self, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
+  def serve(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None
+            ) -> tuple[grpc.Server, int]:
     return serve(self, host=host, port=port, max_workers=4, methods=protocol.LEARNER_METHODS,
-                 name=protocol.LEARNER_SERVICE)
+                 name=protocol.LEARNER_SERVICE, token=token)
 
 
 def register(learner_address: str, *, server_id: str, address: str, model_config, tokenizer_id: str,
-             devices: int, mesh: Optional[dict] = None, timeout: float = 600.0) -> int:
+             devices: int, mesh: Optional[dict] = None, timeout: float = 600.0,
+             token: Optional[str] = None) -> int:
   """Registers this decode server with the learner at ``learner_address``, waiting up to ``timeout``
   seconds for the learner to come up; returns the number of servers registered. Raises
   ``RegistrationRefused`` with the learner's reason on a mismatch."""
-  with grpc.insecure_channel(learner_address) as channel:
+  with auth.channel(learner_address, token, protocol.GRPC_OPTIONS) as channel:
     try:
       grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError as e:

@@ -25,6 +25,7 @@ from typing import Iterator, Optional, Sequence
 
 import grpc
 
+from asyncrl_jax import auth
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
@@ -141,10 +142,14 @@ def _handlers(service, methods: dict, name: str) -> grpc.GenericRpcHandler:
 
 
 def serve(service, *, host: str = "127.0.0.1", port: int = 0, max_workers: int = 16,
-          methods: dict = protocol.METHODS, name: str = protocol.SERVICE) -> tuple[grpc.Server, int]:
+          methods: dict = protocol.METHODS, name: str = protocol.SERVICE,
+          token: Optional[str] = None) -> tuple[grpc.Server, int]:
   """Starts a gRPC server for ``service`` (the rollout service unless ``methods``/``name`` say
-  otherwise); returns it and the bound port."""
-  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+  otherwise); returns it and the bound port. A non-loopback ``host`` needs a ``token``, which every
+  call must then carry (``auth``); messages over ``protocol.MAX_MESSAGE_BYTES`` are refused."""
+  auth.require(host, token, "the gRPC server's host")
+  server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                       interceptors=auth.server_interceptors(token), options=protocol.GRPC_OPTIONS)
   server.add_generic_rpc_handlers((_handlers(service, methods, name),))
   bound = server.add_insecure_port(f"{host}:{port}")
   if not bound:
@@ -156,9 +161,9 @@ def serve(service, *, host: str = "127.0.0.1", port: int = 0, max_workers: int =
 class RolloutClient:
   """Client of one decode server. Every call takes a deadline (seconds)."""
 
-  def __init__(self, address: str):
+  def __init__(self, address: str, token: Optional[str] = None):
     self.address = address
-    self._channel = grpc.insecure_channel(address)
+    self._channel = auth.channel(address, token, protocol.GRPC_OPTIONS)
     self._calls = {}
     for name, (req, rep, streaming) in protocol.METHODS.items():
       make = self._channel.unary_stream if streaming else self._channel.unary_unary

@@ -68,3 +68,29 @@ def test_jetstream_health_check(served):
 def test_a_directory_without_an_export_is_named(tmp_path):
   with pytest.raises(ExportError, match="neither an Orbax export"):
     load_export(str(tmp_path))
+
+
+def test_serving_with_a_token_refuses_calls_without_it(tmp_path):
+  import grpc
+  from asyncrl_jax import auth  # pylint: disable=import-outside-toplevel
+  write_orbax(CFG, jax.device_get(sharp_params(CFG, 1)), str(tmp_path))
+  engine, engine_params = engine_for_checkpoint(str(tmp_path), tokenizer_path="", slots=2,
+                                                max_prefill_length=16, max_target_length=32,
+                                                temperature=0.0)
+  token = "0123456789abcdef-serve"
+  server, port = start_server(engine, engine_params, token=token)
+  try:
+    for sent in (None, "wrong-0123456789abcdef", token):
+      channel = auth.channel(f"127.0.0.1:{port}", sent)
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+      try:
+        if sent == token:
+          assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30).is_live
+        else:
+          with pytest.raises(grpc.RpcError) as e:
+            stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30)
+          assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+      finally:
+        channel.close()
+  finally:
+    server.stop()

@@ -174,3 +174,40 @@ def test_each_decode_server_process_samples_with_its_own_seed():
   seeds = {server_seed(0, f"decode-{i}") for i in range(64)}
   assert len(seeds) == 64 and all(0 <= s < 2**31 for s in seeds)
   assert server_seed(0, "decode-1") == server_seed(0, "decode-1") != server_seed(1, "decode-1")
+
+
+def test_malformed_and_oversized_messages_are_refused_and_the_server_lives_on(local_service):
+  """Random bytes to every method (hypothesis-style fuzzing with a fixed seed), a message over the
+  size limit, and requests that parse but are nonsense: each gets an error status or a failed
+  trajectory, never a crash, and the server then still serves."""
+  import grpc
+  _, client, service = local_service
+  channel = grpc.insecure_channel(client.address, options=protocol.GRPC_OPTIONS)
+  rng = np.random.default_rng(0)
+  try:
+    for name, (_, _, streaming) in protocol.METHODS.items():
+      make = channel.unary_stream if streaming else channel.unary_unary
+      call = make(f"/{protocol.SERVICE}/{name}")  # raw bytes, no serializer
+      for n in (1, 7, 64, 1000):
+        try:
+          result = call(rng.bytes(n), timeout=2)
+          if streaming:
+            list(result)
+        except grpc.RpcError as e:  # unparsable, a bad value, or (Stream) nothing within the deadline
+          assert e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT,
+                              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.UNKNOWN), (name, e.code())
+    big = channel.unary_unary(f"/{protocol.SERVICE}/Submit")
+    with pytest.raises(grpc.RpcError) as e:
+      big(b"\x0a" + b"\xff" * (protocol.MAX_MESSAGE_BYTES + 16), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  finally:
+    channel.close()
+  # requests that parse but cannot be served: failed trajectories with the reason, not a crash
+  client.submit([RolloutRequest(prompt_tokens=[99, 1], max_new_tokens=4, request_id="oov"),
+                 RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=0, request_id="zero"),
+                 RolloutRequest(prompt_tokens=[], max_new_tokens=4, request_id="empty")])
+  got = {t.trajectory_id: t for t in client.stream(max_trajectories=3, timeout=60)}
+  assert "outside [0, 17)" in got["oov"].error and "must be >= 1" in got["zero"].error
+  assert got["empty"].error == "empty prompt" and all(t.finish_reason == "error" for t in got.values())
+  assert client.health().status == "serving" and service.server.error is None
