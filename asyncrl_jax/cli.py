@@ -25,6 +25,34 @@ def define_config_flag():
                                          lock_config=True)
 
 
+def parse_flags(argv, flag_values=None):
+  """``app.run``'s flag parser: a bad ``--config.x=value`` (unknown field, a value of the wrong type,
+  a file that does not load) is one line on stderr naming it, and exit status 2, not a traceback."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  try:
+    return flag_values(argv)
+  except flags.Error as e:  # absl: the flag and its value are in the message
+    message = str(e).removeprefix("flag ")
+    unknown = message.removeprefix("Unknown command line flag ").strip("'")
+    given = [a for a in argv[1:] if a.split("=")[0] == f"--{unknown}"]
+    if unknown.startswith("config.") and given:  # (absl's reading of a boolean with a bad value)
+      _refuse(f"{given[0]}: not a boolean (True or False)")
+    _refuse(message, "config error" if "config" in message else "error")
+  except (AttributeError, KeyError, TypeError, ValueError, SyntaxError, OSError) as e:
+    key = str(e).strip("'\"")
+    culprit = next((a.split("=")[0] for a in argv[1:] if a.startswith("--config.")
+                    and key in a.split("=")[0].removeprefix("--config.").split(".")), None)
+    if culprit:
+      _refuse(f"{culprit}: the config has no field {key!r}")
+    _refuse(f"{type(e).__name__}: {e}")
+
+
+def _refuse(message: str, kind: str = "config error") -> None:
+  print(f"{kind}: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
 def validated(config):
   """Validates a loaded config; on a bad value prints the message and exits with status 2."""
   from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel

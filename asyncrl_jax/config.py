@@ -18,6 +18,7 @@ Sections:
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable, Iterable
 
 import ml_collections
@@ -222,8 +223,22 @@ def _validate_run(config) -> None:
   _number(config, "steps", lambda v: v >= 0, "an integer >= 0", integer=True)
 
 
+def _local_dir_holding(config, field: str, name: str) -> None:
+  """A set, local directory ``field`` must hold ``name`` (a bucket path is checked when it is read)."""
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  if not isinstance(value, str):
+    raise ConfigError(f"{field}={value!r} is not allowed: must be a path (or empty)")
+  if value and not value.startswith("gs://"):
+    _check(os.path.isfile(os.path.join(value, name)), field, value,
+           f"must be a directory holding {name}")
+
+
 def _validate_model(config) -> None:
   """An inline architecture must build a ModelConfig; with ``hf_path`` the checkpoint decides."""
+  _local_dir_holding(config, "model.hf_path", "config.json")
+  _local_dir_holding(config, "data.tokenizer_path", "tokenizer.json")
   if not config.model.hf_path:
     try:
       model_config(config)

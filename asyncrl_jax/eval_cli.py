@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     if v["out"]:
       paths.write_text(v["out"], json.dumps(result, indent=2))
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

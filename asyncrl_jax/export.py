@@ -23,7 +23,7 @@ import sys
 import tempfile
 from typing import Iterator
 
-from asyncrl_jax import paths
+from asyncrl_jax import cli, paths
 
 FORMATS = ("hf", "orbax")
 
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
     if result["note"]:
       print(f"note: {result['note']}")
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

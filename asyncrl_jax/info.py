@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     sys.stdout.flush()
     sys.exit(0 if ok else 1)
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

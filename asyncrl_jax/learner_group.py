@@ -83,6 +83,7 @@ class LearnerGroup:
   def __init__(self, learner, checkpointer, *, transfer_host: Optional[str] = None):
     self.learner = learner
     self.stop_requested = threading.Event()  # this process got SIGTERM (``install_sigterm``)
+    self.agreed_stop = False  # the learner processes agreed to stop (some process got SIGTERM)
     self.ckpt = checkpointer
     self.processes = jax.process_count()
     self.is_leader = jax.process_index() == 0
@@ -148,6 +149,7 @@ class LearnerGroup:
     """SIGTERM (a preemption notice) no longer kills this process: it sets ``stop_requested``, and
     the run stops at the next ``should_stop``."""
     signal.signal(signal.SIGTERM, lambda *_: self.stop_requested.set())
+    signal.siginterrupt(signal.SIGTERM, False)  # native threads' system calls restart, not fail
 
   def should_stop(self) -> bool:
     """Whether any learner process got SIGTERM: every process learns the same answer (one broadcast
@@ -159,7 +161,8 @@ class LearnerGroup:
 
   def _any_stop(self) -> bool:
     flags = multihost_utils.process_allgather(np.int32(self.stop_requested.is_set()))
-    return bool(np.asarray(flags).any())
+    self.agreed_stop = bool(np.asarray(flags).any())
+    return self.agreed_stop
 
   # ------------------------------------------------------------------ both sides
 

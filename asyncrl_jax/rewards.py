@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import threading
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Optional
 
 from asyncrl_jax.data import arithmetic
@@ -28,8 +29,22 @@ def _math_verify(completion: str, answer: str) -> float:
   return float(bool(verify(gold, parse(completion))))
 
 
+def _limit_memory(max_bytes: int) -> None:
+  """Pool initializer: the worker may grow its address space by at most ``max_bytes`` beyond what it
+  holds once started (its imports), so a parse that explodes raises MemoryError there instead of
+  exhausting the host."""
+  import resource  # pylint: disable=import-outside-toplevel
+  if max_bytes:
+    with open("/proc/self/status") as f:
+      size = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + max_bytes, size + max_bytes))
+
+
 class MathReward:
-  """``math-verify`` reward with a per-call timeout (seconds), in a small process pool.
+  """``math-verify`` reward with a per-call timeout (seconds) and a memory cap per worker
+  (``max_memory`` bytes of address space beyond its start, 0: none), in a small process pool. A call that times out,
+  runs out of memory or raises scores 0 and is counted (``timeouts``, ``failures``); a worker that
+  died is replaced. So a pathological completion can neither hang nor kill the controller.
 
   The timeout bounds one verification, not the worker's start: a new pool (at first and after a
   timeout kills a hung worker) first verifies a trivial answer, waiting up to ``startup_timeout``.
@@ -37,16 +52,19 @@ class MathReward:
   timeout, every call times out, restarts the pool and scores 0, and the run trains on zeros.
   """
 
-  def __init__(self, timeout: float = 5.0, workers: int = 1, startup_timeout: float = 300.0):
+  def __init__(self, timeout: float = 5.0, workers: int = 1, startup_timeout: float = 300.0,
+               max_memory: int = 4 * 2 ** 30, verify: Callable[[str, str], float] = _math_verify):
     self.timeout, self.startup_timeout = timeout, startup_timeout
-    self._workers = workers
+    self._workers, self._max_memory, self._verify = workers, max_memory, verify
     self._pool = self._new_pool()
     self.timeouts = 0
+    self.failures = 0  # calls that raised (MemoryError, a parser error) or whose worker died
 
   def _new_pool(self) -> cf.ProcessPoolExecutor:
     # "spawn", not fork: forking a process that runs JAX threads can deadlock the child.
     pool = cf.ProcessPoolExecutor(max_workers=self._workers,
-                                  mp_context=multiprocessing.get_context("spawn"))
+                                  mp_context=multiprocessing.get_context("spawn"),
+                                  initializer=_limit_memory, initargs=(self._max_memory,))
     try:
       pool.submit(_math_verify, "1", "1").result(timeout=self.startup_timeout)
     except cf.TimeoutError:
@@ -55,13 +73,20 @@ class MathReward:
     return pool
 
   def __call__(self, completion: str, answer: str) -> float:
-    future = self._pool.submit(_math_verify, completion, answer)
     try:
-      return future.result(timeout=self.timeout)
+      future = self._pool.submit(self._verify, completion, answer)
+      return float(future.result(timeout=self.timeout))
     except cf.TimeoutError:
       self.timeouts += 1
       future.cancel()
       self._restart()  # the hung worker would block the next calls
+      return 0.0
+    except BrokenProcessPool:  # the worker died (killed, or out of memory below the cap)
+      self.failures += 1
+      self._restart()
+      return 0.0
+    except Exception:  # pylint: disable=broad-except  # MemoryError under the cap, a parser error
+      self.failures += 1
       return 0.0
 
   def _restart(self) -> None:

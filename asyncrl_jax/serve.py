@@ -108,7 +108,7 @@ def main(argv=None) -> None:
     logging.info("JetStream server for %s on %s:%d", _CHECKPOINT.value, _HOST.value, port)
     server.wait_for_termination()
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def main(argv=None) -> None:
           f"to {out}" + (f"; held-out accuracy {summary['initial_eval_accuracy']:.3f} -> "
                          f"{summary['final_eval_accuracy']:.3f}" if evaluator is not None else ""))
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ cli.ensure_cpu_devices(4)
 
 # pylint: disable=wrong-import-position
 import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -272,7 +273,7 @@ def _follow(config, workdir: str) -> dict:
     group.follow()
   finally:
     ckpt.close()
-  return {}
+  return {"preempted_at_version": learner.version} if group.agreed_stop else {}
 
 
 _EARLY_SIGTERM = threading.Event()
@@ -291,6 +292,7 @@ def run(config, workdir: str) -> dict:
   if config.rollout.servers:  # (refused before any setup: binding beyond loopback needs a token)
     auth.require(config.rollout.host, auth.load_token(config.rollout.auth_token_file), "rollout.host")
   signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.set())  # (until the group takes over)
+  signal.siginterrupt(signal.SIGTERM, False)  # native threads' system calls restart, not fail
   if jax.process_index() != 0:
     return _follow(config, workdir)
   log = RunLog(workdir, config)
@@ -331,6 +333,8 @@ def run(config, workdir: str) -> dict:
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
       duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
       rejected_rollouts=dict(controller.rejected), retried_rollouts=controller.retried,
+      reward_timeouts=getattr(data.reward, "timeouts", 0),  # (math-verify: scored 0, counted)
+      reward_failures=getattr(data.reward, "failures", 0),
       decode_server_faults=dict(getattr(backend, "faults", {})),
       decode_server_events=list(getattr(backend, "events", [])),
       learner_processes=jax.process_count(), decode_servers=backend.num_servers,
@@ -357,17 +361,26 @@ def main(argv=None) -> None:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     try:
-      run(config, _WORKDIR.value)
+      result = run(config, _WORKDIR.value)
     except (config_lib.ConfigError, auth.AuthError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     except NonFiniteError as e:  # a clear stop, not a traceback: the message says what and where
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
+    if "preempted_at_version" in result:
+      # Everything is written and closed (the checkpoint waited for its write). Leave now: a
+      # notice's seconds are not spent in interpreter shutdown, where a native thread interrupted
+      # by the signal can abort the process (seen once in CI: "terminate called ... not rethrown").
+      if multi:
+        jax.distributed.shutdown()
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(0)  # pylint: disable=protected-access
     if multi:
       jax.distributed.shutdown()
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

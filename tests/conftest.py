@@ -7,6 +7,14 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent compilation cache per test session, shared by both xdist workers (they inherit the
+# controller's environment) and by every process the tests start: the many runs of the same tiny
+# configs compile each program once. Set JAX_COMPILATION_CACHE_DIR to choose the directory.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import tempfile  # pylint: disable=import-outside-toplevel
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="asyncrl_jax-jit-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 

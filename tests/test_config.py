@@ -146,7 +146,7 @@ def test_bad_values_name_the_field(field, value, pattern):
     {"data.task": "jsonl", "data.path": "/data/math.jsonl"},
     {"mesh.learner.fsdp": 1, "mesh.learner.tensor": -1, "mesh.rollout.data": 2},
     # with an HF checkpoint, max_seq_len and the token budget come from elsewhere: no length checks
-    {"model.hf_path": "/ckpt", "data.max_completion_len": 100000, "learner.token_budget": 16},
+    {"model.hf_path": "gs://bucket/ckpt", "data.max_completion_len": 100000, "learner.token_budget": 16},
 ])
 def test_values_at_the_allowed_boundaries_pass(changes):
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
@@ -157,7 +157,7 @@ def test_values_at_the_allowed_boundaries_pass(changes):
 
 def test_an_hf_checkpoint_config_still_checks_the_dtypes():
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
-  cfg.model.hf_path = "/ckpt"  # the architecture is not checked inline, the dtypes still are
+  cfg.model.hf_path = "gs://bucket/ckpt"  # the architecture is not checked inline, the dtypes still are
   cfg.model.dtype = "float8"
   with pytest.raises(config_lib.ConfigError, match=r"^model.dtype='float8' is not allowed: must be one of"):
     config_lib.validate(cfg)
@@ -212,3 +212,72 @@ def test_cli_override_and_bad_value_exit_nonzero():
   assert "rl.loss='reinforce'" in bad.stderr
   typo = _run_cli("--config.rl.max_stalenes=4")
   assert typo.returncode != 0 and "max_stalenes" in typo.stderr
+
+
+def _leaf_fields(config, prefix=""):
+  out = []
+  for k, v in config.items():
+    if hasattr(v, "items"):
+      out += _leaf_fields(v, f"{prefix}{k}.")
+    else:
+      out.append(f"{prefix}{k}")
+  return out
+
+
+_FUZZ_VALUES = [
+    "abc", "", "-1", "0", "1", "3", "1.5", "-0.5", "1e309", "-1e309", "nan", "inf", "-inf", "True",
+    "False", "None", "[]", "{}", "[1, 2]", "(1,)", "0x10", "'quoted'", "9999999999999999999", "1 2"]
+
+
+def _fuzz_strategy():
+  from hypothesis import strategies as st  # pylint: disable=import-outside-toplevel
+  fields = _leaf_fields(config_lib.base_config())
+  values = st.one_of(st.sampled_from(_FUZZ_VALUES), st.integers(-10 ** 6, 10 ** 6).map(str),
+                     st.floats(allow_nan=True, allow_infinity=True).map(repr),
+                     st.text(alphabet="ab01.,-_=[]{}' e", max_size=8))
+  return st.sampled_from(fields), values
+
+
+def test_fuzzed_command_line_values_give_one_line_errors_or_configs_that_build():
+  """Any field, any value, parsed the way every entry point parses it (ml_collections first, then
+  ``validate``): either a one-line ``config error`` naming the field with exit status 2, never a
+  traceback, or a config whose model and optimizer state build under ``jax.eval_shape``."""
+  import contextlib  # pylint: disable=import-outside-toplevel
+  import io  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from hypothesis import HealthCheck, given, settings  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import cli, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.update import make_optimizer  # pylint: disable=import-outside-toplevel
+  field_st, value_st = _fuzz_strategy()
+  outcomes = {"refused": 0, "accepted": 0}
+
+  @settings(max_examples=int(os.environ.get("ASYNCRL_FUZZ_EXAMPLES", "120")), deadline=None,
+            derandomize=not os.environ.get("ASYNCRL_FUZZ_EXAMPLES"),
+            suppress_health_check=[HealthCheck.too_slow])
+  @given(field=field_st, value=value_st)
+  def check(field, value):
+    argv = ["prog", f"--config={ROOT}/configs/default.py", f"--config.{field}={value}"]
+    fv = flags.FlagValues()  # (overrides are found in sys_argv, as they are in sys.argv in a process)
+    config_flags.DEFINE_config_file("config", None, "", flag_values=fv, lock_config=True, sys_argv=argv)
+    err = io.StringIO()
+    try:
+      with contextlib.redirect_stderr(err):
+        cli.parse_flags(argv, fv)
+        config = cli.validated(fv.config)
+    except SystemExit as e:
+      lines = err.getvalue().strip().splitlines()
+      assert e.code == 2 and len(lines) == 1 and lines[0].startswith("config error: "), (argv, lines)
+      assert field in lines[0] or field.split(".")[0] in lines[0], (argv, lines)
+      outcomes["refused"] += 1
+      return
+    model = models.config_of(config)
+    params = models.abstract_params(model)
+    optimizer = make_optimizer(learning_rate=config.learner.learning_rate, total_steps=config.steps,
+                               grad_clip=config.learner.grad_clip)
+    jax.eval_shape(optimizer.init, params)
+    outcomes["accepted"] += 1
+
+  check()  # pylint: disable=no-value-for-parameter
+  assert outcomes["refused"] > 20 and outcomes["accepted"] > 5, outcomes

@@ -67,6 +67,23 @@ def test_math_jsonl_import(tmp_path):
     builder_lib.build_math(str(tmp_path / "tfds2"), {"train": str(missing)})
 
 
+@pytest.mark.parametrize("content, message", [
+    (b'{"question": "1+1?", "answer": "2"}\n{"question": "  ", "answer": "3"}\n',
+     r"record 2: the 'question' is empty"),
+    (b'{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": "####  "}\n',
+     r"record 2: the 'answer' is empty"),
+    (b'{"question": "1+1?", "answer": null}\n', r"record 1 lacks 'question \(or problem\)' or 'answer'"),
+    (b'{"question": "1+1?", "answer": "2"}\n[1, 2]\n', r"record 2 is not an object"),
+    (b'{"question": "1+1?", "answer": "2"}\n{"question": "\xff\xfe", "answer": "3"}\n',
+     r"bad.jsonl:2: not UTF-8 \(invalid start byte at byte 14\)"),
+])
+def test_bad_rows_are_refused_at_build_time_with_their_number(tmp_path, content, message):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_bytes(content)
+  with pytest.raises(Exception, match=message):
+    builder_lib.build_math(str(tmp_path / "tfds"), {"train": str(bad)})
+
+
 def test_builder_from_config_for_each_task(tmp_path):
   from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
   train, test = tmp_path / "gsm_train.jsonl", tmp_path / "gsm_test.jsonl"
@@ -107,3 +124,15 @@ def test_math_verify_reward_and_timeout():
     assert hasty("\\boxed{1}", "1") == 0.0 and hasty.timeouts == 1
   finally:
     hasty.close()
+
+
+def test_reward_workers_survive_answers_that_explode_or_kill_them():
+  from tests import reward_faults  # pylint: disable=import-outside-toplevel
+  for fn, counted in ((reward_faults.hog, "failures"), (reward_faults.die, "failures")):
+    reward = MathReward(timeout=60.0, max_memory=2 ** 30, verify=fn)
+    try:
+      assert reward("x", "y") == 0.0 and getattr(reward, counted) == 1
+      reward._verify = reward_faults.exact  # pylint: disable=protected-access
+      assert reward("7", "7") == 1.0  # the pool still works (a dead worker was replaced)
+    finally:
+      reward.close()

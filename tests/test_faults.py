@@ -97,8 +97,12 @@ def test_decode_servers_killed_restarted_and_stalled_the_run_goes_on(tmp_path):
         os.kill(stalled, signal.SIGCONT)
       except ProcessLookupError:  # (local.sh stopped it with the run)
         pass
-    if proc.poll() is None:
-      proc.kill()
+    if proc.poll() is None:  # SIGTERM: local.sh's trap stops every process it started
+      proc.terminate()
+      try:
+        proc.wait(30)
+      except subprocess.TimeoutExpired:
+        proc.kill()
     if restarted is not None:
       restarted.terminate()
       restarted.wait(30)

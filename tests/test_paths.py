@@ -149,7 +149,8 @@ def test_copy_tree_and_local_dir_round_trip(bucket, tmp_path):
 def _batch(version: int):
   return types.SimpleNamespace(version=version, prompt_indices=[version, 10 + version],
                                prompt_digests=[f"d{version}", f"e{version}"], max_staleness_seen=1,
-                               trajectories=[types.SimpleNamespace(completion_tokens=[1] * (version + 2))])
+                               trajectories=[types.SimpleNamespace(completion_tokens=[1] * (version + 2),
+                                                                    trajectory_id=f"p{version}-s0")])
 
 
 def _record(version: int) -> dict:
@@ -172,7 +173,8 @@ def test_runlog_in_a_bucket_writes_every_file_and_resumes_from_it(bucket):
   metrics = _object(bucket, f"{workdir}/metrics.jsonl").decode()
   assert metrics == "".join(json.dumps(_record(v)) + "\n" for v in (1, 2, 3))
   prompts = [json.loads(l) for l in _object(bucket, f"{workdir}/trained_prompts.jsonl").decode().splitlines()]
-  assert prompts[1] == {"version": 2, "prompts": [2, 12], "digests": ["d2", "e2"], "completion_lengths": [4]}
+  assert prompts[1] == {"version": 2, "prompts": [2, 12], "digests": ["d2", "e2"], "completion_lengths": [4],
+                        "trajectory_ids": ["p2-s0"]}
   assert json.loads(_object(bucket, f"{workdir}/config.json"))["steps"] == config.steps
   summary = json.loads(_object(bucket, f"{workdir}/summary.json"))
   assert summary["final_eval_accuracy"] == 0.5 and summary["initial_eval_accuracy"] == 0.1

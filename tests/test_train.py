@@ -228,9 +228,16 @@ TWIN = ["--config.data.num_train=300", "--config.data.num_test=20", "--config.le
 
 def _twin(workdir, learners: int, servers: int, steps: int):
   env = dict(_env(), PYTHON=sys.executable)
-  out = subprocess.run(["bash", f"{ROOT}/launch/local.sh", str(workdir), "--learners", str(learners),
-                        "--servers", str(servers), f"--config.steps={steps}", *TWIN],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+  proc = subprocess.Popen(["bash", f"{ROOT}/launch/local.sh", str(workdir), "--learners", str(learners),
+                           "--servers", str(servers), f"--config.steps={steps}", *TWIN],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+  try:
+    stdout, stderr = proc.communicate(timeout=300)
+  except subprocess.TimeoutExpired:
+    proc.terminate()  # SIGTERM, not SIGKILL: local.sh's trap stops the processes it started
+    stdout, stderr = proc.communicate(timeout=30)
+    raise AssertionError("the twin did not finish within 300 s: " + stdout[-3000:] + stderr[-3000:])
+  out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   summary = json.loads((workdir / "summary.json").read_text())
   metrics = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]

@@ -87,11 +87,19 @@ class MathQA(_QABuilder):
 
   def _generate_examples(self, split: str) -> Iterator:
     for i, record in enumerate(read_records(self._files[split])):
+      where = f"{self._files[split]} record {i + 1}"
+      if not isinstance(record, dict):
+        raise ValueError(f"{where} is not an object: {str(record)[:80]!r}")
       qk = self._qk or ("problem" if "question" not in record and "problem" in record else "question")
-      if qk not in record or self._ak not in record:
-        raise ValueError(f"{self._files[split]} record {i} lacks {self._qk or 'question (or problem)'!r}"
+      if qk not in record or self._ak not in record or record[self._ak] is None:
+        raise ValueError(f"{where} lacks {self._qk or 'question (or problem)'!r}"
                          f" or {self._ak!r}: keys {sorted(record)}")
-      yield f"{split}-{i}", {"question": str(record[qk]), "answer": final_answer(record[self._ak]),
+      question, answer = str(record[qk]), final_answer(record[self._ak])
+      if not question.strip():
+        raise ValueError(f"{where}: the {qk!r} is empty")
+      if not answer:
+        raise ValueError(f"{where}: the {self._ak!r} is empty")
+      yield f"{split}-{i}", {"question": question, "answer": answer,
                              "solution": str(record[self._ak]), "num_terms": 0}
 
 
@@ -101,11 +109,15 @@ def read_records(path: str) -> Iterable[dict]:
     import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
     yield from pq.read_table(path).to_pylist()
     return
-  with open(path) as f:
+  with open(path, "rb") as f:
     if path.endswith(".json"):
       yield from json.load(f)
       return
-    for n, line in enumerate(f, start=1):
+    for n, raw in enumerate(f, start=1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(f"{path}:{n}: not UTF-8 ({e.reason} at byte {e.start})") from None
       if line.strip():
         try:
           yield json.loads(line)

@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     grpc_server.stop(grace=2).wait()
     server.stop()
 
-  app.run(_main, argv=argv)
+  app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":
