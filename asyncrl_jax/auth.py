@@ -113,23 +113,14 @@ class _Call(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor)
   def __init__(self, token: str):
     self.metadata = ((METADATA_KEY, token),)
 
-  def _with_token(self, details):
-    metadata = tuple(details.metadata or ()) + self.metadata
-    return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
-        details.method, details.timeout, metadata, details.credentials,
-        getattr(details, "wait_for_ready", None), getattr(details, "compression", None))
+  def _with_token(self, details):  # (grpc passes its call details as a namedtuple)
+    return details._replace(metadata=tuple(details.metadata or ()) + self.metadata)
 
   def intercept_unary_unary(self, continuation, details, request):
     return continuation(self._with_token(details), request)
 
   def intercept_unary_stream(self, continuation, details, request):
     return continuation(self._with_token(details), request)
-
-
-class _Details(grpc.ClientCallDetails):
-  def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
-    self.method, self.timeout, self.metadata = method, timeout, metadata
-    self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
 
 
 def channel(address: str, token: Optional[str] = None, options=()) -> grpc.Channel:

@@ -164,7 +164,6 @@ def config_module(path: str, beside: str = ""):
   """The experiment-config module at ``path`` (relative to the file ``beside``, e.g. a config's own
   ``__file__``), loaded by path: configs are files, not a package, so one can build on another."""
   import importlib.util  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
   if beside:
     path = os.path.join(os.path.dirname(os.path.abspath(beside)), path)
   spec = importlib.util.spec_from_file_location(os.path.basename(path).rsplit(".", 1)[0], path)
@@ -225,11 +224,8 @@ def _validate_run(config) -> None:
 
 def _local_dir_holding(config, field: str, name: str) -> None:
   """A set, local directory ``field`` must hold ``name`` (a bucket path is checked when it is read)."""
-  value = config
-  for part in field.split("."):
-    value = value[part]
-  if not isinstance(value, str):
-    raise ConfigError(f"{field}={value!r} is not allowed: must be a path (or empty)")
+  value = _get(config, field)
+  _check(isinstance(value, str), field, value, "must be a path (or empty)")
   if value and not value.startswith("gs://"):
     _check(os.path.isfile(os.path.join(value, name)), field, value,
            f"must be a directory holding {name}")

@@ -156,11 +156,10 @@ def _registered(config, model_config, tokenizer, workdir: str, token):
   return registry, server, registry.wait_for(config.rollout.servers, config.rollout.register_timeout)
 
 
-def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: str):
+def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: str, token):
   """The decode servers' backend, holding the learner's current weights (not started)."""
   learner = group.learner
   if meshes.remote:
-    token = auth.load_token(config.rollout.auth_token_file)
     registry, registry_server, servers = _registered(config, models.config_of(config), data.tokenizer,
                                                      workdir, token)
     r = config.rollout
@@ -289,8 +288,9 @@ def _take_sigterm(group: LearnerGroup) -> None:
 def run(config, workdir: str) -> dict:
   """The main job in this process: all of it on learner process 0, ``_follow`` on the others."""
   _check_multi_process(config)
+  token = auth.load_token(config.rollout.auth_token_file) if config.rollout.servers else None
   if config.rollout.servers:  # (refused before any setup: binding beyond loopback needs a token)
-    auth.require(config.rollout.host, auth.load_token(config.rollout.auth_token_file), "rollout.host")
+    auth.require(config.rollout.host, token, "rollout.host")
   signal.signal(signal.SIGTERM, lambda *_: _EARLY_SIGTERM.set())  # (until the group takes over)
   signal.siginterrupt(signal.SIGTERM, False)  # native threads' system calls restart, not fail
   if jax.process_index() != 0:
@@ -304,7 +304,7 @@ def run(config, workdir: str) -> dict:
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
   _take_sigterm(group)
   try:
-    backend = _rollout(config, meshes, engine, group, data, workdir)
+    backend = _rollout(config, meshes, engine, group, data, workdir, token)
   except BaseException:
     group.stop()
     raise

@@ -96,6 +96,7 @@ class Updater:
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,),
                         in_shardings=(self.param_shardings, self.param_shardings),
                         out_shardings=self.param_shardings)
+    self._proceed = jax.device_put(np.bool_(True), self.replicated)  # (placed once, not per step)
     self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1),
                           in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings,
                                         self.replicated),
@@ -174,7 +175,6 @@ class Updater:
       value, metrics, g = grad_fn(self.params, b, None if aux is None else aux[i], normalizer)
       grads = g if grads is None else self._add(grads, g)
       per_mb.append(dict(metrics, loss=value))
-    if proceed is None:
-      proceed = jax.device_put(np.bool_(True), self.replicated)
-    self.params, self.opt_state, health = self._apply(self.params, self.opt_state, grads, proceed)
+    self.params, self.opt_state, health = self._apply(
+        self.params, self.opt_state, grads, self._proceed if proceed is None else proceed)
     return per_mb, health
