@@ -71,6 +71,12 @@ def _rollout_section() -> ml_collections.ConfigDict:
       # free port, written to WORKDIR/registry_address). 0 servers = decode in the learner's process
       servers=0, registry_port=0, learner_address="",
       register_timeout=600.0,  # seconds the learner waits for rollout.servers to register
+      # a decode server repeats its registration this often, so that a learner restarted from its
+      # checkpoint (same registry address: set rollout.registry_port) re-attaches to it
+      register_interval=5.0,
+      # on SIGTERM a decode server takes no new work and gives its queue back, lets its sequences in
+      # flight finish for at most this many seconds, delivers them, and exits 0
+      drain_timeout=15.0,
       push_timeout=300.0,  # seconds a decode server may take to pull a version of the weights
       # a decode server that has not answered a health check for this many seconds (killed, stalled)
       # is dropped: its requests go to the others, and no weight push waits for it
@@ -282,7 +288,8 @@ def _validate_rollout(config) -> None:
     _number(config, port, lambda v: 0 <= v <= 65535, "a port in [0, 65535] (0 = any free)", integer=True)
   _number(config, "rollout.servers", lambda v: v >= 0, "an integer >= 0 (0 = decode in this process)",
           integer=True)
-  for timeout in ("rollout.register_timeout", "rollout.push_timeout", "rollout.server_deadline"):
+  for timeout in ("rollout.register_timeout", "rollout.push_timeout", "rollout.server_deadline",
+                  "rollout.register_interval", "rollout.drain_timeout"):
     _number(config, timeout, lambda v: v > 0, "a number of seconds > 0")
   _check(isinstance(config.rollout.auth_token_file, str), "rollout.auth_token_file",
          config.rollout.auth_token_file, "must be a path (or empty)")

@@ -35,7 +35,7 @@ from asyncrl_jax.data.pipeline import Prompt, PromptStream
 from asyncrl_jax.rewards import RewardWorker
 from asyncrl_jax.rl import advantages, batching
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
-from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rollout.trajectory import DRAINED, RolloutRequest, Trajectory
 from asyncrl_jax.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -203,10 +203,14 @@ class Controller:
         self.duplicates += 1
         return
       request = group.requests[t.trajectory_id]
-      reason = self._rejection(t, request)
+      kind, detail = self._rejection(t, request)
+      reason = f"{kind}: {detail}" if detail else kind
       resubmit = None
-      if reason:
-        self.rejected[reason.split(":")[0]] += 1
+      if kind == "drained":  # given back by a server shutting down: placed again, not a retry
+        self.rejected[kind] += 1
+        resubmit = request
+      elif kind:
+        self.rejected[kind] += 1
         if self._retries[t.trajectory_id] < self.max_retries:
           self._retries[t.trajectory_id] += 1
           self.retried += 1
@@ -218,8 +222,11 @@ class Controller:
         self._seen.add(t.trajectory_id)
         group.trajectories[t.trajectory_id] = t
     if resubmit is not None:
-      log.warning("rollout %s rejected (%s); resubmitted (%d of %d)", t.trajectory_id, reason,
-                  self._retries[t.trajectory_id], self.max_retries)
+      if kind == "drained":
+        log.info("rollout %s given back by %s (draining); placed again", t.trajectory_id, t.server_id)
+      else:
+        log.warning("rollout %s rejected (%s); resubmitted (%d of %d)", t.trajectory_id, reason,
+                    self._retries[t.trajectory_id], self.max_retries)
       self._submit(resubmit)
       return
     self.manager.accept()
@@ -232,15 +239,16 @@ class Controller:
       return
     self._rewards.submit(t, t.completion_tokens, self._groups[t.group_id].prompt.answer)
 
-  def _rejection(self, t: Trajectory, request: RolloutRequest) -> str:
-    """Why ``t`` is not accepted as it is ("" if it is); "kind: detail"."""
+  def _rejection(self, t: Trajectory, request: RolloutRequest) -> tuple[str, str]:
+    """Why ``t`` is not accepted as it is, as (kind, detail); kind "" if it is accepted. Kinds:
+    "drained" (a server shutting down gave it back), "aborted", "failed", "malformed"."""
     if t.finish_reason == "aborted":
-      return "aborted"
+      return ("drained", "") if t.error == DRAINED else ("aborted", t.error)
     if t.finish_reason == "error":
-      return f"malformed: {t.error}" if t.error.startswith("malformed") else f"failed: {t.error}"
+      return ("malformed" if t.error.startswith("malformed") else "failed"), t.error
     problem = check_trajectory(t, request, vocab_size=self.tokenizer.vocab_size,
                                newest_version=self.newest_version())
-    return f"malformed: {problem}" if problem else ""
+    return ("malformed", problem) if problem else ("", "")
 
   def _on_reward(self, t: Trajectory, reward: float) -> None:
     with self._cond:

@@ -145,10 +145,10 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   return learner, evaluate, engine, meta
 
 
-def _registered(config, model_config, tokenizer, workdir: str, token):
+def _registered(config, model_config, tokenizer, workdir: str, token, incarnation: int):
   """Starts the registry on process 0 and waits for ``rollout.servers`` decode servers; returns the
   registry's gRPC server and the servers."""
-  registry = Registry(model_config, tokenizer.identity)
+  registry = Registry(model_config, tokenizer.identity, incarnation)
   server, port = registry.serve(config.rollout.host, config.rollout.registry_port, token=token)
   address = f"{config.rollout.host}:{port}"
   paths.write_text(paths.join(workdir, "registry_address"), address)  # atomic: readers poll for it
@@ -160,14 +160,18 @@ def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: 
   """The decode servers' backend, holding the learner's current weights (not started)."""
   learner = group.learner
   if meshes.remote:
+    # this start of the learner: decode servers that outlived an earlier one (the run resumed from
+    # its checkpoint) drop that one's work when they get these weights, whatever their version
+    incarnation = time.time_ns()
     registry, registry_server, servers = _registered(config, models.config_of(config), data.tokenizer,
-                                                     workdir, token)
+                                                     workdir, token, incarnation)
     r = config.rollout
     # servers that register later (restarted, perhaps elsewhere) join through the registry
     backend = RemoteRollout(servers, group, push_timeout=r.push_timeout, deadline=r.server_deadline,
                             heartbeat=min(1.0, r.server_deadline / 4), push_retries=r.push_retries,
                             orphan_timeout=r.register_timeout, registry=registry,
-                            client=lambda address: RolloutClient(address, token))
+                            client=lambda address: RolloutClient(address, token),
+                            incarnation=incarnation)
     backend.registry_server = registry_server
     t = time.time()
     backend.update_weights(learner.params, learner.version)  # servers start with no weights

@@ -72,7 +72,7 @@ def test_every_rpc_needs_the_token_when_one_is_set():
       assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "x-asyncrl-token" in e.value.details()
     assert reg.servers() == []
     assert registry.register(address, server_id="d0", address="127.0.0.1:1", model_config=CFG,
-                             tokenizer_id="tok-v1", devices=1, timeout=10, token=TOKEN) == 1
+                             tokenizer_id="tok-v1", devices=1, timeout=10, token=TOKEN).registered == 1
   finally:
     server.stop(0)
 

@@ -8,7 +8,14 @@ import subprocess
 import sys
 import time
 
-from tests.test_train import ROOT, TWIN, _env
+from tests.test_train import ROOT, TWIN, _env, _trained_prompts
+
+
+def _free_port() -> int:
+  import socket  # pylint: disable=import-outside-toplevel
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
 
 
 def _versions(workdir) -> int:
@@ -131,3 +138,85 @@ def test_decode_servers_killed_restarted_and_stalled_the_run_goes_on(tmp_path):
   assert metrics[-1]["decode_servers"] == 1 and metrics[joined + 1]["decode_servers"] == 2
   # no push held the learner for anything like push_timeout: the dead and the stalled were dropped
   assert max(m["publish_blocked_seconds"] for m in metrics) < 60
+
+
+def test_a_restarted_learner_reattaches_to_running_decode_servers_and_a_draining_one_leaves(tmp_path):
+  """The learner (remote decode servers, a fixed registry port) is SIGKILLed mid-weight-push
+  (``push@5``; checkpoints every 2 versions) while both decode servers keep running. Started again,
+  it resumes from its newest complete checkpoint, and the servers, which registered again on their own, take its
+  weights at that older version and drop the dead learner's work. Later decode-1 gets SIGTERM: it
+  gives its work back, finishes what is in flight, and exits 0; the run ends on decode-0. Over the
+  lineage every version and every prompt is trained once."""
+  steps, killed = 14, 5
+  port = _free_port()
+  common = [*TWIN, f"--config.steps={steps}", "--config.checkpoint.every_steps=2",
+            "--config.rollout.register_interval=1", "--config.rollout.drain_timeout=10",
+            "--config.rollout.server_deadline=5"]
+  env1 = dict(_env(), PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+              ASYNCRL_CPU_DEVICES="1")
+  (tmp_path / "servers").mkdir()
+
+  def learner(name, fault=""):
+    log = open(tmp_path / f"{name}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/default.py",
+         f"--workdir={tmp_path}", "--config.rollout.servers=2", f"--config.rollout.registry_port={port}",
+         *common], cwd=ROOT, env=dict(env1, **({"ASYNCRL_FAULT": fault} if fault else {})), stdout=log,
+        stderr=subprocess.STDOUT)
+
+  def server(i):
+    log = open(tmp_path / "servers" / f"decode-{i}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncrl_jax.rollout.main", f"--config={ROOT}/configs/default.py",
+         f"--server_id=decode-{i}", f"--config.rollout.learner_address=127.0.0.1:{port}", *common],
+        cwd=ROOT, env=env1, stdout=log, stderr=subprocess.STDOUT)
+
+  first = learner("learner-a", fault=f"push@{killed}")
+  servers = [server(0), server(1)]
+  second = None
+  try:
+    first.wait(timeout=300)
+    assert first.returncode == -signal.SIGKILL, (tmp_path / "learner-a.log").read_text()[-3000:]
+    assert all(p.poll() is None for p in servers), "a decode server died with the learner"
+    second = learner("learner-b")
+    _wait_log(second, tmp_path / "learner-b.log", "resumed from checkpoint")
+    restored = int((tmp_path / "learner-b.log").read_text().split(
+        "resumed from checkpoint at policy version ")[1].split()[0])
+    _wait_version(second, tmp_path, restored + 4)
+    t = time.time()
+    servers[1].send_signal(signal.SIGTERM)
+    servers[1].wait(timeout=60)
+    drained_in = time.time() - t
+    second.wait(timeout=300)
+  except BaseException:
+    _dump_stacks(tmp_path)
+    raise
+  finally:
+    for p in [first, second, *servers]:
+      if p is not None and p.poll() is None:
+        p.terminate()
+        try:
+          p.wait(30)
+        except subprocess.TimeoutExpired:
+          p.kill()
+  out = (tmp_path / "learner-b.log").read_text()
+  assert second.returncode == 0, out[-4000:]
+  assert 2 <= restored <= killed and restored % 2 == 0, restored
+  assert servers[1].returncode == 0 and drained_in < 10 + 15, drained_in
+  assert servers[0].returncode == 0  # (SIGTERM at the end, idle: drained at once)
+  for i in (0, 1):  # each took the new learner's weights at the older, restored version
+    log = (tmp_path / "servers" / f"decode-{i}.log").read_text()
+    assert "registered with a new learner" in log, log[-3000:]
+    assert f"its work is dropped; serving v{restored}" in log, log[-3000:]
+  assert "drained in" in (tmp_path / "servers" / "decode-1.log").read_text()
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  events = [(e["event"], e["server_id"]) for e in summary["decode_server_events"]]
+  assert events == [("servers_drained", "decode-1")], summary["decode_server_events"]
+  assert summary["max_staleness_seen"] <= 1
+  got = _trained_prompts(tmp_path)
+  assert [r["version"] for r in got] == list(range(steps))
+  assert [i for r in got for i in sorted(r["prompts"])] == list(range(2 * steps))
+  ids = [i for r in got for i in r["trajectory_ids"]]
+  assert len(ids) == len(set(ids)) == steps * 8
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [m["version"] for m in metrics] == list(range(1, steps + 1))

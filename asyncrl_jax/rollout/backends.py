@@ -101,6 +101,7 @@ class _Server:
   registered_at: float = 0.0
   version: Optional[int] = None  # of the weights it holds (None: none yet)
   alive: bool = True
+  draining: bool = False  # shutting down (SIGTERM): gets no new work, gives its queue back
   last_seen: float = dataclasses.field(default_factory=time.time)  # its last answer to Health
   outstanding: dict = dataclasses.field(default_factory=dict)  # request id -> request sent, not back
   stats: DecodeStats = dataclasses.field(default_factory=DecodeStats)  # its last reported counters
@@ -126,7 +127,13 @@ class RemoteRollout:
     seconds without any live server the backend fails (``error``).
   * **Joining.** With a ``registry``, a server that registers (again, perhaps at another address)
     becomes a new server: it gets the current weights (``maintain``, from the main loop) before it
-    gets work.
+    gets work. A dropped server is forgotten by the registry, so one that comes back (a stall that
+    ends) registers anew. A server that says it is draining gets no new work, and is dropped once
+    nothing of it is outstanding.
+  * **Incarnation.** Requests and weight notices carry ``incarnation`` (this learner's start): a
+    server that outlived a previous learner drops that one's work when it gets this one's weights,
+    of whatever version; trajectories of another incarnation are dropped here (counted). A server
+    that reports a newer incarnation than this one serves another learner: that is an error.
   * **Weights.** Every learner process offers its blocks under a fresh random uuid per server and
     version (``LearnerGroup.offer``); each server is told on its own thread, in version order, and
     pulls at its own pace, so the learner's next step does not wait for the slowest pull. At most 2
@@ -142,13 +149,14 @@ class RemoteRollout:
   def __init__(self, servers: Sequence, group, *, push_timeout: float = 300.0,
                connect_timeout: float = 120.0, deadline: float = 30.0, heartbeat: float = 1.0,
                push_retries: int = 2, orphan_timeout: float = 600.0, registry=None,
-               client: Callable[[str], RolloutClient] = RolloutClient):
+               client: Callable[[str], RolloutClient] = RolloutClient, incarnation: int = 0):
     if not servers:
       raise ValueError("RemoteRollout needs at least one decode server")
     self.group = group
     self.push_timeout, self.deadline, self.heartbeat = push_timeout, deadline, heartbeat
     self.push_retries, self.orphan_timeout = push_retries, orphan_timeout
     self.registry = registry
+    self.incarnation = incarnation
     self._client = client
     self._on_trajectory: Optional[Callable[[Trajectory], None]] = None
     self._turn = itertools.count()
@@ -195,7 +203,7 @@ class RemoteRollout:
 
   def _eligible(self) -> list[_Server]:
     with self._lock:
-      live = self._live()
+      live = [s for s in self._live() if not s.draining]
       held = [s for s in live if s.version is not None]
       return [held[i] for i in eligible([s.version for s in held], self.published)] if held else live
 
@@ -211,7 +219,7 @@ class RemoteRollout:
     self.events.append({"event": kind, "server_id": s.server_id, "address": s.address,
                         "time": time.time(), "detail": detail})
 
-  def _drop(self, s: _Server, reason: str) -> None:
+  def _drop(self, s: _Server, reason: str, kind: str = "servers_lost") -> None:
     """Server ``s`` is gone: its outstanding requests go to the others under the same ids."""
     with self._lock:
       if not s.alive:
@@ -220,8 +228,10 @@ class RemoteRollout:
       orphans = list(s.outstanding.values())
       s.outstanding.clear()
       self._retired = self._retired + dataclasses.replace(s.stats, servers=0)
-      self._event("servers_lost", s, reason)
+      self._event(kind, s, reason)
       self.faults["requests_reassigned"] += len(orphans)
+    if self.registry is not None:  # if it comes back, it registers anew
+      self.registry.forget(s.server_id, s.address)
     log.warning("decode server %s at %s dropped (%s); %d requests go to the remaining %d servers",
                 s.server_id, s.address, reason, len(orphans), self.num_servers)
     try:
@@ -253,7 +263,7 @@ class RemoteRollout:
   # ------------------------------------------------------------------ work
 
   def submit(self, *requests: RolloutRequest) -> None:
-    self._place(list(requests))
+    self._place([dataclasses.replace(r, incarnation=self.incarnation) for r in requests])
 
   def _place(self, requests: list, *, avoid: Optional[_Server] = None) -> None:
     if not requests:
@@ -290,10 +300,16 @@ class RemoteRollout:
     return {i: where.get(i, "nowhere") for i in ids}
 
   def _arrived(self, t: Trajectory) -> None:
+    if t.incarnation != self.incarnation:  # a previous learner's work, under the same ids as ours
+      self.faults["trajectories_of_other_learners"] += 1
+      return
     with self._lock:
       for s in self._servers:
         s.outstanding.pop(t.trajectory_id, None)
+      drained = [s for s in self._servers if s.alive and s.draining and not s.outstanding]
     self._on_trajectory(t)
+    for s in drained:
+      self._drop(s, "drained (shut down)", kind="servers_drained")
 
   def _stream(self, s: _Server) -> None:
     while not self._stop.is_set() and s.alive:
@@ -317,13 +333,27 @@ class RemoteRollout:
     try:
       reply = s.client.health(timeout=max(min(self.deadline / 2, 10.0), 0.1))
     except Exception:  # pylint: disable=broad-except
-      if time.time() - s.last_seen > self.deadline:
+      if s.draining and not s.outstanding:  # it gave everything back, then exited
+        self._drop(s, "drained (shut down)", kind="servers_drained")
+      elif time.time() - s.last_seen > self.deadline:
         self._drop(s, f"no answer for {self.deadline:g}s")
       return
     s.last_seen = time.time()
     s.stats = protocol.stats_from_pb(reply.stats)
     if reply.status == "error":
       self._drop(s, f"it reports an error: {reply.error}")
+    elif reply.incarnation > self.incarnation:
+      self.error = RuntimeError(
+          f"decode server {s.server_id} at {s.address} serves a newer learner (incarnation "
+          f"{reply.incarnation}, this one {self.incarnation}): another learner took over this run")
+    elif reply.status == "draining":
+      if not s.draining:
+        log.warning("decode server %s at %s is draining (shutting down)", s.server_id, s.address)
+        s.draining = True
+      with self._lock:
+        drained = not s.outstanding
+      if drained:
+        self._drop(s, "drained (shut down)", kind="servers_drained")
 
   def _monitor(self) -> None:
     while not self._stop.wait(self.heartbeat):
@@ -353,7 +383,8 @@ class RemoteRollout:
 
   def _push(self, s: _Server, version: int, uuid: int) -> None:
     try:
-      reply = s.client.update_weights(version, self.group.sources(uuid), timeout=self.push_timeout)
+      reply = s.client.update_weights(version, self.group.sources(uuid), timeout=self.push_timeout,
+                                      incarnation=self.incarnation)
     except Exception as e:  # pylint: disable=broad-except
       with self._lock:
         s.push_error = f"pull of v{version} failed: {e!r}"[:500]
@@ -405,6 +436,8 @@ class RemoteRollout:
     todo = []
     with self._lock:
       for s in self._live():
+        if s.draining:  # shutting down: it finishes what it holds with the weights it has
+          continue
         busy = any(not f.done() for f in s.pushes.values())
         if busy:
           continue
@@ -425,7 +458,7 @@ class RemoteRollout:
     t = time.perf_counter()
     for old in sorted({v for s in self._servers for v in s.pushes if v <= version - 2}):
       self._wait(old)
-    self._send(version, self._live())
+    self._send(version, [s for s in self._live() if not s.draining])
     self.published = version
     return TransferStats(time.perf_counter() - t, 0)
 

@@ -5,7 +5,8 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
 
   package asyncrl.rollout.v1;
   message RolloutRequest { string request_id = 1; repeated int32 prompt_tokens = 2;
-                           int32 max_new_tokens = 3; string prompt_id = 4; int64 group_id = 5; }
+                           int32 max_new_tokens = 3; string prompt_id = 4; int64 group_id = 5;
+                           int64 incarnation = 6; }   // of the learner asking (0: none)
   message SubmitRequest  { repeated RolloutRequest requests = 1; }
   message SubmitReply    { int32 accepted = 1; }
   message StreamRequest  { int32 max_trajectories = 1; }        // 0: until cancelled
@@ -15,11 +16,13 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
                            string finish_reason = 8; string logprob_source = 9;
                            string sampling_json = 10; string tokenizer_id = 11; string server_id = 12;
                            int32 num_interruptions = 13; string error = 14;
-                           double started_at = 15; double finished_at = 16; }
+                           double started_at = 15; double finished_at = 16;
+                           int64 incarnation = 17; }
   // one per learner process: its transfer server, the uuid of this pull, the blocks it offers
   // (JSON [[leaf, [[start, stop], ...]], ...], see transfer.shards)
   message WeightSource   { string address = 1; int64 uuid = 2; string blocks_json = 3; }
-  message WeightsNotice  { int64 version = 1; repeated WeightSource sources = 4; }
+  // incarnation: of the learner sending it; a newer one than the server serves may send any version
+  message WeightsNotice  { int64 version = 1; repeated WeightSource sources = 4; int64 incarnation = 5; }
   // source_bytes: bytes pulled from each source, in the notice's order
   message WeightsReply   { int64 version = 1; double seconds = 2; int64 bytes = 3;
                            repeated int64 source_bytes = 4; }
@@ -29,13 +32,19 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   // cumulative decode counters since the server started: one field per field of
   // rollout.stats.DecodeStats, in its order (int64 for counts, double for seconds), numbered from 1
   message DecodeStats    { int64 tokens = 1; int64 steps = 2; int64 slot_steps = 3; ... }
-  // status: "serving", "warming_up" (compiling prefill shapes in the background), or "error"
+  // status: "serving", "warming_up" (compiling prefill shapes in the background), "draining"
+  // (stopping: takes no new work), or "error"; incarnation: of the learner whose work it serves
   message HealthReply    { string status = 1; int64 version = 2; int32 active = 3; int32 queued = 4;
-                           string server_id = 6; string error = 7; DecodeStats stats = 14; }
-  // a decode server announcing itself to the learner (process 0)
+                           string server_id = 6; string error = 7; int64 incarnation = 8;
+                           DecodeStats stats = 14; }
+  // a decode server announcing itself to the learner (process 0), and again every few seconds:
+  // learner_incarnation is the incarnation its last registration was accepted by (0: none), so a
+  // repeat to the same learner at the same address changes nothing, and a new learner sees it
   message RegisterRequest { string server_id = 1; string address = 2; string model_config_json = 3;
-                            string tokenizer_id = 4; int32 devices = 5; string mesh_json = 6; }
-  message RegisterReply   { int32 registered = 1; }   // servers registered so far, this one included
+                            string tokenizer_id = 4; int32 devices = 5; string mesh_json = 6;
+                            int64 learner_incarnation = 7; }
+  // registered: servers registered so far, this one included; incarnation: the learner's
+  message RegisterReply   { int32 registered = 1; int64 incarnation = 2; }
   service Learner { rpc Register(RegisterRequest) returns (RegisterReply); }
   service Rollout {
     rpc Submit(SubmitRequest) returns (SubmitReply);
@@ -76,7 +85,7 @@ _TYPES = {"string": _F.TYPE_STRING, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT
 _MESSAGES = {
     "RolloutRequest": [("request_id", "string", 1), ("prompt_tokens", "int32*", 2),
                        ("max_new_tokens", "int32", 3), ("prompt_id", "string", 4),
-                       ("group_id", "int64", 5)],
+                       ("group_id", "int64", 5), ("incarnation", "int64", 6)],
     "SubmitRequest": [("requests", ".RolloutRequest*", 1)],
     "SubmitReply": [("accepted", "int32", 1)],
     "StreamRequest": [("max_trajectories", "int32", 1)],
@@ -86,15 +95,18 @@ _MESSAGES = {
                    ("logprob_source", "string", 9), ("sampling_json", "string", 10),
                    ("tokenizer_id", "string", 11), ("server_id", "string", 12),
                    ("num_interruptions", "int32", 13), ("error", "string", 14),
-                   ("started_at", "double", 15), ("finished_at", "double", 16)],
+                   ("started_at", "double", 15), ("finished_at", "double", 16),
+                   ("incarnation", "int64", 17)],
     "WeightSource": [("address", "string", 1), ("uuid", "int64", 2), ("blocks_json", "string", 3)],
-    "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4)],
+    "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4),
+                      ("incarnation", "int64", 5)],
     "WeightsReply": [("version", "int64", 1), ("seconds", "double", 2), ("bytes", "int64", 3),
                      ("source_bytes", "int64*", 4)],
     "RegisterRequest": [("server_id", "string", 1), ("address", "string", 2),
                         ("model_config_json", "string", 3), ("tokenizer_id", "string", 4),
-                        ("devices", "int32", 5), ("mesh_json", "string", 6)],
-    "RegisterReply": [("registered", "int32", 1)],
+                        ("devices", "int32", 5), ("mesh_json", "string", 6),
+                        ("learner_incarnation", "int64", 7)],
+    "RegisterReply": [("registered", "int32", 1), ("incarnation", "int64", 2)],
     "AbortRequest": [("request_id", "string", 1)],
     "AckRequest": [("trajectory_ids", "string*", 1)],
     "Empty": [],
@@ -103,7 +115,7 @@ _MESSAGES = {
                     for i, f in enumerate(dataclasses.fields(DecodeStats), start=1)],
     "HealthReply": [("status", "string", 1), ("version", "int64", 2), ("active", "int32", 3),
                     ("queued", "int32", 4), ("server_id", "string", 6), ("error", "string", 7),
-                    ("stats", ".DecodeStats", 14)],
+                    ("incarnation", "int64", 8), ("stats", ".DecodeStats", 14)],
 }
 
 METHODS = {  # name: (request, reply, server streaming)
@@ -143,14 +155,15 @@ MESSAGES = _build()
 def request_to_pb(r: RolloutRequest):
   return MESSAGES["RolloutRequest"](request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
                                     max_new_tokens=r.max_new_tokens, prompt_id=r.prompt_id,
-                                    group_id=r.group_id)
+                                    group_id=r.group_id, incarnation=r.incarnation)
 
 
 def request_from_pb(m) -> RolloutRequest:
   if not m.request_id:
     raise ValueError("RolloutRequest.request_id is empty (trajectory ids must be unique)")
   return RolloutRequest(prompt_tokens=list(m.prompt_tokens), max_new_tokens=m.max_new_tokens,
-                        request_id=m.request_id, prompt_id=m.prompt_id, group_id=m.group_id)
+                        request_id=m.request_id, prompt_id=m.prompt_id, group_id=m.group_id,
+                        incarnation=m.incarnation)
 
 
 def trajectory_to_pb(t: Trajectory):
@@ -160,7 +173,7 @@ def trajectory_to_pb(t: Trajectory):
       logprobs=t.logprobs.tolist(), versions=t.versions.tolist(), finish_reason=t.finish_reason,
       logprob_source=t.logprob_source, sampling_json=json.dumps(t.sampling, sort_keys=True),
       tokenizer_id=t.tokenizer_id, server_id=t.server_id, num_interruptions=t.num_interruptions,
-      error=t.error, started_at=t.started_at, finished_at=t.finished_at)
+      error=t.error, started_at=t.started_at, finished_at=t.finished_at, incarnation=t.incarnation)
 
 
 def trajectory_from_pb(m) -> Trajectory:
@@ -176,7 +189,7 @@ def trajectory_from_pb(m) -> Trajectory:
                       completion_tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
                       versions=np.zeros(0, np.int32), finish_reason="error", logprob_source="",
                       sampling={}, tokenizer_id=m.tokenizer_id, server_id=m.server_id,
-                      error=f"malformed trajectory message: {e}"[:500])
+                      error=f"malformed trajectory message: {e}"[:500], incarnation=m.incarnation)
 
 
 def _trajectory_from_pb(m) -> Trajectory:
@@ -191,7 +204,7 @@ def _trajectory_from_pb(m) -> Trajectory:
       finish_reason=m.finish_reason, logprob_source=m.logprob_source,
       sampling=sampling, tokenizer_id=m.tokenizer_id,
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
-      started_at=m.started_at, finished_at=m.finished_at)
+      started_at=m.started_at, finished_at=m.finished_at, incarnation=m.incarnation)
 
 
 def sources_to_pb(sources) -> list:

@@ -6,6 +6,12 @@ server whose model config or tokenizer differs from the learner's, naming every 
 both values; the server then exits with that message. A server that registers again under the same id
 (restarted, perhaps at another address) replaces its old entry, so a restarted server can rejoin.
 
+A server repeats its registration every ``rollout.register_interval`` seconds, naming the learner
+incarnation that accepted it last. A repeat to the same learner from the same address changes nothing;
+one that the learner has not seen (a learner restarted from its checkpoint, or one that dropped the
+server, e.g. after a stall: ``forget``) is a new registration, so the learner (re)attaches to decode
+servers that outlived it, and a server it gave up on rejoins with the current weights.
+
 Servers bind and the registry listens on 127.0.0.1 unless configured otherwise.
 """
 
@@ -54,9 +60,10 @@ class Registry:
   """Learner side: the decode servers registered so far, checked against the learner's model config
   and tokenizer."""
 
-  def __init__(self, model_config, tokenizer_id: str):
+  def __init__(self, model_config, tokenizer_id: str, incarnation: int = 0):
     self.model = json.loads(model_config_json(model_config))
     self.tokenizer_id = tokenizer_id
+    self.incarnation = incarnation  # the learner's (``RolloutRequest.incarnation``)
     self._servers: dict[str, Registered] = {}
     self._changed = threading.Condition()
 
@@ -75,12 +82,23 @@ class Registry:
                     f"{who}: tokenizer {request.tokenizer_id!r} (server) vs {self.tokenizer_id!r} (learner)")
     if not request.server_id or not request.address:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{who}: server id and address are required")
-    entry = Registered(request.server_id, request.address, request.devices,
-                       json.loads(request.mesh_json or "{}"), time.time())
     with self._changed:
-      self._servers[entry.server_id] = entry
-      self._changed.notify_all()
-      return M["RegisterReply"](registered=len(self._servers))
+      known = self._servers.get(request.server_id)
+      if not (known is not None and known.address == request.address
+              and request.learner_incarnation == self.incarnation):
+        self._servers[request.server_id] = Registered(
+            request.server_id, request.address, request.devices,
+            json.loads(request.mesh_json or "{}"), time.time())
+        self._changed.notify_all()
+      return M["RegisterReply"](registered=len(self._servers), incarnation=self.incarnation)
+
+  def forget(self, server_id: str, address: str) -> None:
+    """Drops the entry of ``server_id`` at ``address`` (the learner gave up on it): its next
+    registration is a new one."""
+    with self._changed:
+      known = self._servers.get(server_id)
+      if known is not None and known.address == address:
+        del self._servers[server_id]
 
   def servers(self) -> list[Registered]:
     with self._changed:
@@ -108,10 +126,11 @@ class Registry:
 
 def register(learner_address: str, *, server_id: str, address: str, model_config, tokenizer_id: str,
              devices: int, mesh: Optional[dict] = None, timeout: float = 600.0,
-             token: Optional[str] = None) -> int:
+             token: Optional[str] = None, learner_incarnation: int = 0):
   """Registers this decode server with the learner at ``learner_address``, waiting up to ``timeout``
-  seconds for the learner to come up; returns the number of servers registered. Raises
-  ``RegistrationRefused`` with the learner's reason on a mismatch."""
+  seconds for the learner to come up; returns the reply (``registered``: servers registered so far;
+  ``incarnation``: the learner's, to name in the next registration). Raises ``RegistrationRefused``
+  with the learner's reason on a mismatch."""
   with auth.channel(learner_address, token, protocol.GRPC_OPTIONS) as channel:
     try:
       grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -123,9 +142,10 @@ def register(learner_address: str, *, server_id: str, address: str, model_config
     request = M["RegisterRequest"](server_id=server_id, address=address,
                                    model_config_json=model_config_json(model_config),
                                    tokenizer_id=tokenizer_id, devices=devices,
-                                   mesh_json=json.dumps(mesh or {}))
+                                   mesh_json=json.dumps(mesh or {}),
+                                   learner_incarnation=learner_incarnation)
     try:
-      return call(request, timeout=60).registered
+      return call(request, timeout=max(min(timeout, 60.0), 1.0))
     except grpc.RpcError as e:
       if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
         raise RegistrationRefused(e.details()) from e

@@ -33,7 +33,7 @@ import numpy as np
 
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory, _Building
+from asyncrl_jax.rollout.trajectory import DRAINED, RolloutRequest, Trajectory, _Building
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class DecodeServer:
     self.version = version
     self._pending: Optional[tuple] = None
     self._requests: "collections.deque[RolloutRequest]" = collections.deque()
-    self._aborts: set[str] = set()
+    self._aborts: dict[str, str] = {}  # request id -> why
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._slots: list[Optional[_Building]] = [None] * engine.num_slots
@@ -105,18 +105,47 @@ class DecodeServer:
       self._requests.extend(requests)
       self._wake.notify()
 
-  def update_weights(self, params, version: int) -> None:
-    """Publishes new weights; in-flight sequences switch to them at the next step boundary."""
+  def update_weights(self, params, version: int, *, restart: bool = False) -> None:
+    """Publishes new weights; in-flight sequences switch to them at the next step boundary.
+
+    ``restart``: the weights of a new learner (restarted from a checkpoint), of any version, older
+    ones included: the work queued and in flight is its predecessor's, and is dropped unfinished (the
+    queue now, the sequences in flight when the weights are applied)."""
     with self._wake:
-      if version <= self.version and (self._pending is None or version <= self._pending[1]):
+      restart = restart or (self._pending is not None and self._pending[2])
+      if restart:
+        if self._requests:
+          log.info("dropping %d queued requests of the previous learner", len(self._requests))
+        self._requests.clear()
+        self._aborts.clear()
+      elif version <= self.version and (self._pending is None or version <= self._pending[1]):
         raise ValueError(f"weight version {version} is not newer than {self.version}")
-      self._pending = (params, version)
+      self._pending = (params, version, restart)
       self._wake.notify()
 
-  def abort(self, request_id: str) -> None:
+  def drain(self, error: str = DRAINED) -> int:
+    """Stops taking queued work: every request not yet started comes back now as an aborted
+    trajectory (``error`` says why), so that its owner places it elsewhere; sequences in flight go
+    on. Returns how many came back."""
     with self._wake:
-      self._aborts.add(request_id)
+      requests, self._requests = list(self._requests), collections.deque()
+    for r in requests:
+      self._emit(_Building(r).finish("aborted", error=error, **self._meta))
+    return len(requests)
+
+  def abort(self, request_id: str, error: str = "") -> None:
+    with self._wake:
+      self._aborts[request_id] = error
       self._wake.notify()
+
+  def abort_active(self, error: str) -> int:
+    """Aborts every sequence in flight (``error`` says why); returns how many."""
+    with self._wake:
+      ids = [b.request.request_id for b in self._slots if b is not None]
+      for i in ids:
+        self._aborts[i] = error
+      self._wake.notify()
+    return len(ids)
 
   def stream_to(self, sink: Callable[[Trajectory], None]) -> None:
     """Sends finished trajectories to ``sink`` from now on (e.g. a gRPC service's outbox)."""
@@ -194,7 +223,7 @@ class DecodeServer:
         self._wake.wait(timeout=0.5)
         self.stats.idle_seconds += time.perf_counter() - t
       pending, self._pending = self._pending, None
-      aborts, self._aborts = self._aborts, set()
+      aborts, self._aborts = self._aborts, {}
     if pending is not None or aborts:
       self._collect()  # weight refills and aborts need every token generated so far
     if pending is not None:
@@ -206,11 +235,17 @@ class DecodeServer:
     self._inflight = launched
     self._fill_slots()
 
-  def _apply_weights(self, params, version: int) -> None:
+  def _apply_weights(self, params, version: int, restart: bool = False) -> None:
     t = time.perf_counter()
     self._params = self.engine.place_params(params)
     old_version, self.version = self.version, version
     active = [i for i, s in enumerate(self._slots) if s is not None]
+    if restart and active:  # the previous learner's sequences: nobody waits for them any more
+      log.info("dropping %d sequences in flight of the previous learner", len(active))
+      for i in active:
+        self._slots[i].done = True
+        self._slots[i] = None
+      active = []
     if active and self.on_weight_update == "keep_cache":
       for i in active:  # their pending next-token logits came from the weights being replaced
         if self._slots[i].next_token_version is None:
@@ -232,18 +267,17 @@ class DecodeServer:
       self.stats.interrupt_seconds += time.perf_counter() - t
     self.stats.weight_updates += 1
 
-  def _apply_aborts(self, aborts: set[str]) -> None:
+  def _apply_aborts(self, aborts: dict[str, str]) -> None:
     for i, b in enumerate(self._slots):
       if b is not None and b.request.request_id in aborts:
-        self._finish(i, "aborted")
-        aborts.discard(b.request.request_id)
+        self._finish(i, "aborted", aborts.pop(b.request.request_id))
     if aborts:
       with self._lock:
         kept = [r for r in self._requests if r.request_id not in aborts]
         dropped = [r for r in self._requests if r.request_id in aborts]
         self._requests = collections.deque(kept)
       for r in dropped:
-        self._emit(_Building(r).finish("aborted", **self._meta))
+        self._emit(_Building(r).finish("aborted", error=aborts[r.request_id], **self._meta))
 
   def _validate(self, r: RolloutRequest) -> str:
     e = self.engine

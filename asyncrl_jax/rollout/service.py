@@ -11,6 +11,17 @@
   resumed under the new weights). The reply counts the bytes pulled from each learner process.
 * ``Abort``, ``Health``.
 
+**Learner incarnations.** Requests and weight notices carry the incarnation of the learner that sent
+them (``RolloutRequest.incarnation``). The service serves one at a time: the one whose weights it
+holds. A notice from a newer incarnation (a learner restarted from its checkpoint) is accepted at any
+version, an older one included, and the work of the previous one is dropped: its queue, its
+sequences in flight, and its finished trajectories not yet delivered. Requests and notices from any
+other incarnation are refused (``FAILED_PRECONDITION``).
+
+**Draining** (``drain``, on SIGTERM): ``Submit`` is refused (``UNAVAILABLE``), requests not yet started
+come back as aborted trajectories, and ``Health`` says ``draining``, so the learner places the work
+elsewhere; sequences in flight finish.
+
 Servers bind 127.0.0.1 unless another host is configured.
 """
 
@@ -43,16 +54,34 @@ class RolloutService:
     self.receiver = receiver
     self.outbox: "queue.Queue[Trajectory]" = queue.Queue()
     server.stream_to(self.outbox.put)
-    self._weights_lock = threading.Lock()
+    self._weights_lock = threading.Lock()  # one pull at a time
+    self._switch_lock = threading.Lock()  # the incarnation and the server's queue change together
     self._unacked: dict[str, Trajectory] = {}
     self._unacked_lock = threading.Lock()
+    self.incarnation = 0  # of the learner whose weights the server holds (0: none named one)
+    self.draining = False
+    self.drain_noticed = threading.Event()  # a Health call was answered "draining"
+    self.dropped = 0  # finished trajectories of an older incarnation, never delivered
+
+  def drain(self) -> int:
+    """Takes no new work from now on; returns how many queued requests went back (aborted)."""
+    self.draining = True
+    return self.server.drain()
 
   def Submit(self, request, context):
+    if self.draining:
+      context.abort(grpc.StatusCode.UNAVAILABLE, "this decode server is draining (shutting down)")
     try:
       requests = [protocol.request_from_pb(r) for r in request.requests]
     except ValueError as e:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    self.server.submit(*requests)
+    with self._switch_lock:  # (an incarnation change drops the queue: not while this one joins it)
+      other = sorted({r.incarnation for r in requests} - {self.incarnation})
+      if other:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"requests of learner incarnation {other[0]}: this server serves incarnation "
+                      f"{self.incarnation} (a newer learner sends its weights first)")
+      self.server.submit(*requests)
     return M["SubmitReply"](accepted=len(requests))
 
   def Stream(self, request, context) -> Iterator:
@@ -65,6 +94,9 @@ class RolloutService:
         except queue.Empty:
           if self.server.error is not None:
             context.abort(grpc.StatusCode.INTERNAL, f"decode server failed: {self.server.error!r}")
+          continue
+        if t.incarnation != self.incarnation:  # a previous learner's: nobody waits for it
+          self.dropped += 1
           continue
         with self._unacked_lock:
           self._unacked[t.trajectory_id] = t
@@ -96,7 +128,12 @@ class RolloutService:
     if self.receiver is None:
       context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has no weight receiver")
     with self._weights_lock:
-      if request.version <= self.server.version:
+      restart = request.incarnation > self.incarnation
+      if request.incarnation < self.incarnation:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"weights v{request.version} from learner incarnation {request.incarnation}, "
+                      f"older than the one served ({self.incarnation})")
+      if request.version <= self.server.version and not restart:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                       f"version {request.version} is not newer than {self.server.version}")
       try:
@@ -113,7 +150,14 @@ class RolloutService:
         for src in sources:
           self.receiver.forget(src.address)
         context.abort(grpc.StatusCode.UNAVAILABLE, f"pull of weights v{request.version} failed: {e!r}")
-      self.server.update_weights(params, request.version)  # all of it arrived: swap it in whole
+      # all of it arrived: swap it in whole
+      with self._switch_lock:
+        self.server.update_weights(params, request.version, restart=restart)
+        if restart:
+          if self.incarnation:
+            log.warning("learner incarnation %d replaces %d: its work is dropped; serving v%d",
+                        request.incarnation, self.incarnation, request.version)
+          self.incarnation = request.incarnation
     log.info("pulled weights v%d: %.1f MB from %d learner processes in %.3f s", request.version,
              stats.bytes / 1e6, len(sources), stats.seconds)
     return M["WeightsReply"](version=request.version, seconds=stats.seconds, bytes=stats.bytes,
@@ -125,11 +169,19 @@ class RolloutService:
 
   def Health(self, request, context):
     s = self.server
-    status = "error" if s.error else "warming_up" if s.engine.compiles_pending() else "serving"
+    status = ("error" if s.error else "draining" if self.draining
+              else "warming_up" if s.engine.compiles_pending() else "serving")
+    if status == "draining":
+      self.drain_noticed.set()
     return M["HealthReply"](status=status, version=s.version,
                             active=s.num_active, queued=s.num_queued, server_id=s.server_id,
-                            error=repr(s.error) if s.error else "",
+                            error=repr(s.error) if s.error else "", incarnation=self.incarnation,
                             stats=protocol.stats_to_pb(s.stats.copy()))
+
+  def delivered(self) -> bool:
+    """Every finished trajectory was sent and acknowledged (nothing in the outbox or unacked)."""
+    with self._unacked_lock:
+      return self.outbox.empty() and not self._unacked
 
 
 def _handlers(service, methods: dict, name: str) -> grpc.GenericRpcHandler:
@@ -188,10 +240,11 @@ class RolloutClient:
     finally:
       call.cancel()
 
-  def update_weights(self, version: int, sources, timeout: float = 300.0):
+  def update_weights(self, version: int, sources, timeout: float = 300.0, incarnation: int = 0):
     """Tells the server to pull ``version`` from ``sources`` (``transfer.remote.Source``, one per
     learner process); returns its ``WeightsReply`` once it holds the new weights."""
-    notice = M["WeightsNotice"](version=version, sources=protocol.sources_to_pb(sources))
+    notice = M["WeightsNotice"](version=version, sources=protocol.sources_to_pb(sources),
+                                incarnation=incarnation)
     return self._calls["UpdateWeights"](notice, timeout=timeout)
 
   def abort(self, request_id: str, timeout: float = 30.0) -> None:

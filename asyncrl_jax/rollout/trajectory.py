@@ -10,6 +10,9 @@ from typing import Optional
 import numpy as np
 
 FINISH_REASONS = ("eos", "length", "aborted", "error")
+# the error of a rollout a decode server gave back unfinished because it is shutting down: not the
+# rollout's fault, so placing it elsewhere does not count as a retry
+DRAINED = "decode server draining"
 
 
 def new_id() -> str:
@@ -21,13 +24,16 @@ class RolloutRequest:
   """One generation to run.
 
   ``request_id`` becomes the trajectory id: it is unique, so a trajectory delivered twice (a retried
-  stream, a restarted server) can be recognised and dropped by the consumer.
+  stream, a restarted server) can be recognised and dropped by the consumer. ``incarnation`` names
+  the learner process that asked (its start, ``time.time_ns()``; 0: none given): a decode server
+  serves one incarnation at a time, and drops the work of older ones when a newer one sends weights.
   """
   prompt_tokens: list[int]
   max_new_tokens: int
   request_id: str = dataclasses.field(default_factory=new_id)
   prompt_id: str = ""
   group_id: int = -1
+  incarnation: int = 0
 
 
 @dataclasses.dataclass
@@ -56,6 +62,7 @@ class Trajectory:
   finished_at: float = 0.0
   reward: Optional[float] = None
   reward_source: str = ""
+  incarnation: int = 0  # of the learner that requested it (``RolloutRequest.incarnation``)
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -105,4 +112,4 @@ class _Building:
         logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
         finish_reason=reason, logprob_source=logprob_source, sampling=sampling,
         tokenizer_id=tokenizer_id, server_id=server_id, num_interruptions=self.interruptions,
-        error=error, started_at=self.started_at, finished_at=time.time())
+        error=error, started_at=self.started_at, finished_at=time.time(), incarnation=r.incarnation)

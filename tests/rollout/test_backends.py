@@ -16,7 +16,8 @@ class FakeClient:
 
   def __init__(self, address: str, slow: bool = False):
     self.address, self.slow = address, slow
-    self.submitted, self.pulled = [], []
+    self.submitted, self.pulled, self.incarnations = [], [], []
+    self.status, self.incarnation = "serving", 0
     self._released: dict[int, threading.Event] = {}
 
   def wait_ready(self, timeout):
@@ -25,8 +26,9 @@ class FakeClient:
   def release(self, version: int) -> None:
     self._released.setdefault(version, threading.Event()).set()
 
-  def update_weights(self, version, sources, timeout):
+  def update_weights(self, version, sources, timeout, incarnation=0):
     del sources
+    self.incarnations.append(incarnation)
     if self.slow and not self._released.setdefault(version, threading.Event()).wait(timeout):
       raise TimeoutError(f"fake pull of v{version} never released")
     self.pulled.append(version)
@@ -37,7 +39,8 @@ class FakeClient:
 
   def health(self, timeout):
     del timeout
-    return types.SimpleNamespace(status="serving", error="", stats=protocol.stats_to_pb(DecodeStats()))
+    return types.SimpleNamespace(status=self.status, error="", incarnation=self.incarnation,
+                                 stats=protocol.stats_to_pb(DecodeStats()))
 
   def close(self):
     pass
@@ -133,7 +136,7 @@ class FaultyClient(FakeClient):
     self._check()
     super().submit(requests)
 
-  def update_weights(self, version, sources, timeout):
+  def update_weights(self, version, sources, timeout, incarnation=0):
     self.uuids.append(sources[0])
     self._check()
     while self.stalled:  # a stopped process: the pull neither finishes nor fails
@@ -141,7 +144,7 @@ class FaultyClient(FakeClient):
     if self.fail_pulls:
       self.fail_pulls -= 1
       raise RuntimeError("Connection closed")
-    return super().update_weights(version, sources, timeout)
+    return super().update_weights(version, sources, timeout, incarnation)
 
 
 def _faulty(names, registry=None, **kw):
@@ -230,7 +233,9 @@ def test_a_failed_pull_is_retried_under_a_new_uuid_then_the_server_is_dropped():
 def test_a_server_that_registers_again_gets_the_current_weights_before_work():
   entries = [types.SimpleNamespace(server_id="decode-0", address="a", registered_at=1.0),
              types.SimpleNamespace(server_id="decode-1", address="b", registered_at=1.0)]
-  registry = types.SimpleNamespace(servers=lambda: list(entries))
+  forgotten = []
+  registry = types.SimpleNamespace(servers=lambda: list(entries),
+                                   forget=lambda *entry: forgotten.append(entry))
   clients = {n: FaultyClient(n) for n in ("a", "b", "b2")}
   offered = []
   group = types.SimpleNamespace(processes=1, offer=lambda v, uuids: offered.append(v),
@@ -243,6 +248,7 @@ def test_a_server_that_registers_again_gets_the_current_weights_before_work():
     backend.wait_for_pulls(0)
     clients["b"].dead = True  # decode-1 dies and restarts at another address
     _until(lambda: backend.num_servers == 1)
+    assert forgotten == [("decode-1", "b")]  # if it comes back there, it is a new registration
     backend.update_weights(None, 1)
     entries[1] = types.SimpleNamespace(server_id="decode-1", address="b2", registered_at=2.0)
     _until(lambda: backend.faults["servers_joined"] == 1)
@@ -265,5 +271,54 @@ def test_requests_wait_for_a_server_and_the_backend_fails_when_none_comes():
     assert len(backend._unplaced) == 2  # pylint: disable=protected-access
     _until(lambda: backend.error is not None)
     assert "no live decode server for 1s" in str(backend.error)
+  finally:
+    backend.stop()
+
+
+def _trajectory(request_id: str, incarnation: int):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rollout.trajectory import Trajectory  # pylint: disable=import-outside-toplevel
+  return Trajectory(trajectory_id=request_id, prompt_id="", group_id=0, prompt_tokens=np.asarray([1, 2]),
+                    completion_tokens=np.asarray([3]), logprobs=np.asarray([-0.5]), versions=np.asarray([0]),
+                    finish_reason="eos", logprob_source="sampling", sampling={}, tokenizer_id="t",
+                    incarnation=incarnation)
+
+
+def test_work_and_weights_carry_the_incarnation_and_another_learners_trajectories_are_dropped():
+  backend, clients, _, got = _faulty(["a"], incarnation=42)
+  try:
+    assert clients["a"].incarnations == [42]  # the first push names this learner
+    requests = _requests(2)
+    backend.submit(*requests)
+    assert [r.incarnation for r in requests] == [0, 0]  # the caller's requests are not changed
+    # a previous learner's trajectory under one of our ids: dropped, and ours stays outstanding
+    backend._arrived(_trajectory("r0", incarnation=41))  # pylint: disable=protected-access
+    assert got == [] and backend.faults["trajectories_of_other_learners"] == 1
+    assert backend.locate(["r0", "r1"]) == {"r0": "a", "r1": "a"}
+    backend._arrived(_trajectory("r0", incarnation=42))  # pylint: disable=protected-access
+    assert [t.trajectory_id for t in got] == ["r0"] and backend.locate(["r0"]) == {"r0": "nowhere"}
+    clients["a"].incarnation = 43  # a newer learner took the server over: this one must stop
+    _until(lambda: backend.error is not None)
+    assert "incarnation 43, this one 42" in str(backend.error)
+  finally:
+    backend.stop()
+
+
+def test_a_draining_server_gets_no_new_work_and_is_dropped_once_nothing_of_it_is_outstanding():
+  backend, clients, _, got = _faulty(["a", "b"])
+  try:
+    backend.submit(*_requests(4))
+    held = list(clients["b"].submitted)
+    assert len(held) == 2
+    clients["b"].status = "draining"
+    _until(lambda: backend._servers[1].draining)  # pylint: disable=protected-access
+    backend.submit(*[RolloutRequest([1], 2, request_id=f"n{i}") for i in range(3)])
+    assert clients["b"].submitted == held  # no new work for it
+    assert backend.num_servers == 2  # two of its rollouts are still out
+    for i in held:
+      backend._arrived(_trajectory(i, incarnation=0))  # pylint: disable=protected-access
+    _until(lambda: backend.num_servers == 1)
+    assert backend.faults["servers_drained"] == 1 and backend.faults["servers_lost"] == 0
+    assert backend.faults["requests_reassigned"] == 0
   finally:
     backend.stop()

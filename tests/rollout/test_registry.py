@@ -21,9 +21,11 @@ def learner():
   server.stop(grace=0)
 
 
-def _register(address, server_id="decode-0", at="127.0.0.1:5001", model=CFG, tokenizer="builtin-arithmetic-v1"):
+def _register(address, server_id="decode-0", at="127.0.0.1:5001", model=CFG, tokenizer="builtin-arithmetic-v1",
+              incarnation=0):
   return registry.register(address, server_id=server_id, address=at, model_config=model,
-                           tokenizer_id=tokenizer, devices=2, mesh={"tensor": 2}, timeout=30)
+                           tokenizer_id=tokenizer, devices=2, mesh={"tensor": 2}, timeout=30,
+                           learner_incarnation=incarnation).registered
 
 
 def test_servers_register_and_a_restarted_one_replaces_its_entry(learner):
@@ -37,6 +39,30 @@ def test_servers_register_and_a_restarted_one_replaces_its_entry(learner):
   assert _register(address, "decode-0", "127.0.0.1:6001") == 2  # restarted elsewhere: same id
   got = {s.server_id: (s.address, s.devices, s.mesh) for s in reg.servers()}
   assert got == {"decode-0": ("127.0.0.1:6001", 2, {"tensor": 2}), "decode-1": ("127.0.0.1:5002", 2, {"tensor": 2})}
+
+
+def test_repeats_to_the_same_learner_change_nothing_and_a_new_learner_or_a_forgotten_server_is_new():
+  reg = registry.Registry(CFG, "builtin-arithmetic-v1", incarnation=7)
+  server, port = reg.serve("127.0.0.1", 0)
+  address = f"127.0.0.1:{port}"
+  try:
+    reply = registry.register(address, server_id="decode-0", address="127.0.0.1:5001", model_config=CFG,
+                              tokenizer_id="builtin-arithmetic-v1", devices=1, timeout=30)
+    assert (reply.registered, reply.incarnation) == (1, 7)
+    first = reg.servers()[0].registered_at
+    assert _register(address, incarnation=7) == 1  # the periodic repeat: the same entry
+    assert reg.servers()[0].registered_at == first
+    assert _register(address, incarnation=6) == 1  # registered with an earlier learner: new here
+    second = reg.servers()[0].registered_at
+    assert second > first
+    reg.forget("decode-0", "127.0.0.1:9999")  # not its address: kept
+    assert [s.registered_at for s in reg.servers()] == [second]
+    reg.forget("decode-0", "127.0.0.1:5001")
+    assert reg.servers() == []
+    assert _register(address, incarnation=7) == 1  # a woken server's repeat after it was dropped
+    assert reg.servers()[0].registered_at > second
+  finally:
+    server.stop(grace=0)
 
 
 def test_a_model_or_tokenizer_mismatch_is_refused_naming_both_values(learner):

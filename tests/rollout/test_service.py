@@ -211,3 +211,92 @@ def test_malformed_and_oversized_messages_are_refused_and_the_server_lives_on(lo
   assert "outside [0, 17)" in got["oov"].error and "must be >= 1" in got["zero"].error
   assert got["empty"].error == "empty prompt" and all(t.finish_reason == "error" for t in got.values())
   assert client.health().status == "serving" and service.server.error is None
+
+
+class _HandingReceiver:
+  """A weight receiver that hands over the parameters it holds (no transfer)."""
+
+  def __init__(self, params):
+    self.params = params
+
+  def pull(self, sources, spec):
+    del sources, spec
+    return self.params, types.SimpleNamespace(bytes=1, seconds=0.0, per_source=[1])
+
+  def forget(self, address):
+    del address
+
+
+def test_a_newer_learner_incarnation_takes_over_at_an_older_version_and_its_predecessors_work_is_dropped():
+  """The server serves one learner incarnation: a newer one's weights are accepted at any version
+  and drop the older one's queue, sequences in flight and undelivered trajectories; an older one's
+  notices and requests are refused. Draining refuses work and gives the queue back."""
+  import grpc
+  from asyncrl_jax.rollout.trajectory import DRAINED  # pylint: disable=import-outside-toplevel
+  params = sharp_params(CFG, 0)
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(CFG, mesh=mesh, num_slots=2, max_prefill_length=16, max_target_length=48,
+                  sampling=SamplingSettings(temperature=1.0), params=params)
+  server = DecodeServer(engine, None, version=-1, server_id="s")
+  service = RolloutService(server, _HandingReceiver(params))
+  grpc_server, port = serve(service)
+  server.start()
+  client = RolloutClient(f"127.0.0.1:{port}")
+  source = [Source("127.0.0.1:1", 5, ())]
+
+  def requests(n, incarnation, prefix, max_new=40):
+    return [RolloutRequest([1, 5, 6], max_new, request_id=f"{prefix}{i}", incarnation=incarnation)
+            for i in range(n)]
+
+  def health_is(version, incarnation):
+    deadline = time.time() + 30
+    while (client.health().version, client.health().incarnation) != (version, incarnation):
+      assert time.time() < deadline, client.health()
+      time.sleep(0.02)
+
+  try:
+    client.wait_ready(30)
+    with pytest.raises(grpc.RpcError) as e:  # no learner's weights yet
+      client.submit(requests(1, 100, "early"))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "serves incarnation 0" in e.value.details()
+    assert client.update_weights(5, source, incarnation=100).version == 5
+    health_is(5, 100)
+    with pytest.raises(grpc.RpcError) as e:  # the same learner must move forward
+      client.update_weights(5, source, incarnation=100)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    client.submit(requests(1, 100, "a"))
+    (t,) = list(client.stream(max_trajectories=1, timeout=60))
+    assert (t.trajectory_id, t.incarnation, set(t.versions.tolist())) == ("a0", 100, {5})
+    client.submit(requests(8, 100, "old"))  # 2 in flight, 6 queued: then the learner restarts
+    assert client.update_weights(2, source, incarnation=200).version == 2  # an older version
+    health_is(2, 200)
+    with pytest.raises(grpc.RpcError) as e:
+      client.submit(requests(1, 100, "zombie"))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as e:
+      client.update_weights(9, source, incarnation=100)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "older than the one served" in e.value.details()
+    client.submit(requests(1, 200, "new", max_new=4))
+    got = list(client.stream(max_trajectories=1, timeout=60))
+    assert [(t.trajectory_id, t.incarnation) for t in got] == [("new0", 200)]
+    assert set(got[0].versions.tolist()) == {2}
+    deadline = time.time() + 30
+    while server.num_active or server.num_queued:
+      assert time.time() < deadline, "the old learner's work was not dropped"
+      time.sleep(0.05)
+    # draining: queued work comes back aborted (DRAINED), new work is refused
+    client.submit(requests(6, 200, "q", max_new=40))
+    assert service.drain() >= 1
+    assert client.health().status == "draining"
+    with pytest.raises(grpc.RpcError) as e:
+      client.submit(requests(1, 200, "late"))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    back = list(client.stream(max_trajectories=6, timeout=60))
+    assert sorted(t.trajectory_id for t in back) == [f"q{i}" for i in range(6)]
+    drained = [t for t in back if t.finish_reason == "aborted"]
+    assert drained and all(t.error == DRAINED for t in drained)
+    assert all(t.finish_reason in ("eos", "length") for t in back if t not in drained)
+  finally:
+    client.close()
+    grpc_server.stop(0)
+    server.stop()
