@@ -5,6 +5,13 @@ Off TPU a learner over P processes needs three facts in every process: the coord
 (process 0's host and a free port), P, and the process's own id. They come from the arguments or from
 ``ASYNCRL_COORDINATOR``, ``ASYNCRL_NUM_PROCESSES`` and ``ASYNCRL_PROCESS_ID``. On Cloud TPU VMs JAX
 finds them itself. CPU processes run their collectives over gloo.
+
+**A process that dies stops the others.** Every process sends the coordination service (in process 0)
+a heartbeat; one that misses ``ASYNCRL_HEARTBEAT_SECONDS`` (default 15, JAX's own default is 100) of
+them is declared dead, and every other process is then terminated by JAX ("the JAX distributed service
+detected fatal errors"), so no collective waits on a dead peer for longer than that. A collective
+whose peer is gone may fail sooner (gloo: "Connection reset by peer"). The next start resumes from
+the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -58,5 +65,14 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   if args is not None and args["num_processes"] == 1:
     return False
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes; ignored on TPU
-  jax.distributed.initialize(**(args or {}))
+  jax.distributed.initialize(**(args or {}), heartbeat_timeout_seconds=heartbeat_seconds())
   return True
+
+
+def heartbeat_seconds() -> int:
+  """Seconds without a heartbeat after which a learner process counts as dead
+  (``ASYNCRL_HEARTBEAT_SECONDS``, default 15)."""
+  raw = os.environ.get("ASYNCRL_HEARTBEAT_SECONDS", "15")
+  if not raw.isdigit() or int(raw) < 1:
+    raise ValueError(f"ASYNCRL_HEARTBEAT_SECONDS={raw!r} must be a whole number of seconds >= 1")
+  return int(raw)

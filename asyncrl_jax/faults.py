@@ -1,8 +1,9 @@
 """Faults injected at named points, for tests and the soak benchmark: ``ASYNCRL_FAULT=point@version``.
 
 Several are separated by commas (``ASYNCRL_FAULT=train@3,save@6``); each fires once, the first time
-its point is reached at its version, in the learner process that reads it (process 0 unless another
-process's environment sets it). Unset, ``at`` costs one dictionary lookup.
+its point is reached at its version, in every learner process whose environment has it, or only in
+process ``ASYNCRL_FAULT_PROCESS`` when that is set (its id, ``ASYNCRL_PROCESS_ID``; 0 in a
+single-process run). Unset, ``at`` costs one dictionary lookup.
 
 Points (``version``: the learner's policy version when the point is reached):
 
@@ -21,6 +22,7 @@ import signal
 from typing import Optional
 
 ENV = "ASYNCRL_FAULT"
+PROCESS_ENV = "ASYNCRL_FAULT_PROCESS"
 POINTS = ("train", "save", "push", "sigterm", "nan")
 
 _fired: set[str] = set()
@@ -43,6 +45,9 @@ def at(point: str, version: int) -> bool:
   ``push``) or SIGTERM (``sigterm``) to this process; returns True for a fault the caller acts out
   (``nan``)."""
   if not os.environ.get(ENV):
+    return False
+  only = os.environ.get(PROCESS_ENV, "")
+  if only and only != os.environ.get("ASYNCRL_PROCESS_ID", "0"):
     return False
   key = f"{point}@{version}"
   if key in _fired or version not in planned().get(point, ()):

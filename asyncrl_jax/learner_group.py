@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from asyncrl_jax import faults
 from asyncrl_jax.rl.batching import SequenceData
 from asyncrl_jax.transfer import shards
 from asyncrl_jax.transfer.remote import Source, WeightSender
@@ -179,6 +180,7 @@ class LearnerGroup:
       op, version, a, b, c = (int(x) for x in multihost_utils.broadcast_one_to_all(np.zeros(5, np.int32)))
       log.info("op %s at version %d", _OPS.get(op, op), version)
       if op == TRAIN:
+        faults.at("train", version)
         like = {"lengths": np.zeros(a, np.int32), "tokens": np.zeros(b, np.int32),
                 "versions": np.zeros(b, np.int32), "floats": np.zeros((c, b), np.float32)}
         self.learner.train(unpack_sequences(multihost_utils.broadcast_one_to_all(like)), version=version)
@@ -193,6 +195,7 @@ class LearnerGroup:
         self.ckpt.save(version, params=self.learner.params, opt_state=self.learner.opt_state,
                        meta=json.loads(bytes(np.asarray(data)).decode()))
       elif op == CHECK:
+        faults.at("sigterm", version)
         self._any_stop()
       elif op == STOP:
         return

@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import jax
 from absl import app, flags, logging
@@ -274,9 +275,24 @@ def _follow(config, workdir: str) -> dict:
   _take_sigterm(group)
   try:
     group.follow()
-  finally:
-    ckpt.close()
+  except Exception:  # pylint: disable=broad-except
+    _abandon()
+  ckpt.close()
   return {"preempted_at_version": learner.version} if group.agreed_stop else {}
+
+
+def _abandon() -> None:
+  """A learner process of several failed, or a peer died under a collective: the others cannot
+  finish the collective clean-up (stop, checkpoint write), so this one leaves now, exit 1, with the
+  error; the newest complete checkpoint stays what the next start resumes from. (A process that does
+  not see the failure is stopped by JAX within ``ASYNCRL_HEARTBEAT_SECONDS``.)"""
+  traceback.print_exc()
+  print(f"error: learner process {jax.process_index()} of {jax.process_count()} stops without "
+        "its clean-up (a learner process failed or died); the next start resumes from the newest "
+        "complete checkpoint", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
 
 
 _EARLY_SIGTERM = threading.Event()
@@ -324,6 +340,11 @@ def run(config, workdir: str) -> dict:
   backend.start(controller.on_trajectory)
   try:
     final = _train(config, group, controller, backend, evaluate, log, ckpt, meta)
+  except Exception:  # pylint: disable=broad-except
+    if jax.process_count() > 1:
+      log.close()
+      _abandon()
+    raise
   finally:
     log.close()
     backend.stop()

@@ -4,32 +4,34 @@
 # the addresses differ.
 #
 #   bash launch/local.sh WORKDIR --learners P --servers K [--learner-devices N] [--server-devices M]
-#                        [--config.x=y ...]
+#                        [--no-watch] [--config.x=y ...]
 #
 # N and M count virtual CPU devices per process (default 1 and 1). Learner process 0 prints the run;
 # the others log to WORKDIR/learners/learner-I.log, decode servers to WORKDIR/servers/decode-I.log.
 # Decode servers register with learner process 0 (its registry address appears in
-# WORKDIR/registry_address; their pids are in WORKDIR/servers/pid-I). Every process is stopped on
-# exit, on error and on Ctrl-C; the exit code is learner process 0's (or 1 if another learner process
-# failed first). A decode server that dies does not stop the run: the learner goes on without it, and
-# a server started again with the same --server_id rejoins.
+# WORKDIR/registry_address; pids in WORKDIR/learners/pid-I and WORKDIR/servers/pid-I). Every process
+# is stopped on exit, on error and on Ctrl-C; the exit code is learner process 0's (or 1 if another
+# learner process failed first; with --no-watch that is left to the learner itself, which stops every
+# process within ASYNCRL_HEARTBEAT_SECONDS). A decode server that dies does not stop the run: the
+# learner goes on without it, and a server started again with the same --server_id rejoins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit "${1:-2}"
 }
 [ $# -ge 1 ] || usage
 case "$1" in -h|--help) usage 0 ;; esac
 WORKDIR="$1"; shift
-P=1; K=1; N=1; M=1; overrides=()
+P=1; K=1; N=1; M=1; WATCH=1; overrides=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --learners) P="${2:?--learners needs a number}"; shift 2 ;;
     --servers) K="${2:?--servers needs a number}"; shift 2 ;;
     --learner-devices) N="${2:?--learner-devices needs a number}"; shift 2 ;;
     --server-devices) M="${2:?--server-devices needs a number}"; shift 2 ;;
+    --no-watch) WATCH=0; shift ;;
     --config.*|--config=*) overrides+=("$1"); shift ;;
     -h|--help) usage 0 ;;
     [0-9]*) echo "local.sh: 'local.sh WORKDIR K' is replaced by 'local.sh WORKDIR --learners P --servers K'" >&2; exit 2 ;;
@@ -43,7 +45,7 @@ CONFIG="${ASYNCRL_CONFIG:-configs/default.py}"
 PY="${PYTHON:-.venv/bin/python}"
 
 mkdir -p "$WORKDIR/learners" "$WORKDIR/servers"
-rm -f "$WORKDIR/registry_address"
+rm -f "$WORKDIR/registry_address" "$WORKDIR"/learners/pid-* "$WORKDIR"/servers/pid-*
 pids=(); names=()
 # shellcheck disable=SC2329  # called by the EXIT trap
 cleanup() {
@@ -69,6 +71,7 @@ for i in $(seq 0 $((P - 1))); do
     env "${env[@]}" "${cmd[@]}" > "$WORKDIR/learners/learner-$i.log" 2>&1 &
   fi
   pids+=($!); names+=("learner process $i")
+  echo "$!" > "$WORKDIR/learners/pid-$i"
 done
 echo "[local.sh] $P learner process(es), coordinator $coordinator; waiting for the registry"
 
@@ -104,7 +107,7 @@ while kill -0 "${pids[0]}" 2>/dev/null; do
       if [ "$rc" -ne 0 ] && [ "$j" -ge "$P" ]; then
         # the learner drops a dead decode server and goes on with the others (README: Failure modes)
         echo "[local.sh] ${names[$j]} exited ($rc); the learner goes on without it" >&2
-      elif [ "$rc" -ne 0 ]; then
+      elif [ "$rc" -ne 0 ] && [ "$WATCH" -eq 1 ]; then
         log="$WORKDIR/learners/learner-$j.log"
         echo "[local.sh] ${names[$j]} failed (exit $rc); last lines of $log:" >&2
         tail -20 "$log" >&2

@@ -226,23 +226,31 @@ TWIN = ["--config.data.num_train=300", "--config.data.num_test=20", "--config.le
         "--config.rollout.warm_up=False", "--config.rl.max_staleness=1"]
 
 
-def _twin(workdir, learners: int, servers: int, steps: int):
-  env = dict(_env(), PYTHON=sys.executable)
+def _twin_start(workdir, learners: int, servers: int, steps: int, *overrides, env=(), flags=()):
+  """``launch/local.sh`` in the background; its output goes to ``workdir``/../NAME-TIME.log."""
+  log = open(workdir.parent / f"{workdir.name}-{time.time():.3f}.log", "w")
   proc = subprocess.Popen(["bash", f"{ROOT}/launch/local.sh", str(workdir), "--learners", str(learners),
-                           "--servers", str(servers), f"--config.steps={steps}", *TWIN],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+                           "--servers", str(servers), *flags, f"--config.steps={steps}", *TWIN, *overrides],
+                          stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                          env=dict(_env(), PYTHON=sys.executable, PYTHONUNBUFFERED="1", **dict(env)))
+  proc.log_path = log.name
+  return proc
+
+
+def _twin_wait(proc, timeout: float = 300.0) -> str:
   try:
-    stdout, stderr = proc.communicate(timeout=300)
+    proc.wait(timeout=timeout)
   except subprocess.TimeoutExpired:
     proc.terminate()  # SIGTERM, not SIGKILL: local.sh's trap stops the processes it started
-    stdout, stderr = proc.communicate(timeout=30)
-    raise AssertionError("the twin did not finish within 300 s: " + stdout[-3000:] + stderr[-3000:])
-  out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    proc.wait(timeout=30)
+    raise AssertionError(f"the twin did not finish within {timeout:.0f} s: " + open(proc.log_path).read()[-3000:])
+  return open(proc.log_path).read()
+
+
+def _twin_results(workdir):
   summary = json.loads((workdir / "summary.json").read_text())
   metrics = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  prompts = [json.loads(l) for l in (workdir / "trained_prompts.jsonl").read_text().splitlines()]
-  return out, summary, metrics, prompts
+  return summary, metrics, _trained_prompts(workdir)
 
 
 def _stream_digests(workdir, n: int) -> list:
@@ -268,30 +276,73 @@ def _model_bytes() -> int:
   return sum(x.size * x.dtype.itemsize for x in leaves)
 
 
-def test_the_pods_twin_trains_with_two_learner_processes_and_two_decode_servers(tmp_path):
-  """launch/local.sh with P=2 learner processes (fsdp across them) and K=2 decode servers: 10
-  versions, weights sent shard to shard and balanced over the learner processes, the staleness bound
-  held, and the problems a single-process run trains, version by version."""
-  out, summary, metrics, prompts = _twin(tmp_path, 2, 2, steps=10)
-  assert "2 learner process(es)" in out.stdout and "2 decode server(s) registering at 127.0.0.1:" in out.stdout
-  assert summary["steps"] == 10 and summary["trained_tokens"] > 0
+def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tmp_path):
+  """launch/local.sh with P=2 learner processes (fsdp across them) and K=2 decode servers, over three
+  starts of one run of 10 versions.
+
+  1. SIGTERM to learner process 1 (a preemption notice on one host): both processes agree on one
+     version, save it, and exit 0 within 25 s.
+  2. Process 1 is SIGKILLed mid-step (``train@v`` there only), with local.sh not watching: process 0
+     is stopped by JAX within the heartbeat timeout (5 s here), not left hanging in a collective.
+  3. To the end, from the newest complete checkpoint: weights sent shard to shard and balanced over
+     the learner processes, the staleness bound held, and over the lineage every version trains the
+     problems a single-process run trains, once."""
+  steps, run = 10, tmp_path / "run"
+  run.mkdir()
+  logged = lambda: _complete_lines(run / "metrics.jsonl")
+  ckpt = ["--config.checkpoint.every_steps=2"]
+  env = {"ASYNCRL_HEARTBEAT_SECONDS": "5"}
+
+  proc = _twin_start(run, 2, 2, steps, *ckpt, env=env)
+  _wait_until(proc, lambda: logged() >= 3, "version 3 was logged")
+  t = time.time()
+  os.kill(int((run / "learners" / "pid-1").read_text()), signal.SIGTERM)
+  out = _twin_wait(proc, timeout=60)
+  assert proc.returncode == 0 and time.time() - t < 25, out[-3000:]
+  saved = _latest_checkpoint(run)
+  assert f"SIGTERM: saving policy version {saved} of {steps}" in out and saved >= 3
+  # (a checkpoint of 2 processes is written by both: that it is complete shows they agreed on it)
+  assert "2 learner process(es)" in out and "2 decode server(s) registering at 127.0.0.1:" in out
+
+  (run / "learners" / "pid-1").unlink()  # (the first start's)
+  proc = _twin_start(run, 2, 2, steps, *ckpt, flags=["--no-watch"],
+                     env=dict(env, ASYNCRL_FAULT=f"train@{saved + 2}", ASYNCRL_FAULT_PROCESS="1"))
+  _wait_until(proc, lambda: (run / "learners" / "pid-1").exists(), "learner process 1 started")
+  pid1 = int((run / "learners" / "pid-1").read_text())
+  _wait_until(proc, lambda: not os.path.exists(f"/proc/{pid1}") or
+              open(f"/proc/{pid1}/stat").read().split()[2] == "Z", "learner process 1 died", timeout=300)
+  t = time.time()
+  out = _twin_wait(proc, timeout=60)
+  assert proc.returncode != 0 and time.time() - t < 5 + 15, (time.time() - t, out[-3000:])
+  assert f"resumed from checkpoint at policy version {saved}" in out
+  assert "heartbeat timeout" in out or "Connection reset by peer" in out or "fatal errors" in out, out[-3000:]
+
+  before = _latest_checkpoint(run)
+  proc = _twin_start(run, 2, 2, steps, *ckpt, env=env)
+  out = _twin_wait(proc)
+  assert proc.returncode == 0, out[-3000:]
+  assert f"resumed from checkpoint at policy version {before}" in out
+  summary, metrics, prompts = _twin_results(run)
+  assert summary["steps"] == steps and summary["trained_tokens"] > 0
   assert summary["learner_processes"] == 2 and summary["decode_servers"] == 2
   assert summary["devices"]["learner"] == {"data": 1, "fsdp": 2, "tensor": 1}
   sent = summary["transfer_bytes_sent"]
   assert len(sent) == 2 and max(sent) / min(sent) <= 1.25
-  # every server pulled every version (0..10) once: K x model bytes per version, no more
-  assert sum(sent) == 2 * 11 * _model_bytes()
+  # in this start every server pulled every version (before..10) once: no more
+  assert sum(sent) == 2 * (steps - before + 1) * _model_bytes()
   assert summary["max_staleness_seen"] <= 1
-  assert [m["version"] for m in metrics] == list(range(1, 11))
+  assert [m["version"] for m in metrics] == list(range(1, steps + 1))
   assert all(m["publish_blocked_seconds"] > 0 and m["transfer_seconds"] >= 0 for m in metrics)
   assert all(m["decode_servers"] == 2 for m in metrics)
   assert 0 < metrics[-1]["decode_tokens"] <= metrics[-1]["decode_slot_steps"]
   # one controller reads the whole prompt stream: version v trains its groups v*2 .. v*2+1
-  expected = _stream_digests(tmp_path, 20)
-  assert [p["version"] for p in prompts] == list(range(10))
+  expected = _stream_digests(run, 2 * steps)
+  assert [p["version"] for p in prompts] == list(range(steps))
   for p in prompts:
     assert sorted(p["digests"]) == sorted(expected[2 * p["version"]:2 * p["version"] + 2]), p
-  assert not (tmp_path / "learners" / "learner-1.log").read_text().count("Traceback")
+  ids = [i for p in prompts for i in p["trajectory_ids"]]
+  assert len(ids) == len(set(ids)) == steps * 8
+  assert not (run / "learners" / "learner-1.log").read_text().count("Traceback")
 
 
 def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
