@@ -103,7 +103,8 @@ class Controller:
                group_size: int, max_new_tokens: int, advantage: str = "group",
                scale_by_std: bool = False, reward_threads: int = 2,
                reward_source: str = "exact_answer", max_retries: int = 2,
-               newest_version: Optional[Callable[[], int]] = None):
+               newest_version: Optional[Callable[[], int]] = None,
+               max_prompt_len: Optional[int] = None):
     if advantage != "group":
       raise NotImplementedError("the built-in loop computes group-relative advantages; rl.advantage="
                                 "'value' needs a critic, which the main job does not train yet")
@@ -119,6 +120,8 @@ class Controller:
     self.batch_size, self.group_size = batch_size, group_size
     self.prompts_per_batch = batch_size // group_size
     self.max_new_tokens = max_new_tokens
+    self.max_prompt_len = max_prompt_len  # longer prompts are skipped (None: no limit here)
+    self.skipped_prompts = 0  # over max_prompt_len: never decoded, their group trained as failed
     self.scale_by_std = scale_by_std
     self.reward_source = reward_source
     self._groups: dict[int, _Group] = {}
@@ -152,7 +155,7 @@ class Controller:
                max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
                scale_by_std=config.rl.scale_by_std, max_retries=config.rollout.max_retries,
                reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify",
-               newest_version=newest_version)
+               newest_version=newest_version, max_prompt_len=config.data.max_prompt_len)
 
   # ------------------------------------------------------------------ admission
 
@@ -177,8 +180,32 @@ class Controller:
             prompt_tokens=tokens, max_new_tokens=self.max_new_tokens, request_id=f"p{prompt.index}-s{j}",
             prompt_id=str(prompt.index), group_id=prompt.index) for j in range(self.group_size)}
         self._groups[prompt.index] = _Group(prompt, requests)
+        too_long = self.max_prompt_len is not None and len(tokens) > self.max_prompt_len
+      if too_long:  # its place in the batch is kept: failed rollouts, reward 0, no gradient
+        self._skip(prompt.index, f"prompt {prompt.index} has {len(tokens)} tokens, more than "
+                   f"data.max_prompt_len={self.max_prompt_len}: skipped")
+        continue
       self._submit(*requests.values())
       started += self.group_size
+
+  def _skip(self, index: int, reason: str) -> None:
+    """The group of prompt ``index`` is not decoded: each of its rollouts counts as failed."""
+    with self._cond:
+      group = self._groups[index]
+      self.skipped_prompts += 1
+      for i, r in group.requests.items():
+        t = Trajectory(trajectory_id=i, prompt_id=r.prompt_id, group_id=r.group_id,
+                       prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
+                       completion_tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                       versions=np.zeros(0, np.int32), finish_reason="error", logprob_source="",
+                       sampling={}, tokenizer_id=self.tokenizer.identity, error=reason)
+        self._seen.add(i)
+        group.trajectories[i] = t
+        self.failed += 1
+    log.warning("%s", reason)
+    for t in list(group.trajectories.values()):
+      self.manager.accept()
+      self._on_reward(t, 0.0)
 
   def data_state_for(self, batch_index: int) -> dict:
     """Prompt-stream state at the first prompt of ``batch_index`` (for checkpoints)."""

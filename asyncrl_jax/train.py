@@ -357,6 +357,7 @@ def run(config, workdir: str) -> dict:
       meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
       duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
+      prompts_skipped_too_long=controller.skipped_prompts,
       rejected_rollouts=dict(controller.rejected), retried_rollouts=controller.retried,
       reward_timeouts=getattr(data.reward, "timeouts", 0),  # (math-verify: scored 0, counted)
       reward_failures=getattr(data.reward, "failures", 0),

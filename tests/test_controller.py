@@ -1,6 +1,8 @@
 """Controller: admission under the bound, dedupe, oldest-first batches, advantages, failures."""
 
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -293,3 +295,36 @@ def test_admission_order_bounds_staleness_with_random_stragglers(eta):
   assert max(seen) <= eta
   if eta:
     assert max(seen) >= 1
+
+
+def test_an_over_long_prompt_is_skipped_and_counted_and_drained_rollouts_are_placed_again_freely():
+  from asyncrl_jax.rollout.trajectory import DRAINED  # pylint: disable=import-outside-toplevel
+  rows = _source(8)
+  rows[3]["question"] = b"1+2+3+4+5+6+7+8+9+1+2+3="  # the only prompt over the limit
+  short = len(TOK.encode_prompt(rows[0]["question"].decode()))
+  submitted, learner = [], _Learner()
+  mgr = StalenessManager(batch_size=4, max_staleness=0, max_concurrent=100)
+  ctl = Controller(prompts=PromptStream(rows, seed=0, shard_index=0, shard_count=1), tokenizer=TOK,
+                   submit=lambda *r: submitted.extend(r), manager=mgr, version=lambda: learner.version,
+                   reward=lambda text, answer: 1.0, batch_size=4, group_size=2, max_new_tokens=8,
+                   max_prompt_len=short + 2)
+  long_prompt, seen = None, set()
+  for version in range(4):  # the whole stream: 8 prompts, 2 per version
+    learner.version = version
+    ctl.pump()
+    for r in [r for r in submitted if r.request_id not in seen]:
+      seen.add(r.request_id)
+      if r.request_id == "p0-s0" and version == 0:  # a server shutting down gives one back
+        ctl.on_trajectory(dataclasses.replace(_failed(r), finish_reason="aborted", error=DRAINED))
+      ctl.on_trajectory(_finish(r, version))
+    b = ctl.next_batch(version=version, timeout=10)
+    assert b is not None, version
+    for t in b.trajectories:
+      if t.finish_reason == "error":
+        assert "more than data.max_prompt_len" in t.error and "skipped" in t.error
+        long_prompt = t.prompt_id
+  assert long_prompt is not None and ctl.skipped_prompts == 1 and ctl.failed == 2
+  assert not any(r.prompt_id == long_prompt for r in submitted)  # never sent to a server
+  assert ctl.rejected == {"drained": 1} and ctl.retried == 0  # placed again, not a retry
+  assert [r.request_id for r in submitted].count("p0-s0") == 2
+  ctl.close()
