@@ -116,6 +116,9 @@ def _learner_section() -> ml_collections.ConfigDict:
       # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits); attention
       # this many queries at a time (0: all at once, through [rows, heads, width, width] scores)
       remat=False, vocab_chunk=0, attention_chunk=0,
+      # compile every micro-batch shape (one per row-length bucket up to the longest sequence) at
+      # start, applying nothing, so that no version stalls on a compilation mid-run
+      warm_up=True,
   ))
 
 
@@ -318,6 +321,8 @@ def _validate_learner(config) -> None:
   _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
   _check(isinstance(config.learner.remat, bool), "learner.remat", config.learner.remat, "True or False")
+  _check(isinstance(config.learner.warm_up, bool), "learner.warm_up", config.learner.warm_up,
+         "True or False")
   _number(config, "learner.vocab_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
           integer=True)
   _number(config, "learner.attention_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",

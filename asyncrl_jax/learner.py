@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from asyncrl_jax import bucketing
 from asyncrl_jax import update as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, losses
@@ -103,6 +104,25 @@ class Learner:
                           temperature=self.settings.temperature, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
                           attention_chunk=self.settings.attention_chunk)
+
+  def warm_up(self, longest: int) -> int:
+    """Compiles every micro-batch shape that sequences of up to ``longest`` tokens can be packed
+    into (one per row bucket), for each update this learner runs, so no version compiles mid-run.
+    Nothing is applied: parameters and optimizer state stay bit for bit. Returns the shapes."""
+    cap = batching.bucket(min(longest, self.model_config.max_seq_len))
+    shapes = [b for b in bucketing.ROW_BUCKETS if b <= min(self.updater.token_budget, cap)]
+    skip = jax.device_put(np.bool_(False), self.updater.replicated)
+    later = losses.needs_prox(self.settings.loss) and self.minibatches > 1
+    for width in shapes:
+      seq = batching.make_sequence(np.zeros(width - 1, np.int32), np.zeros(1, np.int32),
+                                   logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32))
+      mbs, normalizer = self.updater.place([seq])
+      _, health = self.updater.update(mbs, normalizer, loss="first", proceed=skip)
+      if later:
+        aux = [self._prox(self.params, b) for b in mbs]
+        _, health = self.updater.update(mbs, normalizer, loss="later", aux=aux, proceed=skip)
+      jax.block_until_ready(health)
+    return len(shapes)
 
   def check_version(self, version: int, what: str) -> None:
     if version != self.version:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -24,6 +25,38 @@ import numpy as np
 from asyncrl_jax import learner as learner_lib
 from asyncrl_jax import paths
 from asyncrl_jax.rollout.stats import DecodeStats
+
+
+class _Compiles:
+  """Counts XLA compilations in this process (JAX's monitoring events): a jit cache that keeps
+  growing after warm-up shows up as a count that keeps growing."""
+
+  def __init__(self):
+    self.count = 0
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.monitoring.register_event_duration_secs_listener(self._on)
+
+  def _on(self, event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.count += 1
+
+
+_COMPILES: Optional[_Compiles] = None
+
+
+def process_memory() -> dict:
+  """This process's memory, for a version's record: host RSS (MB), the bytes and number of live JAX
+  arrays, and the XLA compilations so far (counted from the first call on)."""
+  global _COMPILES  # pylint: disable=global-statement
+  import jax  # pylint: disable=import-outside-toplevel
+  if _COMPILES is None:
+    _COMPILES = _Compiles()
+  with open("/proc/self/statm") as f:
+    rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  live = jax.live_arrays()
+  return dict(host_rss_mb=rss / 2 ** 20, live_array_mb=sum(x.nbytes for x in live) / 2 ** 20,
+              live_arrays=len(live), xla_compiles=_COMPILES.count)
 
 
 def say(msg: str) -> None:
@@ -149,6 +182,7 @@ class RunLog:
     self._bar = tqdm(total=self.steps, initial=version, desc=f"async RL (eta={self.eta}, {self.loss})",
                      unit="step", file=sys.stdout, dynamic_ncols=True)
     self._decode_base, self.t_rl = decode_stats, time.time()
+    process_memory()  # (compilations count from here)
 
   # ------------------------------------------------------------------ per version
 
@@ -172,6 +206,7 @@ class RunLog:
         learner_idle_fraction=learner_lib.idle_fraction(self.train_seconds, self.decode_seconds),
         # cumulative decode counters since RL started, summed over the decode servers
         **self.decode.as_metrics(),
+        **process_memory(),  # (learner process 0, and the decode server when it runs here)
         **{k: v for k, v in update.items() if k != "version"})
 
   def append(self, record: dict, batch) -> None:

@@ -272,6 +272,7 @@ def _follow(config, workdir: str) -> dict:
   del params
   ckpt.restore_run(learner, None)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)
+  _warm_up(config, learner)
   _take_sigterm(group)
   try:
     group.follow()
@@ -293,6 +294,15 @@ def _abandon() -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(1)  # pylint: disable=protected-access
+
+
+def _warm_up(config, learner: Learner) -> None:
+  """Every learner process compiles its micro-batch shapes now, in the same order (``learner.warm_up``)."""
+  if config.learner.warm_up:
+    t = time.time()
+    n = learner.warm_up(config.data.max_prompt_len + config.data.max_completion_len)
+    if jax.process_index() == 0:
+      say(f"learner warm: {n} micro-batch shapes compiled in {time.time() - t:.1f}s (learner.warm_up)")
 
 
 _EARLY_SIGTERM = threading.Event()
@@ -322,6 +332,7 @@ def run(config, workdir: str) -> dict:
   ckpt = _checkpointer(config, workdir)
   learner, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
+  _warm_up(config, learner)
   _take_sigterm(group)
   try:
     backend = _rollout(config, meshes, engine, group, data, workdir, token)

@@ -121,6 +121,30 @@ def test_update_steps_trace_once_per_micro_batch_shape():
     learner.train(short, version=2)
 
 
+def test_warm_up_compiles_every_micro_batch_shape_and_changes_nothing():
+  """After ``warm_up`` (row buckets 32 and 64 under a 64-token budget), parameters and optimizer
+  state are unchanged bit for bit, and training on both shapes, with a prox pass, compiles nothing."""
+  from asyncrl_jax import runlog  # pylint: disable=import-outside-toplevel
+  config = _config("decoupled_ppo", 2)
+  config.learner.token_budget = 64
+  cfg = CFG.replace(max_seq_len=64)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  learner = Learner(cfg, sharp_params(cfg, 0), mesh, config, total_steps=4)
+  before = jax.device_get((learner.params, learner.opt_state))
+  runlog.process_memory()  # (starts counting compilations)
+  assert learner.warm_up(64) == 2
+  after = jax.device_get((learner.params, learner.opt_state))
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  assert learner.version == 0
+  compiled = runlog.process_memory()["xla_compiles"]
+  assert compiled > 0
+  short = [s for s in _sequences(1, 24) if len(s.tokens) <= 32][:4]
+  long = [s for s in _sequences(2, 24) if 32 < len(s.tokens) <= 64][:2]
+  learner.train(short, version=0)
+  learner.train(long, version=1)
+  assert runlog.process_memory()["xla_compiles"] == compiled
+
+
 @pytest.mark.parametrize("poison", ["advantage"])  # (a NaN behaviour log-prob acts the same way)
 def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure(poison):
   """A NaN in one sequence's advantages (or behaviour log-prob) makes the loss and gradients
