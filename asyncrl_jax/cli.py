@@ -64,3 +64,14 @@ def validated(config):
   except config_lib.ConfigError as e:
     print(f"config error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def use_compile_cache(workdir: str) -> None:
+  """Keeps compiled programs in ``WORKDIR/jax_cache`` (a local workdir; unless the environment names
+  a cache, ``JAX_COMPILATION_CACHE_DIR``), so a run started again (after a preemption or a crash)
+  loads what it compiled before instead of compiling it again."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if os.environ.get("JAX_COMPILATION_CACHE_DIR") or "://" in workdir:
+    return
+  jax.config.update("jax_compilation_cache_dir", os.path.join(workdir, "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

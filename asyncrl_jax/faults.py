@@ -13,11 +13,15 @@ Points (``version``: the learner's policy version when the point is reached):
   mid-weight-push);
 * ``sigterm``: the process sends itself SIGTERM at the top of the loop (a preemption notice);
 * ``nan``: the batch of ``version`` gets a NaN advantage (a numerics fault; the run must stop).
+
+Decode servers: ``ASYNCRL_FAULT_DUPLICATES=p`` sends each finished trajectory a second time with
+probability ``p`` (duplicated deliveries; the learner must drop them).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 from typing import Optional
 
@@ -60,3 +64,9 @@ def at(point: str, version: int) -> bool:
     return True
   os.kill(os.getpid(), signal.SIGKILL)
   return False  # (not reached)
+
+
+def duplicate() -> bool:
+  """Whether to deliver this trajectory twice (``ASYNCRL_FAULT_DUPLICATES``, a probability)."""
+  p = os.environ.get("ASYNCRL_FAULT_DUPLICATES")
+  return bool(p) and random.random() < float(p)

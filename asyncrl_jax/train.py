@@ -397,6 +397,7 @@ def main(argv=None) -> None:
     except ValueError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
+    cli.use_compile_cache(_WORKDIR.value)
     try:
       result = run(config, _WORKDIR.value)
     except (config_lib.ConfigError, auth.AuthError) as e:

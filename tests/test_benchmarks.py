@@ -86,3 +86,22 @@ def test_twin_figures_hand_computed():
   assert f["publish_blocked_seconds"] == pytest.approx(0.02)
   assert f["transfer_seconds"] == pytest.approx(0.03)
   assert f["transfer_bytes_sent"] == [10, 12] and f["wall_seconds"] == 40.0
+
+
+def test_soak_fault_effects_and_lineage_hand_computed(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  from benchmarks.soak import fault_effects, lineage  # pylint: disable=import-outside-toplevel
+  # 1 version/s for 60 s, a learner restart at t=60 back to version 50 (lost work), then 2 s per
+  # version: it passes 60 + 3 = 63 again at t = 60 + 2 * 13 = 86
+  progress = [(t, t) for t in range(61)] + [(60 + t, 50 + t // 2) for t in range(1, 61)]
+  got = fault_effects(progress, 60.0)
+  assert got["recovery_s"] == 26
+  assert got["dip"] == pytest.approx((65 - 60) / 30 / 1.0)  # by t=90 it is 5 past the high of 60
+  assert fault_effects(progress, 60.0, after=40.0)["dip"] == pytest.approx((70 - 60) / 40 / 1.0)
+  assert fault_effects([(t, t) for t in range(30)], 10.0, versions_past=100)["recovery_s"] is None
+  rows = [{"version": 0, "prompts": [1, 0], "trajectory_ids": ["a", "b"]},
+          {"version": 1, "prompts": [2, 2], "trajectory_ids": ["c", "c"]}]
+  (tmp_path / "trained_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+  assert lineage(str(tmp_path), per_batch=2) == {
+      "versions": 2, "versions_in_order": True, "prompts_lost": 1, "prompts_trained_twice": 1,
+      "trajectories_trained_twice": 1}

@@ -107,6 +107,8 @@ def main(argv=None) -> None:
       _drain(service, config.rollout.drain_timeout)
     grpc_server.stop(grace=2).wait()
     server.stop()
+    if service.duplicated:
+      logging.warning("sent %d trajectories twice (ASYNCRL_FAULT_DUPLICATES)", service.duplicated)
     # Everything was delivered: exit without interpreter shutdown, where the weight receiver's
     # native threads can abort the process ("terminate called ... exception not rethrown").
     logging.flush()

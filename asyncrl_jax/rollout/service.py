@@ -36,7 +36,7 @@ from typing import Iterator, Optional, Sequence
 
 import grpc
 
-from asyncrl_jax import auth
+from asyncrl_jax import auth, faults
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
@@ -62,6 +62,7 @@ class RolloutService:
     self.draining = False
     self.drain_noticed = threading.Event()  # a Health call was answered "draining"
     self.dropped = 0  # finished trajectories of an older incarnation, never delivered
+    self.duplicated = 0  # trajectories sent twice on purpose (``faults.duplicate``)
 
   def drain(self) -> int:
     """Takes no new work from now on; returns how many queued requests went back (aborted)."""
@@ -102,6 +103,9 @@ class RolloutService:
           self._unacked[t.trajectory_id] = t
         sent.append(t.trajectory_id)
         yield protocol.trajectory_to_pb(t)
+        if faults.duplicate():  # (fault injection: an at-least-once stream's repeat)
+          self.duplicated += 1
+          yield protocol.trajectory_to_pb(t)
       deadline = time.time() + 2.0  # finished normally: give the client a moment to ack the last ones
       while context.is_active() and time.time() < deadline and self._any_unacked(sent):
         time.sleep(0.01)
