@@ -51,6 +51,7 @@ class _Group:
   requests: dict  # id -> RolloutRequest
   trajectories: dict = dataclasses.field(default_factory=dict)  # id -> Trajectory
   rewards: dict = dataclasses.field(default_factory=dict)  # id -> float
+  admitted_at: int = -1  # the version admission counted with
 
   @property
   def complete(self) -> bool:
@@ -179,7 +180,7 @@ class Controller:
         requests = {f"p{prompt.index}-s{j}": RolloutRequest(
             prompt_tokens=tokens, max_new_tokens=self.max_new_tokens, request_id=f"p{prompt.index}-s{j}",
             prompt_id=str(prompt.index), group_id=prompt.index) for j in range(self.group_size)}
-        self._groups[prompt.index] = _Group(prompt, requests)
+        self._groups[prompt.index] = _Group(prompt, requests, admitted_at=version)
         too_long = self.max_prompt_len is not None and len(tokens) > self.max_prompt_len
       if too_long:  # its place in the batch is kept: failed rollouts, reward 0, no gradient
         self._skip(prompt.index, f"prompt {prompt.index} has {len(tokens)} tokens, more than "
@@ -331,7 +332,7 @@ class Controller:
     adv, _ = advantages.group_advantages(rewards, group_ids, num_groups=len(groups),
                                          scale_by_std=self.scale_by_std)
     sequences, staleness, failed = [], [], 0
-    for t, a in zip(trajectories, np.asarray(adv)):
+    for (g, _), t, a in zip(ids, trajectories, np.asarray(adv)):
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
         continue
@@ -343,7 +344,10 @@ class Controller:
                           max_staleness=self.manager.max_staleness):
         raise StalenessError(f"batch for version {version} holds data {version - oldest} versions old > "
                              f"rl.max_staleness={self.manager.max_staleness} (a token of "
-                             f"{t.trajectory_id} was sampled at version {oldest})")
+                             f"{t.trajectory_id} was sampled at version {oldest}; its group was "
+                             f"admitted at version {g.admitted_at}; decoded by {t.server_id!r}, "
+                             f"token versions {oldest}..{newest}, {t.num_interruptions} "
+                             "interruptions)")
       staleness.append(version - oldest)
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
                                               versions=t.versions, advantage=float(a)))

@@ -16,7 +16,7 @@ TINY = ["--config.learner.warm_start_steps=2", "--config.data.num_train=300", "-
         "--config.data.eval_problems=12", "--config.learner.batch_size=16", "--config.rl.group_size=4",
         "--config.rollout.num_slots=12", "--config.data.max_completion_len=24",
         "--config.learner.eval_every=2", "--config.checkpoint.every_steps=2",
-        "--config.learner.token_budget=1024"]
+        "--config.learner.token_budget=1024", "--config.learner.warm_up=False"]
 
 
 def _cmd(workdir, *overrides):
@@ -223,7 +223,7 @@ TWIN = ["--config.data.num_train=300", "--config.data.num_test=20", "--config.le
         "--config.rl.group_size=4", "--config.rollout.num_slots=8", "--config.data.max_completion_len=24",
         "--config.checkpoint.every_steps=5", "--config.learner.token_budget=512",
         "--config.learner.warm_start_steps=0", "--config.learner.eval_every=0",
-        "--config.rollout.warm_up=False", "--config.rl.max_staleness=1"]
+        "--config.rollout.warm_up=False", "--config.rl.max_staleness=1", "--config.learner.warm_up=False"]
 
 
 def _twin_start(workdir, learners: int, servers: int, steps: int, *overrides, env=(), flags=()):

@@ -112,7 +112,6 @@ class DecodeServer:
     ones included: the work queued and in flight is its predecessor's, and is dropped unfinished (the
     queue now, the sequences in flight when the weights are applied)."""
     with self._wake:
-      restart = restart or (self._pending is not None and self._pending[2])
       if restart:
         if self._requests:
           log.info("dropping %d queued requests of the previous learner", len(self._requests))
@@ -120,7 +119,9 @@ class DecodeServer:
         self._aborts.clear()
       elif version <= self.version and (self._pending is None or version <= self._pending[1]):
         raise ValueError(f"weight version {version} is not newer than {self.version}")
-      self._pending = (params, version, restart)
+      # a restart not yet applied stays one (its sequences in flight are still the previous
+      # learner's), but the queue, which now holds the new learner's requests, is kept
+      self._pending = (params, version, restart or (self._pending is not None and self._pending[2]))
       self._wake.notify()
 
   def drain(self, error: str = DRAINED) -> int:

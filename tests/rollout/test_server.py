@@ -287,3 +287,24 @@ def test_the_decode_thread_refuses_implicit_transfers(params_a, planted):
     assert {t.finish_reason for t in got} == {"error"}
   else:
     assert server.error is None and {t.finish_reason for t in got} <= {"eos", "length"}
+
+
+def test_a_restart_drops_the_previous_learners_work_but_not_requests_queued_after_it(params_a, params_b):
+  """``restart`` (a new learner's weights, here at an older version) drops what was queued and in
+  flight; a request queued after it survives a further update that arrives before either is applied."""
+  server = _server(params_a, temperature=0.0)
+  server.update_weights(params_a, version=9)
+  old = _requests(6, max_new=20, seed=4)
+  server.submit(*old)
+  server.iteration()  # some of the previous learner's requests start
+  assert server.num_active
+  server.update_weights(params_b, version=3, restart=True)  # older: a restored checkpoint's
+  assert server.num_queued == 0
+  (new,) = _requests(1, max_new=6, seed=5)
+  server.submit(new)
+  server.update_weights(params_b, version=4)  # before the restart was applied
+  assert server.num_queued == 1
+  server.run_until_idle()
+  got = _drain(server)
+  assert [t.trajectory_id for t in got] == [new.request_id]  # nothing of the previous learner's
+  assert set(got[0].versions.tolist()) == {4} and server.version == 4
