@@ -338,22 +338,27 @@ class RemoteRollout:
       elif time.time() - s.last_seen > self.deadline:
         self._drop(s, f"no answer for {self.deadline:g}s")
       return
-    s.last_seen = time.time()
-    s.stats = protocol.stats_from_pb(reply.stats)
+    self._observe(s, reply)
     if reply.status == "error":
       self._drop(s, f"it reports an error: {reply.error}")
     elif reply.incarnation > self.incarnation:
       self.error = RuntimeError(
           f"decode server {s.server_id} at {s.address} serves a newer learner (incarnation "
           f"{reply.incarnation}, this one {self.incarnation}): another learner took over this run")
-    elif reply.status == "draining":
-      if not s.draining:
-        log.warning("decode server %s at %s is draining (shutting down)", s.server_id, s.address)
-        s.draining = True
+    elif s.draining:
       with self._lock:
         drained = not s.outstanding
       if drained:
         self._drop(s, "drained (shut down)", kind="servers_drained")
+
+  def _observe(self, s: _Server, reply) -> None:
+    """What any ``Health`` answer tells: the server is there, its counters, whether it drains (a
+    server waits for one answered "draining" before it exits, whichever call that was)."""
+    s.last_seen = time.time()
+    s.stats = protocol.stats_from_pb(reply.stats)
+    if reply.status == "draining" and not s.draining:
+      log.warning("decode server %s at %s is draining (shutting down)", s.server_id, s.address)
+      s.draining = True
 
   def _monitor(self) -> None:
     while not self._stop.wait(self.heartbeat):
@@ -485,7 +490,9 @@ class RemoteRollout:
 
     def warming(s):
       try:
-        return s.client.health(timeout=30).status == "warming_up"
+        reply = s.client.health(timeout=30)
+        self._observe(s, reply)
+        return reply.status == "warming_up"
       except Exception:  # pylint: disable=broad-except
         return False  # (the monitor decides whether it is gone)
 
@@ -501,7 +508,7 @@ class RemoteRollout:
     answer), plus the last counters of servers that are gone."""
     def one(s):
       try:
-        s.stats = protocol.stats_from_pb(s.client.health(timeout=10).stats)
+        self._observe(s, s.client.health(timeout=10))
       except Exception:  # pylint: disable=broad-except
         pass
       return dataclasses.replace(s.stats, servers=1)
