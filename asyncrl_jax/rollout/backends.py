@@ -23,65 +23,14 @@ import time
 from concurrent import futures
 from typing import Callable, Optional, Sequence
 
-from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.service import RolloutClient
 from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.transfer import TransferStats, local_transfer, new_uuid
+from asyncrl_jax.rollout.local_backend import LocalRollout  # noqa: F401  (one import for both)
+from asyncrl_jax.transfer import TransferStats, new_uuid
 
 log = logging.getLogger(__name__)
-
-
-class LocalRollout:
-  """One decode server on this process's rollout mesh; weights move with ``jax.device_put``."""
-
-  def __init__(self, engine: Engine, learner_params, version: int, *,
-               on_weight_update: str = "recompute"):
-    self.engine = engine
-    params, _ = local_transfer(learner_params, engine.param_shardings)
-    self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
-                               on_weight_update=on_weight_update)
-    self.rollout_params = params
-    self.version = version  # of the weights last handed to the decode server (lags the learner's)
-    self.transfer_seconds = 0.0
-    self.num_servers = 1
-
-  def submit(self, *requests: RolloutRequest) -> None:
-    self.server.submit(*requests)
-
-  def locate(self, ids) -> dict:
-    return {i: self.server.server_id for i in ids}
-
-  def maintain(self) -> None:
-    """(Nothing to do: one server, in this process.)"""
-
-  def update_weights(self, learner_params, version: int) -> TransferStats:
-    self.rollout_params, stats = local_transfer(learner_params, self.engine.param_shardings)
-    self.server.update_weights(self.rollout_params, version)
-    self.version = version
-    self.transfer_seconds = stats.seconds
-    return stats
-
-  @property
-  def error(self):
-    return self.server.error
-
-  def wait_until_warm(self, timeout: float = 600.0) -> None:
-    """Waits until the engine compiles nothing in the background (``rollout.warm_up``)."""
-    if not self.engine.wait_for_compiles(timeout):  # not fatal: calls compile what they still lack
-      log.warning("the decode server is still compiling after %.0fs; starting anyway", timeout)
-
-  def decode_stats(self) -> DecodeStats:
-    return self.server.stats.copy()  # a snapshot: the decode loop's thread keeps counting
-
-  def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
-    self.server.stream_to(on_trajectory)
-    self.server.start()
-
-  def stop(self) -> None:
-    self.server.stop()
 
 
 def eligible(server_versions: Sequence[Optional[int]], published: Optional[int]) -> list[int]:
