@@ -179,7 +179,8 @@ class Controller:
         tokens = self.tokenizer.encode_prompt(prompt.question)
         requests = {f"p{prompt.index}-s{j}": RolloutRequest(
             prompt_tokens=tokens, max_new_tokens=self.max_new_tokens, request_id=f"p{prompt.index}-s{j}",
-            prompt_id=str(prompt.index), group_id=prompt.index) for j in range(self.group_size)}
+            prompt_id=str(prompt.index), group_id=prompt.index, min_version=version)
+            for j in range(self.group_size)}
         self._groups[prompt.index] = _Group(prompt, requests, admitted_at=version)
         too_long = self.max_prompt_len is not None and len(tokens) > self.max_prompt_len
       if too_long:  # its place in the batch is kept: failed rollouts, reward 0, no gradient

@@ -120,6 +120,8 @@ def test_too_stale_batch_is_an_error():
   ctl.pump()
   _train(ctl, learner, submitted[:4])
   assert len(submitted) == 8  # batch 1 admitted at version 1
+  # each request names the version admission counted with: no server older than it may take it
+  assert [r.min_version for r in submitted] == [0] * 4 + [1] * 4
   with pytest.raises(StalenessError, match="1 versions old > rl.max_staleness=0"):
     _train(ctl, learner, submitted[4:8], versions=[0] * 6)  # sampled at version 0, trained at 1
   ctl.close()

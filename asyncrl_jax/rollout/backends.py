@@ -65,7 +65,8 @@ class RemoteRollout:
   """Decode servers in other processes (registered with the learner), reached over the rollout gRPC
   service; servers may die, stall, and join or rejoin while the run goes on.
 
-  * **Work.** Requests are spread round-robin over the live servers at most one version behind; the
+  * **Work.** Requests are spread round-robin over the live servers at most one version behind,
+    each only to a server that holds at least the version it was admitted at (``min_version``); the
     backend remembers which server holds which request until its trajectory comes back. One streaming
     thread per server delivers trajectories (and reconnects if a stream breaks).
   * **Liveness.** A monitor thread asks every live server for ``Health`` every ``heartbeat`` seconds.
@@ -215,17 +216,22 @@ class RemoteRollout:
     self._place([dataclasses.replace(r, incarnation=self.incarnation) for r in requests])
 
   def _place(self, requests: list, *, avoid: Optional[_Server] = None) -> None:
+    """Sends each request to a server that gets work and holds at least its ``min_version``
+    (round-robin); a request no such server can take waits in ``_unplaced`` for the next pull to
+    finish or the monitor's next turn. The version filter is what keeps the staleness bound: the
+    set of servers that get work changes between admission and placement (a lagging server's pull
+    brings it back within one version of the newest, a server is lost and the rest are older)."""
     if not requests:
       return
-    servers = [s for s in self._eligible() if s is not avoid]
-    if not servers:
-      with self._lock:
-        self._unplaced.extend(requests)
-      return
+    servers = [s for s in self._eligible() if s is not avoid and s.version is not None]
     by_server = collections.defaultdict(list)
     with self._lock:
       for r in requests:
-        s = servers[next(self._turn) % len(servers)]
+        able = [s for s in servers if s.version >= r.min_version]
+        if not able:
+          self._unplaced.append(r)
+          continue
+        s = able[next(self._turn) % len(able)]
         s.outstanding[r.request_id] = r
         by_server[s].append(r)
     for s, rs in by_server.items():
@@ -309,6 +315,11 @@ class RemoteRollout:
       log.warning("decode server %s at %s is draining (shutting down)", s.server_id, s.address)
       s.draining = True
 
+  def _place_unplaced(self) -> None:
+    with self._lock:
+      unplaced, self._unplaced = self._unplaced, []
+    self._place(unplaced)
+
   def _monitor(self) -> None:
     while not self._stop.wait(self.heartbeat):
       try:
@@ -319,9 +330,7 @@ class RemoteRollout:
               self._join(entry)
         checks = [self._pool.submit(self._check, s) for s in self._live()]
         futures.wait(checks)
-        with self._lock:
-          unplaced, self._unplaced = self._unplaced, []
-        self._place(unplaced)
+        self._place_unplaced()
         if self._live():
           self._no_server_since = None
         elif self._no_server_since is None:
@@ -355,6 +364,7 @@ class RemoteRollout:
         self._transfer_version, self.transfer_seconds = version, reply.seconds
       elif version == self._transfer_version:
         self.transfer_seconds = max(self.transfer_seconds, reply.seconds)
+    self._place_unplaced()  # requests waiting for a server that holds their version
 
   def _send(self, version: int, servers: Sequence[_Server]) -> None:
     """Offers ``version`` to ``servers`` (every learner process, a fresh uuid each) and tells them."""

@@ -27,6 +27,10 @@ class RolloutRequest:
   stream, a restarted server) can be recognised and dropped by the consumer. ``incarnation`` names
   the learner process that asked (its start, ``time.time_ns()``; 0: none given): a decode server
   serves one incarnation at a time, and drops the work of older ones when a newer one sends weights.
+  ``min_version`` is the oldest policy version it may start under: the version its admission counted
+  with. The staleness bound holds only if no token of it is older, so a request is placed (first,
+  again after a server is lost, or when resubmitted) only on a server that holds at least that
+  version.
   """
   prompt_tokens: list[int]
   max_new_tokens: int
@@ -34,6 +38,7 @@ class RolloutRequest:
   prompt_id: str = ""
   group_id: int = -1
   incarnation: int = 0
+  min_version: int = 0
 
 
 @dataclasses.dataclass

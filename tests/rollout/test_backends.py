@@ -111,6 +111,50 @@ def test_a_server_more_than_one_version_behind_gets_no_work_and_admission_counts
     backend.stop()
 
 
+def test_a_request_never_goes_to_a_server_older_than_the_version_it_was_admitted_at():
+  """The soak's staleness violation: admission counted with v2 (the only server that got work held
+  v2), then the lagging server's pull of v1 made it eligible again (one behind v2) and round-robin
+  sent it requests admitted at v2, so their tokens were sampled at v1."""
+  backend, clients, _ = _backend()
+  try:
+    backend.update_weights(None, 1)
+    backend.update_weights(None, 2)
+    _until(lambda: clients["fast"].pulled == [0, 1, 2])
+    assert backend.version == 2  # the slow server (v0) gets no work
+    clients["slow"].release(1)
+    _until(lambda: backend.server_versions == [2, 1])
+    admitted_at_2 = [RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=4, request_id=f"a{i}",
+                                    min_version=2) for i in range(4)]
+    backend.submit(*admitted_at_2)
+    assert clients["slow"].submitted == [] and len(clients["fast"].submitted) == 4
+    older = [RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=4, request_id=f"b{i}", min_version=1)
+             for i in range(4)]
+    backend.submit(*older)  # admitted at v1: either server may take them
+    assert len(clients["slow"].submitted) == 2
+  finally:
+    clients["slow"].release(2)
+    backend.stop()
+
+
+def test_requests_of_a_lost_server_wait_until_a_server_holds_their_version():
+  backend, clients, _ = _backend()
+  try:
+    backend.update_weights(None, 1)
+    clients["slow"].release(1)
+    backend.update_weights(None, 2)
+    _until(lambda: backend.server_versions == [2, 1])
+    admitted_at_2 = [RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=4, request_id=f"r{i}",
+                                    min_version=2) for i in range(2)]
+    backend.submit(*admitted_at_2)
+    assert clients["fast"].submitted == ["r0", "r1"]
+    backend._drop(backend._servers[0], "lost in a test")  # pylint: disable=protected-access
+    assert clients["slow"].submitted == [] and backend.locate(["r0"]) == {"r0": "unplaced"}
+    clients["slow"].release(2)  # its pull of v2 finishes: the waiting requests go to it
+    _until(lambda: sorted(clients["slow"].submitted) == ["r0", "r1"])
+  finally:
+    backend.stop()
+
+
 class FaultyClient(FakeClient):
   """A fake server that can die (every call raises), stall (health hangs past its deadline) or fail
   its next ``fail_pulls`` pulls."""
