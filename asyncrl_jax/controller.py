@@ -196,11 +196,7 @@ class Controller:
       group = self._groups[index]
       self.skipped_prompts += 1
       for i, r in group.requests.items():
-        t = Trajectory(trajectory_id=i, prompt_id=r.prompt_id, group_id=r.group_id,
-                       prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
-                       completion_tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
-                       versions=np.zeros(0, np.int32), finish_reason="error", logprob_source="",
-                       sampling={}, tokenizer_id=self.tokenizer.identity, error=reason)
+        t = Trajectory.failed(r, reason, tokenizer_id=self.tokenizer.identity)
         self._seen.add(i)
         group.trajectories[i] = t
         self.failed += 1

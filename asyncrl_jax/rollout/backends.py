@@ -259,11 +259,17 @@ class RemoteRollout:
       self.faults["trajectories_of_other_learners"] += 1
       return
     with self._lock:
-      for s in self._servers:
-        s.outstanding.pop(t.trajectory_id, None)
-      drained = [s for s in self._servers if s.alive and s.draining and not s.outstanding]
+      holders = [s for s in self._servers if s.outstanding.pop(t.trajectory_id, None) is not None]
     self._on_trajectory(t)
-    for s in drained:
+    for s in holders:
+      self._drop_if_drained(s)
+
+  def _drop_if_drained(self, s: _Server) -> None:
+    """A draining server is dropped once nothing of it is outstanding (it has given everything back
+    or delivered it, and exits)."""
+    with self._lock:
+      drained = s.alive and s.draining and not s.outstanding
+    if drained:
       self._drop(s, "drained (shut down)", kind="servers_drained")
 
   def _stream(self, s: _Server) -> None:
@@ -288,9 +294,8 @@ class RemoteRollout:
     try:
       reply = s.client.health(timeout=max(min(self.deadline / 2, 10.0), 0.1))
     except Exception:  # pylint: disable=broad-except
-      if s.draining and not s.outstanding:  # it gave everything back, then exited
-        self._drop(s, "drained (shut down)", kind="servers_drained")
-      elif time.time() - s.last_seen > self.deadline:
+      self._drop_if_drained(s)  # (it gave everything back, then exited)
+      if s.alive and time.time() - s.last_seen > self.deadline:
         self._drop(s, f"no answer for {self.deadline:g}s")
       return
     self._observe(s, reply)
@@ -300,11 +305,8 @@ class RemoteRollout:
       self.error = RuntimeError(
           f"decode server {s.server_id} at {s.address} serves a newer learner (incarnation "
           f"{reply.incarnation}, this one {self.incarnation}): another learner took over this run")
-    elif s.draining:
-      with self._lock:
-        drained = not s.outstanding
-      if drained:
-        self._drop(s, "drained (shut down)", kind="servers_drained")
+    else:
+      self._drop_if_drained(s)
 
   def _observe(self, s: _Server, reply) -> None:
     """What any ``Health`` answer tells: the server is there, its counters, whether it drains (a

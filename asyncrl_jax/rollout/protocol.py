@@ -184,12 +184,11 @@ def trajectory_from_pb(m) -> Trajectory:
   try:
     return _trajectory_from_pb(m)
   except (ValueError, TypeError) as e:
-    return Trajectory(trajectory_id=m.trajectory_id, prompt_id=m.prompt_id, group_id=m.group_id,
-                      prompt_tokens=np.asarray(m.prompt_tokens, np.int32),
-                      completion_tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
-                      versions=np.zeros(0, np.int32), finish_reason="error", logprob_source="",
-                      sampling={}, tokenizer_id=m.tokenizer_id, server_id=m.server_id,
-                      error=f"malformed trajectory message: {e}"[:500], incarnation=m.incarnation)
+    request = RolloutRequest(prompt_tokens=list(m.prompt_tokens), max_new_tokens=0,
+                             request_id=m.trajectory_id, prompt_id=m.prompt_id, group_id=m.group_id,
+                             incarnation=m.incarnation)
+    return Trajectory.failed(request, f"malformed trajectory message: {e}"[:500],
+                             tokenizer_id=m.tokenizer_id, server_id=m.server_id)
 
 
 def _trajectory_from_pb(m) -> Trajectory:

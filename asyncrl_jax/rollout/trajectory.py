@@ -77,6 +77,18 @@ class Trajectory:
       raise ValueError(f"trajectory {self.trajectory_id}: {n} tokens but {len(self.logprobs)} "
                        f"log-probs and {len(self.versions)} versions")
 
+  @classmethod
+  def failed(cls, request: RolloutRequest, error: str, **meta) -> "Trajectory":
+    """A rollout of ``request`` that produced nothing trainable (a prompt skipped before decoding, a
+    message that does not parse): no tokens, ``finish_reason="error"``, under the request's id.
+    ``meta``: further fields (``tokenizer_id``, ``server_id``, ...)."""
+    meta = {"logprob_source": "", "sampling": {}, "tokenizer_id": "", **meta}
+    return cls(trajectory_id=request.request_id, prompt_id=request.prompt_id, group_id=request.group_id,
+               prompt_tokens=np.asarray(request.prompt_tokens, np.int32),
+               completion_tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+               versions=np.zeros(0, np.int32), finish_reason="error", error=error,
+               incarnation=request.incarnation, **meta)
+
   @property
   def num_tokens(self) -> int:
     return len(self.prompt_tokens) + len(self.completion_tokens)
