@@ -386,7 +386,8 @@ def test_a_long_run_holds_its_memory_steady(tmp_path):
   """300 versions of a tiny main job (decode server in process, checkpoints every 25 versions, so
   every kind of work has happened by version 50): host RSS at version 300 within 5% of version 50
   (medians of the 20 versions up to each: RSS saws with allocations and frees), the live JAX arrays
-  no larger at the end than after warm-up (they move with what is in flight), and no compilation
+  no larger at the end than after warm-up (bytes: peaks; count: medians, as it moves with what is in
+  flight), and no compilation
   after the first versions (both roles warmed up: every prefill and micro-batch shape at start)."""
   import statistics  # pylint: disable=import-outside-toplevel
   out = subprocess.run(
@@ -404,5 +405,8 @@ def test_a_long_run_holds_its_memory_steady(tmp_path):
   assert abs(rss(300) / rss(50) - 1) <= 0.05, (rss(50), rss(300))
   settled, end = m[9:150], m[150:]
   assert max(r["live_array_mb"] for r in end) <= 1.01 * max(r["live_array_mb"] for r in settled)
-  assert max(r["live_arrays"] for r in end) <= max(r["live_arrays"] for r in settled)
+  # the count moves with what is in flight when a version is logged (peaks vary from run to run by
+  # 30, medians by 1-2); a leak of one array every 15 versions would move the median by 10
+  median = lambda rs, k: statistics.median(r[k] for r in rs)
+  assert median(end, "live_arrays") <= median(settled, "live_arrays") + 10
   assert len({r["xla_compiles"] for r in m[9:]}) == 1, sorted({r["xla_compiles"] for r in m})
