@@ -284,6 +284,16 @@ def _validate_rollout(config) -> None:
   _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
   _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
   _one_of(config, "rollout.logprob_source", LOGPROB_SOURCES)
+  r = config.rollout
+  _check(r.logprob_source != "model" or r.temperature in (0, 1), "rollout.logprob_source",
+         r.logprob_source, f"at rollout.temperature={r.temperature} the 'model' log-probs (temperature 1) "
+         "are not those of the distribution sampled from, so no importance weight is exact; use "
+         "'sampling' (or temperature 1)")
+  truncated = r.temperature > 0 and r.logprob_source == "sampling" and (r.top_k or r.top_p < 1)
+  _check(not (truncated and config.learner.vocab_chunk), "learner.vocab_chunk",
+         config.learner.vocab_chunk, f"with rollout.top_k={r.top_k}, rollout.top_p={r.top_p} the "
+         "learner's log-probs are those of the truncated distribution, which needs the whole "
+         "vocabulary at once: set learner.vocab_chunk=0 (or rollout.top_k=0, rollout.top_p=1)")
   _one_of(config, "rollout.on_weight_update", ("recompute", "keep_cache"))
   _check(isinstance(config.rollout.warm_up, bool), "rollout.warm_up", config.rollout.warm_up,
          "must be True or False")

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
+from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rewards import RewardWorker
 from asyncrl_jax.rl import advantages, batching
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
@@ -43,6 +44,23 @@ log = logging.getLogger(__name__)
 
 class StalenessError(RuntimeError):
   """A batch would train on data older than rl.max_staleness (a bug, never expected)."""
+
+
+class SamplingMismatch(RuntimeError):
+  """A decode server sampled with other settings than the learner computes its log-probs for: its
+  behaviour log-probs are of another distribution, so the run cannot go on (the message names the
+  decode server and the field)."""
+
+
+def sampling_mismatch(t: Trajectory, sampling: dict) -> str:
+  """What in ``t``'s recorded sampling settings differs from ``sampling`` (the learner's), or ""."""
+  for field, want in sampling.items():
+    got = t.logprob_source if field == "logprob_source" else t.sampling.get(field)
+    if got != want:
+      return (f"decode server {t.server_id or '?'!r} sampled {t.trajectory_id} with "
+              f"rollout.{field}={got!r}, but the learner computes log-probs for "
+              f"rollout.{field}={want!r}; start the decode servers with the learner's rollout settings")
+  return ""
 
 
 @dataclasses.dataclass
@@ -105,7 +123,7 @@ class Controller:
                scale_by_std: bool = False, reward_threads: int = 2,
                reward_source: str = "exact_answer", max_retries: int = 2,
                newest_version: Optional[Callable[[], int]] = None,
-               max_prompt_len: Optional[int] = None):
+               max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None):
     if advantage != "group":
       raise NotImplementedError("the built-in loop computes group-relative advantages; rl.advantage="
                                 "'value' needs a critic, which the main job does not train yet")
@@ -122,6 +140,9 @@ class Controller:
     self.prompts_per_batch = batch_size // group_size
     self.max_new_tokens = max_new_tokens
     self.max_prompt_len = max_prompt_len  # longer prompts are skipped (None: no limit here)
+    # what every trajectory's recorded sampling settings must be (None: not checked)
+    self.sampling = sampling
+    self.error: Optional[BaseException] = None  # a fault that stops the run (raised by next_batch)
     self.skipped_prompts = 0  # over max_prompt_len: never decoded, their group trained as failed
     self.scale_by_std = scale_by_std
     self.reward_source = reward_source
@@ -156,7 +177,8 @@ class Controller:
                max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
                scale_by_std=config.rl.scale_by_std, max_retries=config.rollout.max_retries,
                reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify",
-               newest_version=newest_version, max_prompt_len=config.data.max_prompt_len)
+               newest_version=newest_version, max_prompt_len=config.data.max_prompt_len,
+               sampling=SamplingSettings.from_config(config).record())
 
   # ------------------------------------------------------------------ admission
 
@@ -228,6 +250,12 @@ class Controller:
         self.duplicates += 1
         return
       request = group.requests[t.trajectory_id]
+      mismatch = (self.sampling is not None and t.finish_reason in ("eos", "length")
+                  and sampling_mismatch(t, self.sampling))
+      if mismatch:
+        self.error = SamplingMismatch(mismatch)
+        self._cond.notify_all()
+        return
       kind, detail = self._rejection(t, request)
       reason = f"{kind}: {detail}" if detail else kind
       resubmit = None
@@ -294,6 +322,8 @@ class Controller:
     with self._cond:
       self._check_batch_index(version)
       while not all(i in self._groups and self._groups[i].complete for i in indices):
+        if self.error is not None:
+          raise self.error
         remaining = None if deadline is None else deadline - time.time()
         if remaining is not None and remaining <= 0:
           return None

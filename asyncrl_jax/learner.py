@@ -101,7 +101,8 @@ class Learner:
 
   def _prox_impl(self, params, batch):
     return token_logprobs(self.model_config, params, batch.tokens, batch.positions, batch.segment_ids,
-                          temperature=self.settings.temperature, mesh=self.mesh,
+                          temperature=self.settings.temperature, top_k=self.settings.top_k,
+                          top_p=self.settings.top_p, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
                           attention_chunk=self.settings.attention_chunk)
 

@@ -36,7 +36,7 @@ from absl import app, flags, logging
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import auth, distributed, faults, models, paths, sharding
 from asyncrl_jax.checkpoint import RunCheckpointer
-from asyncrl_jax.controller import Controller
+from asyncrl_jax.controller import Controller, SamplingMismatch
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
 from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
@@ -403,7 +403,7 @@ def main(argv=None) -> None:
     except (config_lib.ConfigError, auth.AuthError) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
-    except NonFiniteError as e:  # a clear stop, not a traceback: the message says what and where
+    except (NonFiniteError, SamplingMismatch) as e:  # a clear stop: the message says what and where
       print(f"error: {e}", file=sys.stderr)
       sys.exit(1)
     if "preempted_at_version" in result:

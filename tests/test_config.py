@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from asyncrl_jax import config as config_lib
+from asyncrl_jax.rl.objective import LossSettings
 from asyncrl_jax.models import ModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,6 +180,41 @@ def test_the_first_offending_field_is_reported(changes, pattern):
     _set(cfg, field, value)
   with pytest.raises(config_lib.ConfigError, match=pattern):
     config_lib.validate(cfg)
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    ({"rollout.logprob_source": "model", "rollout.temperature": 0.7},
+     r"^rollout.logprob_source='model' is not allowed: at rollout.temperature=0.7"),
+    ({"rollout.top_k": 5, "learner.vocab_chunk": 8},
+     r"^learner.vocab_chunk=8 is not allowed: with rollout.top_k=5, rollout.top_p=1.0 .* whole vocabulary"),
+])
+def test_log_probs_the_learner_cannot_match_are_refused(changes, pattern):
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  for field, value in changes.items():
+    _set(cfg, field, value)
+  with pytest.raises(config_lib.ConfigError, match=pattern):
+    config_lib.validate(cfg)
+  # the same settings pass where the learner can match them
+  _set(cfg, "rollout.logprob_source", "sampling")
+  _set(cfg, "learner.vocab_chunk", 0)
+  config_lib.validate(cfg)
+
+
+def test_the_loss_uses_the_distribution_the_behaviour_log_probs_were_recorded_in():
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  _set(cfg, "rollout.temperature", 0.6)
+  _set(cfg, "rollout.top_p", 0.9)
+  _set(cfg, "rollout.top_k", 5)
+  s = LossSettings.from_config(cfg)
+  assert (s.temperature, s.top_k, s.top_p) == (0.6, 5, 0.9)
+  _set(cfg, "rollout.temperature", 1.0)
+  _set(cfg, "rollout.logprob_source", "model")  # the raw model: no truncation either
+  s = LossSettings.from_config(cfg)
+  assert (s.temperature, s.top_k, s.top_p) == (1.0, 0, 1.0)
+  _set(cfg, "rollout.temperature", 0.0)  # greedy records the raw model
+  _set(cfg, "rollout.logprob_source", "sampling")
+  s = LossSettings.from_config(cfg)
+  assert (s.temperature, s.top_k, s.top_p) == (1.0, 0, 1.0)
 
 
 def test_colocate_refuses_remote_decode_servers():

@@ -7,10 +7,13 @@ Two log-probabilities can be recorded for a sampled token (``rollout.logprob_sou
 * ``"model"``: the raw model distribution, ``log_softmax(logits)`` at temperature 1.
 
 With temperature 0 (greedy) the sampling distribution is a point mass, so both sources record the raw
-model log-probability. Every trajectory records which source it carries. The learner's log-probs use
-the rollout temperature (not top-k / top-p), so with top-k or top-p active the "sampling" source
-differs from the learner's by the renormalisation of the truncated set; prefer ``top_k = 0, top_p = 1``
-for RL, as AReaL does.
+model log-probability. Every trajectory records which source it carries and its settings.
+
+The learner computes its log-probs in the same distribution as the recorded ones
+(``SamplingSettings.recorded``): for ``"sampling"`` it applies the same temperature and truncation
+(``sampling_logits`` on ``[..., V]`` logits). A token outside the current policy's truncated set has
+log-prob ``OUTSIDE`` (``in_support`` is False): the loss gives it weight 0. ``"model"`` at a temperature
+other than 0 or 1 records log-probs of a distribution nobody sampled from; the config refuses it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-_NEG = -1e30
+OUTSIDE = -1e30  # the logit (and, less its normaliser, the log-prob) of a token outside the truncated set
+
+
+def in_support(logp):
+  """Whether each log-prob is of a token inside the truncated set (not ``OUTSIDE``)."""
+  return logp > OUTSIDE / 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,22 +57,44 @@ class SamplingSettings:
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
 
+  def record(self) -> dict:
+    """What a trajectory sampled with these settings records of them (``Trajectory.sampling``): the
+    settings, with the raw model's log-probs named at temperature 0 (greedy: both sources agree)."""
+    return dict(self.as_dict(), logprob_source=self.logprob_source if self.temperature else "model")
 
-def sampling_logits(logits_bv: jax.Array, settings: SamplingSettings) -> jax.Array:
-  """The logits of the distribution sampled from (masked entries at -1e30). Needs temperature > 0."""
-  logits = logits_bv.astype(jnp.float32) / settings.temperature
-  if settings.top_k:
-    k = min(settings.top_k, logits.shape[-1])
-    kth = jax.lax.top_k(logits, k)[0][:, -1:]
-    logits = jnp.where(logits < kth, _NEG, logits)
-  if settings.top_p < 1.0:
-    sorted_desc = jnp.sort(logits, axis=-1)[:, ::-1]
+  def recorded(self) -> tuple[float, int, float]:
+    """``(temperature, top_k, top_p)`` of the distribution the recorded log-probs are in, which the
+    learner must use too: these settings for ``"sampling"``, the raw model (1, 0, 1) for ``"model"``
+    and for greedy decoding."""
+    if self.temperature == 0 or self.logprob_source == "model":
+      return 1.0, 0, 1.0
+    return float(self.temperature), int(self.top_k), float(self.top_p)
+
+
+def sampling_logits(logits_v: jax.Array, settings: SamplingSettings) -> jax.Array:
+  """The logits ``[..., V]`` of the distribution sampled from (entries outside the truncated set at
+  ``OUTSIDE``). Needs temperature > 0."""
+  return truncated_logits(logits_v, temperature=settings.temperature, top_k=settings.top_k,
+                          top_p=settings.top_p)
+
+
+def truncated_logits(logits_v: jax.Array, *, temperature: float, top_k: int = 0,
+                     top_p: float = 1.0) -> jax.Array:
+  """``logits / temperature`` ``[..., V]`` with the tokens outside the top-k set, then outside the
+  top-p (nucleus) set of what remains, at ``OUTSIDE``. Top-p keeps the smallest prefix of the
+  descending order whose probability reaches ``top_p`` (the first token always)."""
+  logits = logits_v.astype(jnp.float32) / temperature
+  if top_k:
+    k = min(top_k, logits.shape[-1])
+    kth = jax.lax.top_k(logits, k)[0][..., -1:]
+    logits = jnp.where(logits < kth, OUTSIDE, logits)
+  if top_p < 1.0:
+    sorted_desc = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    kept = mass_before < settings.top_p
+    kept = mass_before < top_p
     threshold = jnp.min(jnp.where(kept, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < threshold, _NEG, logits)
+    logits = jnp.where(logits < threshold, OUTSIDE, logits)
   return logits
 
 

@@ -4,9 +4,10 @@ Alignment: ``logp[b, t] = log p(tokens[b, t] | tokens[b, :t] of the same segment
 the logits at ``t - 1``. The first token of each segment (and padding, segment 0) has no context and
 gets 0: such positions must carry mask 0.
 
-``temperature`` divides the logits first. Behaviour log-probs recorded from the sampling distribution
-(``rollout.logprob_source = "sampling"``) are only comparable with log-probs computed at the same
-temperature, so the prox pass and the loss use the rollout temperature.
+``temperature``, ``top_k`` and ``top_p`` give the distribution the log-probs are in: the one the
+behaviour log-probs were recorded in (``models.sampling.SamplingSettings.recorded``), so that the prox
+pass and the loss compare like with like. A token outside the top-k / top-p set of the given weights
+gets log-prob ``sampling.OUTSIDE`` (finite: no NaN anywhere), which the loss masks out.
 
 ``vocab_chunk > 0`` computes the log-softmax a vocabulary chunk at a time (an online log-sum-exp, each
 chunk recomputed in the backward pass), so neither pass holds ``[B, T, V]`` logits: at Qwen's 151936
@@ -25,12 +26,13 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.sampling import truncated_logits
 
 
 def logprobs_from_logits(logits_btv, tokens_bt, segment_ids_bt, *, temperature: float = 1.0,
-                         with_entropy: bool = False):
+                         top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False):
   """Aligned per-token log-probs ``[B, T]`` (and entropies ``[B, T]`` of the predicting distribution)."""
-  logits = logits_btv[:, :-1].astype(jnp.float32) / temperature
+  logits = truncated_logits(logits_btv[:, :-1], temperature=temperature, top_k=top_k, top_p=top_p)
   targets = tokens_bt[:, 1:]
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -98,19 +100,24 @@ def _aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
 
 
 def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
-                   temperature: float = 1.0, mesh: Optional[Mesh] = None, with_entropy: bool = False,
+                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   mesh: Optional[Mesh] = None, with_entropy: bool = False,
                    remat: bool = False, vocab_chunk: int = 0, attention_chunk: int = 0):
   """Traceable: forward + aligned log-probs (use inside a jitted loss).
 
   ``vocab_chunk``: columns per chunk of the log-softmax (0: the whole vocabulary at once, through
-  ``[B, T, V]`` logits). ``remat``: recompute each block's activations in the backward pass.
-  ``attention_chunk``: queries per attention block (0: all at once, through ``[B, heads, T, T]``).
+  ``[B, T, V]`` logits; needed for top-k / top-p, which look at the whole vocabulary). ``remat``:
+  recompute each block's activations in the backward pass. ``attention_chunk``: queries per
+  attention block (0: all at once, through ``[B, heads, T, T]``).
   """
   if not vocab_chunk:
     logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
                               remat=remat, attention_chunk=attention_chunk)
     return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
-                                with_entropy=with_entropy)
+                                top_k=top_k, top_p=top_p, with_entropy=with_entropy)
+  if top_k or top_p < 1.0:
+    raise ValueError(f"top_k={top_k}, top_p={top_p} with vocab_chunk={vocab_chunk}: the truncated "
+                     "log-softmax needs the whole vocabulary (learner.vocab_chunk=0)")
   hidden, head = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
                                   remat=remat, attention_chunk=attention_chunk)
   logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
@@ -119,18 +126,19 @@ def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(config: ModelConfig, temperature: float, mesh: Optional[Mesh], vocab_chunk: int):
-  return jax.jit(functools.partial(token_logprobs, config, temperature=temperature, mesh=mesh,
-                                   vocab_chunk=vocab_chunk))
+def _jitted(config: ModelConfig, temperature: float, top_k: int, top_p: float, mesh: Optional[Mesh],
+            vocab_chunk: int):
+  return jax.jit(functools.partial(token_logprobs, config, temperature=temperature, top_k=top_k,
+                                   top_p=top_p, mesh=mesh, vocab_chunk=vocab_chunk))
 
 
 def compute_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
-                     temperature: float = 1.0, mesh: Optional[Mesh] = None,
-                     vocab_chunk: int = 0) -> jax.Array:
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     mesh: Optional[Mesh] = None, vocab_chunk: int = 0) -> jax.Array:
   """One jitted pass: per-token log-probs ``[B, T]`` of ``tokens_bt`` under ``params``.
 
   Used once per global batch for ``prox_logp`` (with the weights before the update) and for scoring.
   """
-  return _jitted(config, float(temperature), mesh, int(vocab_chunk))(
+  return _jitted(config, float(temperature), int(top_k), float(top_p), mesh, int(vocab_chunk))(
       params, jnp.asarray(tokens_bt, jnp.int32), jnp.asarray(positions_bt, jnp.int32),
       jnp.asarray(segment_ids_bt, jnp.int32))

@@ -7,9 +7,11 @@ import math
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.sampling import SamplingSettings, in_support
 from asyncrl_jax.rl import losses
 from asyncrl_jax.rl.batching import TokenBatch
 from asyncrl_jax.rl.logprobs import token_logprobs
@@ -32,19 +34,23 @@ class LossSettings:
   behav_weight_cap: Optional[float] = None
   behav_weight_floor: Optional[float] = None
   behav_weight_clip: Optional[float] = None
+  # the distribution the behaviour log-probs were recorded in (SamplingSettings.recorded)
   temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
   remat: bool = False
   vocab_chunk: int = 0
   attention_chunk: int = 0
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
+    temperature, top_k, top_p = SamplingSettings.from_config(config).recorded()
     return cls(loss=config.rl.loss, eps_clip=config.rl.eps_clip, eps_low=config.rl.eps_low,
                eps_high=config.rl.eps_high,
                behav_weight_cap=_finite_or_none(config.rl.behav_weight_cap),
                behav_weight_floor=config.rl.behav_weight_floor or None,
                behav_weight_clip=_finite_or_none(config.rl.behav_weight_clip),
-               temperature=config.rollout.temperature or 1.0,
+               temperature=temperature, top_k=top_k, top_p=top_p,
                remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
                attention_chunk=int(config.learner.attention_chunk))
 
@@ -63,16 +69,25 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
   if prox_is_current and prox_logp is not None:
     raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
   logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
-                                 temperature=settings.temperature, mesh=mesh, with_entropy=True,
+                                 temperature=settings.temperature, top_k=settings.top_k,
+                                 top_p=settings.top_p, mesh=mesh, with_entropy=True,
                                  remat=settings.remat, vocab_chunk=settings.vocab_chunk,
                                  attention_chunk=settings.attention_chunk)
   if prox_is_current:
     prox_logp = jax.lax.stop_gradient(logp) if losses.needs_prox(settings.loss) else None
-  return losses.policy_loss(
+  # A sampled token outside the truncated (top-k / top-p) set of the current or the prox weights
+  # has probability 0 there: weight 0, kept in the normaliser like any dropped token.
+  supported = in_support(logp) if prox_logp is None else in_support(logp) & in_support(prox_logp)
+  mask = jnp.where(supported, batch.mask, 0.0)
+  loss, metrics = losses.policy_loss(
       settings.loss, logp=logp, behav_logp=batch.behav_logp, prox_logp=prox_logp,
-      advantages=batch.advantages, mask=batch.mask, eps_clip=settings.eps_clip,
+      advantages=batch.advantages, mask=mask, eps_clip=settings.eps_clip,
       eps_low=settings.eps_low, eps_high=settings.eps_high,
       behav_weight_cap=settings.behav_weight_cap, behav_weight_floor=settings.behav_weight_floor,
       behav_weight_clip=settings.behav_weight_clip,
       normalizer=normalizer, loss_weight=batch.loss_weight,
       entropy=jax.lax.stop_gradient(entropy))
+  policy_tokens = jnp.sum(batch.mask)
+  metrics.update(policy_tokens=policy_tokens,
+                 outside_support_frac=jnp.sum(batch.mask - mask) / jnp.maximum(policy_tokens, 1.0))
+  return loss, metrics

@@ -93,8 +93,8 @@ class DecodeServer:
     self._stop = threading.Event()
     self.error: Optional[BaseException] = None
     self.stats = DecodeStats()  # the decode loop's thread counts; readers take .copy()
-    self._meta = dict(logprob_source=engine.sampling.logprob_source if engine.sampling.temperature
-                      else "model", sampling=engine.sampling.as_dict(),
+    record = engine.sampling.record()
+    self._meta = dict(logprob_source=record["logprob_source"], sampling=record,
                       tokenizer_id=engine.tokenizer.identity, server_id=server_id)
     self._stop_ids = np.asarray(sorted(engine.tokenizer.stop_ids), np.int32)
 
