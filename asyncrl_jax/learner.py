@@ -16,6 +16,7 @@ they train, decode servers the version they hold, and both are checked against i
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from typing import Sequence
@@ -27,7 +28,7 @@ from jax.sharding import Mesh
 from asyncrl_jax import bucketing
 from asyncrl_jax import update as update_lib
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.rl import batching, losses
+from asyncrl_jax.rl import batching, losses, selection
 from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 from asyncrl_jax.rl.staleness import VersionMismatch
@@ -156,8 +157,12 @@ class Learner:
       per_mb += metrics
       health.append(h)
     per_mb, health = jax.device_get((per_mb, health))
+    counts = collections.Counter()
+    for m in per_mb:  # every update's micro-batches: which policy tokens weighed 0, and where
+      counts.update(selection.selection_counts(**m.pop("selection"), version=version))
     out = _combine(per_mb, len(placed))
     self._check_finite(out, health, version)
+    out.update(selection.selection_metrics(counts))
     self.version += 1
     out.update(grad_norm=float(np.mean([h["grad_norm"] for h in health])),
                learner_seconds=time.perf_counter() - t0,

@@ -13,7 +13,9 @@ ablation (rows eta, columns the losses); cells are mean +- standard deviation ov
 
 Accuracy is the main job's held-out metric (pass@1 over sampled completions, see
 ``asyncrl_jax.evaluation``); greedy accuracy is in the JSON. Writes
-benchmarks/results/staleness_ablation.{json,md,png}; prints one JSON object (last line).
+benchmarks/results/staleness_ablation.{json,md,png}, and staleness_ablation_selection.png: the DIS
+arms' masked token fraction by completion length and by token staleness (``rl.selection``); prints one
+JSON object (last line).
 
 ``--regime=probe`` is the regime where the objectives come apart (the decoupled-vs-naive issue):
 learning rate 3e-4, 2 optimizer updates per batch, eta 8, 80 versions, evaluated every 20, so the
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
                          final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
                          initial_greedy=s["initial_eval_greedy_accuracy"],
                          rl_seconds=s["rl_seconds_this_run"], max_staleness_seen=s["max_staleness_seen"],
-                         tokens_per_s=s["effective_tokens_per_s"]))
+                         tokens_per_s=s["effective_tokens_per_s"],
+                         selection=_selection(os.path.join(work, name, "metrics.jsonl"))))
         seconds.append(s["rl_seconds_this_run"])
         done += 1
     budget = float(np.mean(seconds))
@@ -183,6 +186,9 @@ def main(argv=None) -> int:
   md = write_result("staleness_ablation", result, header, rows, notes,
                     **({"out_dir": args.out} if args.out else {}))
   _plot(runs, control, initial, etas, args.losses, os.path.join(os.path.dirname(md), "staleness_ablation.png"))
+  _plot_selection({f"{r['loss']} eta {r['eta']}": r["selection"] for r in runs
+                   if r["seed"] == 0 and r["loss"] == "dis"},
+                  os.path.join(os.path.dirname(md), "staleness_ablation_selection.png"))
   print(f"[ablation] wrote {md}")
   print(json.dumps({"warm_start": initial, "control": float(np.mean([c["final"] for c in control])),
                     **{f"{loss}_eta{eta}": float(np.mean(cell(loss, eta))) for loss in args.losses
@@ -226,7 +232,8 @@ def probe(args) -> int:
                      iw_max=max(h.get("iw_max", 0.0) for h in history),
                      kl_behav_first20=float(np.mean([h.get("kl_behav", 0.0) for h in early])),
                      dropped_frac=float(np.mean([h.get("dropped_frac", 0.0) for h in history])),
-                     max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"]))
+                     max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"],
+                     selection=_selection(os.path.join(work, name, "metrics.jsonl"))))
   at = lambda arm, key: [r[key] if key != "v20" else r["evals"].get(20) for r in runs if r["arm"] == arm]
   header = ["arm", "eta", "seeds", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
             "max weight seen", "KL(behaviour, current), mean v1-20", "dropped tokens"]
@@ -275,10 +282,46 @@ def probe(args) -> int:
   fig.tight_layout()
   fig.savefig(os.path.join(os.path.dirname(md), "staleness_probe.png"), dpi=120)
   plt.close(fig)
+  _plot_selection({r["arm"]: r["selection"] for r in runs if r["seed"] == 0},
+                  os.path.join(os.path.dirname(md), "staleness_probe_selection.png"))
   print(f"[probe] wrote {md}")
   print(json.dumps({arm: dict(v20=float(np.mean(at(arm, "v20"))), final=float(np.mean(at(arm, "final"))))
                     for arm in PROBE_ARMS}))
   return 0
+
+
+def _selection(path: str) -> dict:
+  """An arm's selection-bias monitor (``rl.selection``) from its metrics: each ``masked_frac_*``
+  averaged over the versions that report it, and ``effective_batch`` likewise ({} before it existed)."""
+  sums, counts = {}, {}
+  for h in _metrics(path):
+    for k, v in h.items():
+      if k.startswith("masked_frac_") or k == "effective_batch":
+        sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
+  return {k: sums[k] / counts[k] for k in sums}
+
+
+def _plot_selection(selection: dict, path: str) -> None:
+  """Masked fraction by completion-length bucket and by token staleness, one line per arm."""
+  arms = {name: sel for name, sel in selection.items() if sel}
+  if not arms:
+    return
+  plt = pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for ax, prefix, label in ((axes[0], "masked_frac_len_", "completion length (tokens)"),
+                            (axes[1], "masked_frac_stale_", "token staleness (versions)")):
+    for name, sel in arms.items():
+      keys = [k for k in sel if k.startswith(prefix)]
+      order = sorted(keys, key=lambda k: [int(x) for x in k[len(prefix):].replace("over_", "").split("_")])
+      ax.plot([k[len(prefix):] for k in order], [sel[k] for k in order], marker="o",
+              label=f"{name} (effective batch {sel.get('effective_batch', 1.0):.2f})")
+    ax.set_xlabel(label)
+    ax.set_ylabel("policy tokens given weight 0")
+    ax.tick_params(axis="x", labelsize=7, rotation=30)
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def _plot(runs, control, initial, etas, losses, path) -> None:

@@ -105,3 +105,21 @@ def test_soak_fault_effects_and_lineage_hand_computed(tmp_path):
   assert lineage(str(tmp_path), per_batch=2) == {
       "versions": 2, "versions_in_order": True, "prompts_lost": 1, "prompts_trained_twice": 1,
       "trajectories_trained_twice": 1}
+
+
+def test_ablation_selection_monitor_averages_and_plots(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  from benchmarks import staleness_ablation  # pylint: disable=import-outside-toplevel
+  path = tmp_path / "metrics.jsonl"
+  records = [{"version": 1, "masked_frac_len_1_16": 0.2, "masked_frac_stale_0": 0.1, "effective_batch": 0.9},
+             {"version": 2, "masked_frac_len_1_16": 0.4, "masked_frac_len_17_32": 0.6,
+              "masked_frac_stale_0": 0.3, "masked_frac_stale_3_4": 0.5, "effective_batch": 0.7},
+             {"version": 3, "reward": 0.5}]  # (a version without the monitor counts for nothing)
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  sel = staleness_ablation._selection(str(path))  # pylint: disable=protected-access
+  assert sel == pytest.approx({"masked_frac_len_1_16": 0.3, "masked_frac_len_17_32": 0.6,
+                               "masked_frac_stale_0": 0.2, "masked_frac_stale_3_4": 0.5,
+                               "effective_batch": 0.8})
+  png = tmp_path / "selection.png"
+  staleness_ablation._plot_selection({"dis eta 8": sel, "old arm": {}}, str(png))  # pylint: disable=protected-access
+  assert png.stat().st_size > 1000

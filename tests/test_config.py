@@ -175,11 +175,15 @@ def test_an_hf_checkpoint_config_still_checks_the_dtypes():
     ({"mesh.rollout_fraction": 0.0, "data.num_train": 0}, r"^data.num_train=0 is not allowed"),
 ])
 def test_the_first_offending_field_is_reported(changes, pattern):
+  with pytest.raises(config_lib.ConfigError, match=pattern):
+    config_lib.validate(_default_with(changes))
+
+
+def _default_with(changes: dict):
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))
   for field, value in changes.items():
     _set(cfg, field, value)
-  with pytest.raises(config_lib.ConfigError, match=pattern):
-    config_lib.validate(cfg)
+  return cfg
 
 
 @pytest.mark.parametrize("changes,pattern", [
@@ -189,9 +193,7 @@ def test_the_first_offending_field_is_reported(changes, pattern):
      r"^learner.vocab_chunk=8 is not allowed: with rollout.top_k=5, rollout.top_p=1.0 .* whole vocabulary"),
 ])
 def test_log_probs_the_learner_cannot_match_are_refused(changes, pattern):
-  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
-  for field, value in changes.items():
-    _set(cfg, field, value)
+  cfg = _default_with(changes)
   with pytest.raises(config_lib.ConfigError, match=pattern):
     config_lib.validate(cfg)
   # the same settings pass where the learner can match them

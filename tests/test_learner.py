@@ -77,6 +77,11 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
   learner = Learner(CFG, params, mesh, config, total_steps=config.steps)
   metrics = learner.train(sequences, version=0)
   assert metrics["micro_batches"] > minibatches  # several micro-batches per update are summed
+  # the selection monitor counts the same zeroed tokens as the loss's token-weighted dropped_frac
+  # (every token here is fresh: staleness 0)
+  assert metrics["effective_batch"] == pytest.approx(1 - metrics["dropped_frac"], abs=1e-5)
+  assert metrics["masked_frac_stale_0"] == pytest.approx(metrics["dropped_frac"], abs=1e-5)
+  assert (metrics["dropped_frac"] > 0) == (loss == "dis")  # (DIS masks some tokens of these inputs)
   want = _reference(params, sequences, config)
   moved = max_abs_diff(want, params)
   assert moved > 1e-2  # the update is large enough to compare

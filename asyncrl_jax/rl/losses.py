@@ -21,10 +21,12 @@ Numerics: log-ratios are formed from the given log-probs and exponentiated after
 0 *before* any exp (the "double where"), so garbage in padding never reaches the loss or its gradient.
 Ratios beyond e^20 saturate: their value is capped and their gradient is 0.
 
-Every function returns ``(loss, metrics)``; metrics are scalars computed without gradient:
+Every function returns ``(loss, metrics)``; metrics are computed without gradient, scalars:
 ``clipped_frac``, ``dropped_frac``, ``iw_mean``, ``iw_max`` (importance weight over policy tokens),
 ``kl_behav`` / ``kl_prox`` (k3 estimate of KL(pi_ref || pi_theta) from the ref's samples:
-E[(r - 1) - log r], r = pi_theta / pi_ref), and ``entropy`` when per-token entropies are given.
+E[(r - 1) - log r], r = pi_theta / pi_ref), and ``entropy`` when per-token entropies are given; and
+one per-token array, ``dropped`` (``[B, T]``, 1 on the policy tokens counted by ``dropped_frac``),
+which ``rl.selection`` breaks down by completion length and staleness.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
   loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, ratio, log_ratio, entropy)
   metrics.update(clipped_frac=_mean(mask, clipped.astype(jnp.float32)),
-                 dropped_frac=jnp.zeros((), jnp.float32))
+                 dropped_frac=jnp.zeros((), jnp.float32), dropped=jnp.zeros_like(mask))
   return loss, metrics
 
 
@@ -168,7 +170,7 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   metrics = _common_metrics(mask, weight, log_ratio_behav, entropy)
   metrics.update(clipped_frac=_mean(mask, (clipped & ~dropped).astype(jnp.float32)),
                  dropped_frac=_mean(mask, dropped.astype(jnp.float32)),
-                 kl_prox=_k3(mask, jax.lax.stop_gradient(log_u)))
+                 dropped=dropped.astype(jnp.float32), kl_prox=_k3(mask, jax.lax.stop_gradient(log_u)))
   return loss, metrics
 
 
@@ -196,8 +198,9 @@ def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: fl
   per_token = jnp.where(keep, -rho * advantages, 0.0)
   loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, rho_sg, log_rho, entropy)
-  metrics.update(clipped_frac=jnp.zeros((), jnp.float32),
-                 dropped_frac=_mean(mask, ((~keep) & (mask > 0)).astype(jnp.float32)))
+  dropped = ((~keep) & (mask > 0)).astype(jnp.float32)
+  metrics.update(clipped_frac=jnp.zeros((), jnp.float32), dropped_frac=_mean(mask, dropped),
+                 dropped=dropped)
   return loss, metrics
 
 

@@ -88,6 +88,11 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       normalizer=normalizer, loss_weight=batch.loss_weight,
       entropy=jax.lax.stop_gradient(entropy))
   policy_tokens = jnp.sum(batch.mask)
+  outside = batch.mask - mask
+  # the per-token view for rl.selection: every policy token given weight 0, and where it sits
+  zeroed = jnp.maximum(metrics.pop("dropped"), outside)
   metrics.update(policy_tokens=policy_tokens,
-                 outside_support_frac=jnp.sum(batch.mask - mask) / jnp.maximum(policy_tokens, 1.0))
+                 outside_support_frac=jnp.sum(outside) / jnp.maximum(policy_tokens, 1.0),
+                 selection=dict(zeroed=zeroed, mask=batch.mask, versions=batch.versions,
+                                segment_ids=batch.segment_ids))
   return loss, metrics

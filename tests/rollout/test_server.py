@@ -308,3 +308,13 @@ def test_a_restart_drops_the_previous_learners_work_but_not_requests_queued_afte
   got = _drain(server)
   assert [t.trajectory_id for t in got] == [new.request_id]  # nothing of the previous learner's
   assert set(got[0].versions.tolist()) == {4} and server.version == 4
+
+
+def test_slot_utilization_by_hand():
+  from asyncrl_jax.rollout.stats import DecodeStats  # pylint: disable=import-outside-toplevel
+  two = DecodeStats(tokens=300, slot_steps=400, idle_seconds=5.0, servers=2)
+  # occupancy 300/400 of the steps run, times the share of 10 s the 2 servers were not idle (2.5 s each)
+  assert two.slot_utilization(10.0) == pytest.approx(0.75 * 0.75)
+  # idle all the time (an idle wait straddling the start counts whole): 0, never negative
+  assert DecodeStats(tokens=10, slot_steps=20, idle_seconds=12.0).slot_utilization(10.0) == 0.0
+  assert DecodeStats().slot_utilization(10.0) is None  # no decode step yet

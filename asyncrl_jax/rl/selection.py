@@ -1,0 +1,91 @@
+"""Which policy tokens the objective gave weight 0, by completion length and by token staleness.
+
+DIS masks every token whose importance ratio leaves ``(1 - eps_low, 1 + eps_high)``; decoupled PPO's
+cap and floor drop tokens too; any objective drops a token outside the learner's truncated (top-k /
+top-p) set. If masking falls mostly on long completions, or on stale tokens, the update is trained on
+a biased selection of the data (short, easy, fresh), which a falling reward alone does not show. These
+host functions (numpy) count, per version, the zeroed tokens in each completion-length bucket and
+each staleness bucket, and the effective batch: the share of policy tokens that kept a weight.
+
+Counts come per micro-batch and per optimizer update (``selection_counts``), are summed over a
+version (``add``), and become metrics (``selection_metrics``), only for buckets that hold tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+# upper bounds (inclusive) of the completion-length buckets, in tokens; longer ones go to the last
+LENGTH_BOUNDS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# staleness buckets (versions between the token's policy and the one being trained), inclusive
+STALENESS_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
+
+
+def _length_key(n: np.ndarray) -> np.ndarray:
+  return np.searchsorted(np.asarray(LENGTH_BOUNDS), n, side="left")
+
+
+def length_bucket_name(i: int) -> str:
+  if i < len(LENGTH_BOUNDS):
+    lo = 1 if i == 0 else LENGTH_BOUNDS[i - 1] + 1
+    return f"len_{lo}_{LENGTH_BOUNDS[i]}"
+  return f"len_over_{LENGTH_BOUNDS[-1]}"
+
+
+def staleness_bucket_name(i: int) -> str:
+  if i < len(STALENESS_BUCKETS):
+    lo, hi = STALENESS_BUCKETS[i]
+    return f"stale_{lo}" if lo == hi else f"stale_{lo}_{hi}"
+  return f"stale_over_{STALENESS_BUCKETS[-1][1]}"
+
+
+def _staleness_key(s: np.ndarray) -> np.ndarray:
+  highs = np.asarray([hi for _, hi in STALENESS_BUCKETS])
+  return np.searchsorted(highs, s, side="left")
+
+
+def selection_counts(zeroed, mask, versions, segment_ids, *, version: int) -> collections.Counter:
+  """Counts of one micro-batch (all ``[R, L]``): per bucket, policy tokens (``("tokens", bucket)``)
+  and zeroed ones (``("zeroed", bucket)``); buckets are ``("len", i)`` by the completion length
+  (policy tokens) of the token's sequence and ``("stale", i)`` by ``version - versions``.
+
+  Args:
+    zeroed: 1 on policy tokens the objective gave weight 0.
+    mask: 1 on policy tokens.
+    versions: policy version that sampled each token.
+    segment_ids: sequence of each token within its row (0: padding).
+    version: the version being trained.
+  """
+  mask = np.asarray(mask) > 0
+  zeroed = (np.asarray(zeroed) > 0) & mask
+  segment_ids = np.asarray(segment_ids)
+  rows, width = segment_ids.shape
+  key = np.arange(rows)[:, None] * (width + 1) + segment_ids  # one id per (row, sequence)
+  lengths = np.bincount(key.ravel(), weights=mask.ravel(), minlength=rows * (width + 1))[key]
+  staleness = version - np.asarray(versions)
+  out = collections.Counter()
+  for kind, bucket in (("len", _length_key(lengths[mask])), ("stale", _staleness_key(staleness[mask]))):
+    for b, n in zip(*np.unique(bucket, return_counts=True)):
+      out[("tokens", (kind, int(b)))] += int(n)
+    for b, n in zip(*np.unique(bucket[zeroed[mask]], return_counts=True)):
+      out[("zeroed", (kind, int(b)))] += int(n)
+  out[("tokens", "all")] += int(mask.sum())
+  out[("zeroed", "all")] += int(zeroed.sum())
+  return out
+
+
+def selection_metrics(counts: collections.Counter) -> dict:
+  """``masked_frac_<bucket>`` for every bucket holding tokens, and ``effective_batch`` (policy tokens
+  with a weight, over all policy tokens)."""
+  out = {}
+  for (what, bucket), n in sorted(counts.items(), key=str):
+    if what != "tokens" or bucket == "all" or not n:
+      continue
+    kind, i = bucket
+    name = length_bucket_name(i) if kind == "len" else staleness_bucket_name(i)
+    out[f"masked_frac_{name}"] = counts[("zeroed", bucket)] / n
+  total = counts[("tokens", "all")]
+  out["effective_batch"] = 1.0 - counts[("zeroed", "all")] / total if total else 1.0
+  return out
