@@ -60,7 +60,7 @@ def broadcast_to_tokens(per_sequence, mask_bt):
 
 
 def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: float = 1.0,
-        lam: float = 1.0):
+        lam: float = 1.0, segment_ids_bt=None):
   """Generalised advantage estimation over the action tokens of each row.
 
   Only tokens with ``mask == 1`` are steps of the MDP; the scan skips the others (prompt, tool output,
@@ -71,6 +71,10 @@ def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: flo
 
     delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
 
+  Packed rows (``segment_ids_bt`` given, ``[B, T]``, 0 for padding): each segment is a trajectory of
+  its own that ended there, terminated: nothing carries from one segment into the one before it;
+  ``terminated_b`` / ``bootstrap_b`` apply only to a segment that runs to the row's last column.
+
   Args:
     rewards_bt: [B, T] rewards.
     values_bt: [B, T] critic values V(s_t) at action tokens.
@@ -78,6 +82,7 @@ def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: flo
     terminated_b: [B] bool, True if the trajectory ended naturally.
     bootstrap_b: [B] value of the state after the last token (used only when not terminated).
     gamma, lam: discount and GAE lambda.
+    segment_ids_bt: optional [B, T] sequence of each token within a packed row.
 
   Returns:
     (advantages [B, T], returns [B, T]); both 0 off the action tokens. returns = A + V.
@@ -88,8 +93,10 @@ def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: flo
   next_value0 = jnp.where(jnp.asarray(terminated_b), 0.0, jnp.asarray(bootstrap_b, jnp.float32))
 
   def step(carry, xs):
+    reward, value, action, ends = xs
+    # the last token of a packed segment (not the row's last): a terminated trajectory ends here
+    carry = jax.tree.map(lambda c: jnp.where(ends, 0.0, c), carry)
     next_value, next_adv, pending_reward = carry
-    reward, value, action = xs
     reward = reward + pending_reward
     delta = reward + gamma * next_value - value
     adv = delta + gamma * lam * next_adv
@@ -99,7 +106,11 @@ def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: flo
 
   b = rewards_bt.shape[0]
   init = (next_value0, jnp.zeros(b, jnp.float32), jnp.zeros(b, jnp.float32))
-  xs = (rewards_bt.T, values_bt.T, is_action.T)  # scan over time
+  ends = jnp.zeros(rewards_bt.shape, bool)
+  if segment_ids_bt is not None:
+    seg = jnp.asarray(segment_ids_bt)
+    ends = ends.at[:, :-1].set(seg[:, :-1] != seg[:, 1:])
+  xs = (rewards_bt.T, values_bt.T, is_action.T, ends.T)  # scan over time
   _, adv_tb = jax.lax.scan(step, init, xs, reverse=True)
   adv = adv_tb.T
   return adv, jnp.where(is_action, adv + values_bt, 0.0)

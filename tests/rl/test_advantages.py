@@ -97,6 +97,36 @@ def test_gae_matches_reference_with_skips():
                                atol=1e-5)
 
 
+def test_gae_over_packed_rows_equals_gae_of_each_trajectory_alone():
+  rng = np.random.default_rng(4)
+  lengths = [5, 3, 6]  # three trajectories in one row, then 2 padding tokens
+  parts = []
+  for n in lengths:
+    mask = (rng.uniform(size=n) < 0.7).astype(np.int32)
+    mask[0] = 0
+    rewards = np.zeros(n)
+    rewards[-1] = rng.normal()  # the reward on the trajectory's last token (may be a non-action)
+    parts.append((rewards, rng.normal(size=n), mask))
+  cat = lambda i, pad: np.concatenate([p[i] for p in parts] + [np.full(2, pad)])[None]
+  seg = np.concatenate([np.full(n, k + 1) for k, n in enumerate(lengths)] + [np.zeros(2)])[None]
+  for gamma, lam in ((1.0, 1.0), (0.9, 0.7)):
+    packed, packed_ret = adv_lib.gae(cat(0, 0.0), cat(1, 0.0), cat(2, 0), np.array([True]), np.zeros(1),
+                                     gamma=gamma, lam=lam, segment_ids_bt=seg)
+    start = 0
+    for rewards, values, mask in parts:
+      alone, alone_ret = adv_lib.gae(rewards[None], values[None], mask[None], np.array([True]),
+                                     np.zeros(1), gamma=gamma, lam=lam)
+      n = len(rewards)
+      np.testing.assert_allclose(np.asarray(packed)[0, start:start + n], np.asarray(alone)[0], atol=1e-6)
+      np.testing.assert_allclose(np.asarray(packed_ret)[0, start:start + n], np.asarray(alone_ret)[0],
+                                 atol=1e-6)
+      start += n
+    # without segment ids the same row is one trajectory: values leak across the boundaries
+    leaky, _ = adv_lib.gae(cat(0, 0.0), cat(1, 0.0), cat(2, 0), np.array([True]), np.zeros(1),
+                           gamma=gamma, lam=lam)
+    assert np.max(np.abs(np.asarray(leaky) - np.asarray(packed))) > 1e-2
+
+
 def test_clipped_value_loss_hand_computed():
   values = jnp.array([1.0, 0.0, 0.5])
   old = jnp.array([0.0, 0.0, 0.5])
