@@ -19,3 +19,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+  """The tests marked ``slow(seconds)`` run first, longest first: pytest-xdist hands tests to its
+  workers in collection order, so the long multi-process runs start at once on both workers instead
+  of one of them finishing the suite alone while the other waits."""
+  del config
+  def seconds(item):
+    mark = item.get_closest_marker("slow")
+    return -(mark.args[0] if mark and mark.args else 0)
+  items.sort(key=seconds)

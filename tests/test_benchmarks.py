@@ -52,6 +52,7 @@ def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
   assert (tmp_path / "straggler.png").stat().st_size > 1000
 
 
+@pytest.mark.slow(23)
 def test_gpu_script_runs_end_to_end_at_a_tiny_size(tmp_path):
   """The accelerator script (never run in CI on an accelerator) still works: same steps, tiny sizes."""
   import json

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.test_train import ROOT, TWIN, _env, _trained_prompts
 
 
@@ -70,6 +72,7 @@ def _dump_stacks(workdir) -> None:
   print((workdir / "learner-0.log").read_text()[-20000:])
 
 
+@pytest.mark.slow(41)
 def test_decode_servers_killed_restarted_and_stalled_the_run_goes_on(tmp_path):
   """K=2 decode servers. At version 2 decode-0 is SIGKILLed; the learner drops it within the server
   deadline and trains on decode-1 alone. decode-0 is started again (a new port) and rejoins: it is
@@ -142,6 +145,7 @@ def test_decode_servers_killed_restarted_and_stalled_the_run_goes_on(tmp_path):
   assert max(m["publish_blocked_seconds"] for m in metrics) < 60
 
 
+@pytest.mark.slow(27)
 def test_a_restarted_learner_reattaches_to_running_decode_servers_and_a_draining_one_leaves(tmp_path):
   """The learner (remote decode servers, a fixed registry port) is SIGKILLed mid-weight-push
   (``push@5``; checkpoints every 2 versions) while both decode servers keep running. Started again,

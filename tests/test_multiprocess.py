@@ -67,6 +67,7 @@ def _one_process_learner():
   return Learner(CFG, params(), mesh, c, total_steps=c.steps)
 
 
+@pytest.mark.slow(50)
 def test_two_process_learner_equals_one_process_and_checkpoints_move_between_process_counts(tmp_path):
   """One pair of processes (fsdp across them), two checks.
 
@@ -146,6 +147,7 @@ def test_distributed_settings_from_the_environment_and_single_process(monkeypatc
                                     "process_id": 3}
 
 
+@pytest.mark.slow(13)
 def test_weights_move_shard_to_shard_between_unlike_layouts(tmp_path):
   """Learner fsdp=2 over 2 processes -> a decode server with tensor=2 on its 2 local devices: the
   server holds the learner's exact parameters in its own layout, and every buffer that crossed

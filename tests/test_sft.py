@@ -76,6 +76,7 @@ def test_one_step_equals_written_out_reference(grad_clip):
     assert max_abs_diff(_reference(params, examples, 1e6), want) > 10 * 2e-2 * moved
 
 
+@pytest.mark.slow(23)
 def test_packing_does_not_change_the_update_and_loss_falls():
   params = jax.device_get(sharp_params(CFG, 2, scale=1.0))
   examples = _examples(seed=1)

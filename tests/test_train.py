@@ -47,6 +47,7 @@ def _trained_prompts(workdir):
     return [json.loads(l) for l in f if l.strip()]
 
 
+@pytest.mark.slow(43)
 def test_async_run_end_to_end(tmp_path):
   out = _run(tmp_path, "--config.steps=4", "--config.rl.max_staleness=2")
   summary = json.loads((tmp_path / "summary.json").read_text())
@@ -115,6 +116,7 @@ def _finish(proc, timeout: float = 400.0) -> str:
   return open(proc.log_path).read()
 
 
+@pytest.mark.slow(44)
 def test_learner_preempted_and_killed_resumes_each_time_and_trains_every_prompt_once(tmp_path):
   """One lineage of 5 starts of the main job: SIGTERM (a preemption notice) once a version past a
   checkpoint is logged, then SIGKILL mid-step (``train@v``), mid-checkpoint-save (``save@v``) and at
@@ -182,6 +184,7 @@ def test_learner_preempted_and_killed_resumes_each_time_and_trains_every_prompt_
   assert json.loads((run / "summary.json").read_text())["steps"] == steps
 
 
+@pytest.mark.slow(19)
 def test_a_nan_update_stops_the_run_naming_the_version_and_keeps_the_last_checkpoint(tmp_path):
   overrides = ["--config.steps=6", "--config.learner.eval_every=0", "--config.learner.warm_start_steps=0",
                "--config.rollout.warm_up=False", "--config.checkpoint.async_save=False"]
@@ -197,6 +200,7 @@ def test_a_nan_update_stops_the_run_naming_the_version_and_keeps_the_last_checkp
   assert all(np.isfinite(m["loss"]) for m in metrics)
 
 
+@pytest.mark.slow(40)
 def test_colocated_synchronous_run_on_one_device(tmp_path):
   """The colocated synchronous baseline: both roles on one device, taking turns, eta 0 (naive PPO):
   every trained token is on-policy."""
@@ -278,6 +282,7 @@ def _model_bytes() -> int:
   return sum(x.size * x.dtype.itemsize for x in leaves)
 
 
+@pytest.mark.slow(90)
 def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tmp_path):
   """launch/local.sh with P=2 learner processes (fsdp across them) and K=2 decode servers, over three
   starts of one run of 10 versions.
@@ -347,6 +352,7 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   assert not (run / "learners" / "learner-1.log").read_text().count("Traceback")
 
 
+@pytest.mark.slow(17)
 def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
   sft = [sys.executable, "-m", "asyncrl_jax.sft", f"--config={ROOT}/configs/default.py", *TINY[1:4]]
   out = subprocess.run(sft + [f"--workdir={tmp_path / 'a'}", "--config.learner.warm_start_steps=3"],
@@ -384,6 +390,7 @@ def test_run_config_is_recorded_and_changes_are_named(tmp_path, capsys):
   assert json.loads(path.read_text())["rl"]["loss"] == "dis"
 
 
+@pytest.mark.slow(56)
 def test_a_long_run_holds_its_memory_steady(tmp_path):
   """300 versions of a tiny main job (decode server in process, checkpoints every 25 versions, so
   every kind of work has happened by version 50): host RSS at version 300 within 5% of version 50

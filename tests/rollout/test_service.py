@@ -119,6 +119,7 @@ def test_stream_deadline_and_cancellation_lose_nothing(local_service):
   assert service.outbox.empty()
 
 
+@pytest.mark.slow(27)
 def test_decode_server_process_pulls_weights_from_another_process(tmp_path):
   port_file = tmp_path / "port"
   env = dict(os.environ, ASYNCRL_CPU_DEVICES="2", XLA_FLAGS="--xla_force_host_platform_device_count=2")
