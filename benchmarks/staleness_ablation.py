@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                          initial_greedy=s["initial_eval_greedy_accuracy"],
                          rl_seconds=s["rl_seconds_this_run"], max_staleness_seen=s["max_staleness_seen"],
                          tokens_per_s=s["effective_tokens_per_s"],
-                         selection=_selection(os.path.join(work, name, "metrics.jsonl"))))
+                         selection=_selection(_metrics(os.path.join(work, name, "metrics.jsonl")))))
         seconds.append(s["rl_seconds_this_run"])
         done += 1
     budget = float(np.mean(seconds))
@@ -233,7 +233,7 @@ def probe(args) -> int:
                      kl_behav_first20=float(np.mean([h.get("kl_behav", 0.0) for h in early])),
                      dropped_frac=float(np.mean([h.get("dropped_frac", 0.0) for h in history])),
                      max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"],
-                     selection=_selection(os.path.join(work, name, "metrics.jsonl"))))
+                     selection=_selection(history)))
   at = lambda arm, key: [r[key] if key != "v20" else r["evals"].get(20) for r in runs if r["arm"] == arm]
   header = ["arm", "eta", "seeds", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
             "max weight seen", "KL(behaviour, current), mean v1-20", "dropped tokens"]
@@ -290,11 +290,12 @@ def probe(args) -> int:
   return 0
 
 
-def _selection(path: str) -> dict:
-  """An arm's selection-bias monitor (``rl.selection``) from its metrics: each ``masked_frac_*``
-  averaged over the versions that report it, and ``effective_batch`` likewise ({} before it existed)."""
+def _selection(history: list) -> dict:
+  """An arm's selection-bias monitor (``rl.selection``) from its metrics records: each
+  ``masked_frac_*`` averaged over the versions that report it, and ``effective_batch`` likewise ({}
+  before it existed)."""
   sums, counts = {}, {}
-  for h in _metrics(path):
+  for h in history:
     for k, v in h.items():
       if k.startswith("masked_frac_") or k == "effective_batch":
         sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1

@@ -4,6 +4,12 @@ import jax
 import numpy as np
 
 from asyncrl_jax import models
+from asyncrl_jax.tokenization import ArithmeticTokenizer
+
+
+class NoStopTokenizer(ArithmeticTokenizer):
+  """Never stops on a token, so lengths are controlled by max_new_tokens alone."""
+  stop_ids = (-1,)
 
 
 def sharp_params(config: models.ModelConfig, seed: int, scale: float = 3.0, mesh=None):

@@ -109,15 +109,12 @@ def test_soak_fault_effects_and_lineage_hand_computed(tmp_path):
 
 
 def test_ablation_selection_monitor_averages_and_plots(tmp_path):
-  import json  # pylint: disable=import-outside-toplevel
   from benchmarks import staleness_ablation  # pylint: disable=import-outside-toplevel
-  path = tmp_path / "metrics.jsonl"
   records = [{"version": 1, "masked_frac_len_1_16": 0.2, "masked_frac_stale_0": 0.1, "effective_batch": 0.9},
              {"version": 2, "masked_frac_len_1_16": 0.4, "masked_frac_len_17_32": 0.6,
               "masked_frac_stale_0": 0.3, "masked_frac_stale_3_4": 0.5, "effective_batch": 0.7},
              {"version": 3, "reward": 0.5}]  # (a version without the monitor counts for nothing)
-  path.write_text("".join(json.dumps(r) + "\n" for r in records))
-  sel = staleness_ablation._selection(str(path))  # pylint: disable=protected-access
+  sel = staleness_ablation._selection(records)  # pylint: disable=protected-access
   assert sel == pytest.approx({"masked_frac_len_1_16": 0.3, "masked_frac_len_17_32": 0.6,
                                "masked_frac_stale_0": 0.2, "masked_frac_stale_3_4": 0.5,
                                "effective_batch": 0.8})

@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.rl.logprobs import aligned  # (values line up with log-probs, one shared shift)
 
 ATTENTION = "attn"  # the name of every layer's attention block in the policy's parameters
 
@@ -47,9 +48,7 @@ def token_values(config: ModelConfig, value_params, tokens_bt, positions_bt, seg
                                mesh, remat=remat, attention_chunk=attention_chunk)
   head = value_params["head"]
   v = jnp.einsum("BTD,D->BT", hidden[:, :-1].astype(jnp.float32), head["w"].astype(jnp.float32))
-  v = v + head["b"].astype(jnp.float32)
-  valid = (segment_ids_bt[:, 1:] == segment_ids_bt[:, :-1]) & (segment_ids_bt[:, 1:] > 0)
-  return jnp.concatenate([jnp.zeros_like(v[:, :1]), jnp.where(valid, v, 0.0)], axis=1)
+  return aligned(v + head["b"].astype(jnp.float32), None, segment_ids_bt, with_entropy=False)
 
 
 def frozen_attention_labels(value_params) -> dict:

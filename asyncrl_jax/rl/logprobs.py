@@ -39,7 +39,7 @@ def logprobs_from_logits(logits_btv, tokens_bt, segment_ids_bt, *, temperature: 
   entropy = None
   if with_entropy:
     entropy = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
-  return _aligned(picked - lse, entropy, segment_ids_bt, with_entropy)
+  return aligned(picked - lse, entropy, segment_ids_bt, with_entropy)
 
 
 _MASKED = -1e30  # the padded columns of the last vocabulary chunk: finite, so 0 * logit is 0, not NaN
@@ -88,7 +88,7 @@ def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperatu
   return picked - lse, lse - sl / s
 
 
-def _aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
+def aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
   """Shifts next-token values ``[B, T-1]`` (predicted at ``t - 1``) to ``[B, T]`` and zeroes every
   position without context in its segment."""
   valid = (segment_ids_bt[:, 1:] == segment_ids_bt[:, :-1]) & (segment_ids_bt[:, 1:] > 0)
@@ -122,7 +122,7 @@ def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment
                                   remat=remat, attention_chunk=attention_chunk)
   logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
                                      temperature=temperature)
-  return _aligned(logp, entropy, segment_ids_bt, with_entropy)
+  return aligned(logp, entropy, segment_ids_bt, with_entropy)
 
 
 @functools.lru_cache(maxsize=None)

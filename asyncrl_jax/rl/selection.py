@@ -7,8 +7,9 @@ a biased selection of the data (short, easy, fresh), which a falling reward alon
 host functions (numpy) count, per version, the zeroed tokens in each completion-length bucket and
 each staleness bucket, and the effective batch: the share of policy tokens that kept a weight.
 
-Counts come per micro-batch and per optimizer update (``selection_counts``), are summed over a
-version (``add``), and become metrics (``selection_metrics``), only for buckets that hold tokens.
+Counts come per micro-batch and per optimizer update (``selection_counts``, a ``Counter``), are summed
+over a version (``Counter.update``), and become metrics (``selection_metrics``), only for buckets that
+hold tokens.
 """
 
 from __future__ import annotations
@@ -71,8 +72,6 @@ def selection_counts(zeroed, mask, versions, segment_ids, *, version: int) -> co
       out[("tokens", (kind, int(b)))] += int(n)
     for b, n in zip(*np.unique(bucket[zeroed[mask]], return_counts=True)):
       out[("zeroed", (kind, int(b)))] += int(n)
-  out[("tokens", "all")] += int(mask.sum())
-  out[("zeroed", "all")] += int(zeroed.sum())
   return out
 
 
@@ -81,11 +80,13 @@ def selection_metrics(counts: collections.Counter) -> dict:
   with a weight, over all policy tokens)."""
   out = {}
   for (what, bucket), n in sorted(counts.items(), key=str):
-    if what != "tokens" or bucket == "all" or not n:
+    if what != "tokens" or not n:
       continue
     kind, i = bucket
     name = length_bucket_name(i) if kind == "len" else staleness_bucket_name(i)
     out[f"masked_frac_{name}"] = counts[("zeroed", bucket)] / n
-  total = counts[("tokens", "all")]
-  out["effective_batch"] = 1.0 - counts[("zeroed", "all")] / total if total else 1.0
+  # every policy token is in exactly one length bucket: their sums are the totals
+  total = sum(n for (what, (kind, _)), n in counts.items() if what == "tokens" and kind == "len")
+  zeroed = sum(n for (what, (kind, _)), n in counts.items() if what == "zeroed" and kind == "len")
+  out["effective_batch"] = 1.0 - zeroed / total if total else 1.0
   return out

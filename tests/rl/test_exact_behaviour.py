@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.helpers import NoStopTokenizer, sharp_params
 from asyncrl_jax import models, sharding
 from asyncrl_jax.controller import Controller, SamplingMismatch
 from asyncrl_jax.data.pipeline import PromptStream
@@ -24,10 +24,6 @@ from asyncrl_jax.tokenization import ArithmeticTokenizer
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)
-
-
-class NoStopTokenizer(ArithmeticTokenizer):
-  stop_ids = (-1,)
 
 
 @pytest.fixture(scope="module")

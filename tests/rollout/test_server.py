@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.helpers import NoStopTokenizer, sharp_params
 from asyncrl_jax import models, sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
@@ -28,11 +28,6 @@ def params_a():
 @pytest.fixture(scope="module")
 def params_b():
   return _params(1)
-
-
-class NoStopTokenizer(ArithmeticTokenizer):
-  """Never stops on a token, so lengths are controlled by max_new_tokens alone."""
-  stop_ids = (-1,)
 
 
 def _server(params, *, temperature=1.0, slots=4, tokenizer=None, steps_per_call=16,
