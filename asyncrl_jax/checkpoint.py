@@ -1,5 +1,5 @@
-"""Orbax checkpoints of the whole run: params, optimizer state, policy version, staleness counters,
-prompt-stream (grain) state. Saves are asynchronous and atomic (a save interrupted by SIGKILL leaves
+"""Orbax checkpoints of the whole run: params, optimizer state (the value model's too, with value
+advantages), policy version, staleness counters, prompt-stream (grain) state. Saves are asynchronous and atomic (a save interrupted by SIGKILL leaves
 no half-written step behind); ``RunCheckpointer.restore_run`` resumes from the newest complete step.
 The directory may be a bucket (``gs://bucket/run/checkpoints``), which every learner host writes."""
 
@@ -22,24 +22,31 @@ class Checkpointer:
                                            enable_async_checkpointing=async_save, create=True)
     self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
-  def save(self, step: int, *, params, opt_state, meta: dict) -> None:
-    """Starts saving ``step`` (returns before the write finishes when async)."""
-    self._mgr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-        meta=ocp.args.JsonSave(meta)))
+  def save(self, step: int, *, state: dict, meta: dict) -> None:
+    """Starts saving ``step``: ``state`` (name -> pytree of arrays, e.g. ``Learner.checkpoint_state``)
+    and the JSON ``meta``; returns before the write finishes when async."""
+    self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                 meta=ocp.args.JsonSave(meta)))
     faults.at("save", step)  # (tests: SIGKILL while the write is under way)
 
   def latest_step(self) -> Optional[int]:
     return self._mgr.latest_step()
 
-  def restore(self, step: int, *, params_like, opt_state_like) -> tuple[Any, Any, dict]:
-    """Restores ``step`` onto the shardings of ``params_like`` / ``opt_state_like`` (arrays or specs)."""
+  def restore(self, step: int, *, state_like: dict) -> tuple[dict, dict]:
+    """Restores ``step`` onto the shapes and shardings of ``state_like`` (arrays or specs, named as
+    saved); returns (state, meta). A name the checkpoint lacks is an error that names it."""
+    saved = self._mgr.item_metadata(step)
+    saved = saved.get("state") if saved is not None and hasattr(saved, "get") else None
+    if saved is not None and set(saved) != set(state_like):
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds {', '.join(sorted(saved))}, "
+                       f"but this run restores {', '.join(sorted(state_like))}: it was written by a "
+                       "run with other settings (rl.advantage='value' adds the value model)")
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        {"params": params_like, "opt_state": opt_state_like})
+        state_like)
     out = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                                           meta=ocp.args.JsonRestore()))
-    return out.state["params"], out.state["opt_state"], dict(out.meta)
+    return dict(out.state), dict(out.meta)
 
   def wait(self) -> None:
     self._mgr.wait_until_finished()
@@ -73,8 +80,8 @@ class RunCheckpointer(Checkpointer):
     step = self.latest_step()
     if step is None:
       return None
-    learner.params, learner.opt_state, meta = self.restore(step, params_like=learner.params,
-                                                           opt_state_like=learner.opt_state)
+    state, meta = self.restore(step, state_like=learner.checkpoint_state())
+    learner.load_checkpoint_state(state)
     learner.version = int(meta["version"])
     if prompts is not None:
       prompts.set_state(meta["data_state"])

@@ -131,6 +131,12 @@ def _rl_section() -> ml_collections.ConfigDict:
       # policy's current mistakes and an unbounded w let a few tokens steer the update (NOTES.md).
       behav_weight_cap=float("inf"), behav_weight_floor=0.0, behav_weight_clip=1.0,
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
+      # advantage="value" (SAO's single rollout): the learner's value model (the policy's trunk and a
+      # scalar head), its optimizer steps per version on the clipped value loss, the versions at the
+      # start that train it alone (the policy is published unchanged), and whether its attention
+      # parameters stay frozen
+      value_learning_rate=3e-4, value_updates=2, value_clip=0.2, value_pretrain_versions=10,
+      value_freeze_attention=False,
       # token_mean: every policy token of the batch weighs the same (long completions weigh more);
       # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)
       aggregation="token_mean",
@@ -357,17 +363,24 @@ def _validate_rl(config) -> None:
   _number(config, "rl.behav_weight_clip", lambda v: v > 0, "a number > 0 (inf: no truncation)",
           allow_inf=True)
   _one_of(config, "rl.advantage", ADVANTAGES)
-  _check(config.rl.advantage != "value", "rl.advantage", config.rl.advantage,
-         "not implemented yet: the main job trains no value model, so only 'group' runs")
   _one_of(config, "rl.aggregation", AGGREGATIONS)
   _number(config, "rl.group_size", lambda v: v >= 1, "an integer >= 1", integer=True)
   if config.rl.advantage == "group":
     _check(config.rl.group_size >= 2, "rl.group_size", config.rl.group_size,
-           "must be >= 2 when rl.advantage='group' (a group of one has no baseline)")
-    _check(config.learner.batch_size % config.rl.group_size == 0, "learner.batch_size",
-           config.learner.batch_size, f"must be a multiple of rl.group_size ({config.rl.group_size})")
+           "must be >= 2 when rl.advantage='group' (a group of one has no baseline; "
+           "rl.advantage='value' needs none)")
+  _check(config.learner.batch_size % config.rl.group_size == 0, "learner.batch_size",
+         config.learner.batch_size, f"must be a multiple of rl.group_size ({config.rl.group_size})")
   _number(config, "rl.gamma", lambda v: 0 <= v <= 1, "a number in [0, 1]")
   _number(config, "rl.gae_lambda", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+  _number(config, "rl.value_learning_rate", lambda v: v > 0, "a number > 0")
+  _number(config, "rl.value_updates", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "rl.value_clip", lambda v: v > 0, "a number > 0")
+  _number(config, "rl.value_pretrain_versions", lambda v: v >= 0, "an integer >= 0", integer=True)
+  if config.rl.advantage == "value":
+    _check(config.rl.value_pretrain_versions < config.steps, "rl.value_pretrain_versions",
+           config.rl.value_pretrain_versions,
+           f"must be < steps ({config.steps}): those versions train the value model only")
 
 
 def _validate_mesh(config) -> None:

@@ -124,9 +124,8 @@ class Controller:
                reward_source: str = "exact_answer", max_retries: int = 2,
                newest_version: Optional[Callable[[], int]] = None,
                max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None):
-    if advantage != "group":
-      raise NotImplementedError("the built-in loop computes group-relative advantages; rl.advantage="
-                                "'value' needs a critic, which the main job does not train yet")
+    if advantage not in ("group", "value"):
+      raise ValueError(f"advantage={advantage!r} must be 'group' or 'value'")
     if batch_size % group_size:
       raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {group_size}")
     self.prompts = prompts
@@ -145,6 +144,9 @@ class Controller:
     self.error: Optional[BaseException] = None  # a fault that stops the run (raised by next_batch)
     self.skipped_prompts = 0  # over max_prompt_len: never decoded, their group trained as failed
     self.scale_by_std = scale_by_std
+    # "group": group-relative advantages computed here; "value": each trajectory's reward on its last
+    # token, for the learner's critic (asyncrl_jax.critic), so no trajectory waits for another's
+    self.advantage = advantage
     self.reward_source = reward_source
     self._groups: dict[int, _Group] = {}
     self._seen: set[str] = set()
@@ -356,10 +358,13 @@ class Controller:
     trajectories = [g.trajectories[i] for g, i in ids]
     rewards = np.array([g.rewards[i] for g, i in ids], np.float32)
     group_ids = np.repeat(np.arange(len(groups)), self.group_size)
-    adv, _ = advantages.group_advantages(rewards, group_ids, num_groups=len(groups),
-                                         scale_by_std=self.scale_by_std)
+    if self.advantage == "group":
+      adv, _ = advantages.group_advantages(rewards, group_ids, num_groups=len(groups),
+                                           scale_by_std=self.scale_by_std)
+    else:
+      adv = np.zeros_like(rewards)
     sequences, staleness, failed = [], [], 0
-    for (g, _), t, a in zip(ids, trajectories, np.asarray(adv)):
+    for (g, _), t, a, r in zip(ids, trajectories, np.asarray(adv), rewards):
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
         continue
@@ -377,7 +382,9 @@ class Controller:
                              "interruptions)")
       staleness.append(version - oldest)
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
-                                              versions=t.versions, advantage=float(a)))
+                                              versions=t.versions, advantage=float(a),
+                                              token_reward=float(r) if self.advantage == "value"
+                                              else None))
     max_seen = max(staleness, default=0)
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
                          rewards=rewards,

@@ -42,6 +42,8 @@ class Evaluator:
       return (jax.device_put(prompts, sharding.batch_sharding(mesh, 2)),
               jax.device_put(lengths, sharding.batch_sharding(mesh, 1)))
 
+    self.prompt_ids = ids
+    self.last_samples: list = []  # (prompt ids, completion ids, reward) of the last evaluation
     self._greedy = put(ids)
     self._sampled = put([x for x in ids for _ in range(self.samples)]) if self.samples else None
 
@@ -52,22 +54,30 @@ class Evaluator:
                max_new_tokens=config.data.max_completion_len, samples=config.data.eval_samples,
                sampling=SamplingSettings.from_config(config), seed=config.seed)
 
-  def _scores(self, tokens, lengths, answers, reward) -> np.ndarray:
+  def _scores(self, tokens, lengths, prompts, answers, reward) -> np.ndarray:
+    """Each completion's reward; the completions and their rewards are kept as ``last_samples``."""
     tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-    return np.array([reward(self.tokenizer.decode(tokens[i, :lengths[i]]), a)
-                     for i, a in enumerate(answers)], np.float32)
+    completions = [tokens[i, :lengths[i]] for i in range(len(answers))]
+    scores = np.array([reward(self.tokenizer.decode(c), a) for c, a in zip(completions, answers)],
+                      np.float32)
+    self.last_samples = list(zip(prompts, completions, scores.tolist()))
+    return scores
 
   def evaluate(self, params, reward) -> dict:
-    """``{"greedy": acc, "sampled": pass@1 or None}`` on the held-out problems."""
+    """``{"greedy": acc, "sampled": pass@1 or None}`` on the held-out problems. The completions of
+    the primary figure (sampled, else greedy) stay in ``last_samples`` as (prompt ids, completion
+    ids, reward)."""
     answers = [p["answer"] for p in self.problems]
     out = generate(self.model_config, params, *self._greedy, max_new_tokens=self.max_new_tokens,
                    eos_id=self.tokenizer.eos_id, mesh=self.mesh)
-    result = {"greedy": float(self._scores(*out, answers, reward).mean()), "sampled": None}
+    result = {"greedy": float(self._scores(*out, self.prompt_ids, answers, reward).mean()),
+              "sampled": None}
     if self.samples:
       out = generate(self.model_config, params, *self._sampled, jax.random.key(self.seed),
                      max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id, mesh=self.mesh,
                      settings=self.sampling)
-      result["sampled"] = float(self._scores(*out, [a for a in answers for _ in range(self.samples)],
+      repeat = lambda xs: [x for x in xs for _ in range(self.samples)]
+      result["sampled"] = float(self._scores(*out, repeat(self.prompt_ids), repeat(answers),
                                              reward).mean())
     return result
 

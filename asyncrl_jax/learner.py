@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax import bucketing
+from asyncrl_jax import critic as critic_lib
 from asyncrl_jax import update as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, losses, selection
@@ -92,6 +93,10 @@ class Learner:
                 self.settings.loss)),
             "later": lambda p, b, prox, n: loss(p, b, prox, n)})
     self._prox = self.updater.jit_forward(self._prox_impl, "prox_logprobs")
+    # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
+    self.critic = critic_lib.Critic(
+        model_config, params, mesh, config, total_steps=total_steps, remat=self.settings.remat,
+        attention_chunk=self.settings.attention_chunk) if config.rl.advantage == "value" else None
 
   # The state lives in the update loop; these are the names the rest of the system uses.
   params = property(lambda self: self.updater.params,
@@ -99,6 +104,20 @@ class Learner:
   opt_state = property(lambda self: self.updater.opt_state,
                        lambda self, v: setattr(self.updater, "opt_state", v))
   param_shardings = property(lambda self: self.updater.param_shardings)
+
+  def checkpoint_state(self) -> dict:
+    """What a checkpoint holds of the learner: the policy's params and optimizer state, and the
+    critic's when there is one (never sent to decode servers)."""
+    state = {"params": self.params, "opt_state": self.opt_state}
+    if self.critic is not None:
+      state.update(value_params=self.critic.params, value_opt_state=self.critic.opt_state)
+    return state
+
+  def load_checkpoint_state(self, state: dict) -> None:
+    """Takes ``state`` (shaped like ``checkpoint_state()``, on the same shardings) as the learner's."""
+    self.params, self.opt_state = state["params"], state["opt_state"]
+    if self.critic is not None:
+      self.critic.params, self.critic.opt_state = state["value_params"], state["value_opt_state"]
 
   def _prox_impl(self, params, batch):
     return token_logprobs(self.model_config, params, batch.tokens, batch.positions, batch.segment_ids,
@@ -123,6 +142,11 @@ class Learner:
       if later:
         aux = [self._prox(self.params, b) for b in mbs]
         _, health = self.updater.update(mbs, normalizer, loss="later", aux=aux, proceed=skip)
+      if self.critic is not None:
+        aux = [(values, returns) for _, returns, values in self.critic.estimate(mbs)]
+        _, value_health = self.critic.updater.update(mbs, normalizer, loss="value", aux=aux,
+                                                     proceed=skip)
+        jax.block_until_ready(value_health)
       jax.block_until_ready(health)
     return len(shapes)
 
@@ -146,27 +170,58 @@ class Learner:
       if self.aggregation == "sequence_mean":
         chunk = batching.weight_sequences_equally(chunk)
       placed.append(self.updater.place(chunk))
+    estimates = None
+    if self.critic is not None:  # advantages from the value model before this version's updates
+      estimates = [self.critic.estimate(mbs) for mbs, _ in placed]
+      placed = [([b._replace(advantages=e[0]) for b, e in zip(mbs, est)], normalizer)
+                for (mbs, normalizer), est in zip(placed, estimates)]
+    # the first rl.value_pretrain_versions versions train the value model only
+    trains_policy = self.critic is None or version >= self.critic.pretrain_versions
     # Prox log-probs for later minibatches, under the weights before this version's first update.
-    needs_prox = losses.needs_prox(self.settings.loss)
+    needs_prox = losses.needs_prox(self.settings.loss) and trains_policy
     prox = [[self._prox(self.params, b) for b in mbs] if needs_prox and i else None
             for i, (mbs, _) in enumerate(placed)]
     per_mb, health = [], []
-    for i, ((mbs, normalizer), aux) in enumerate(zip(placed, prox)):
+    for i, ((mbs, normalizer), aux) in enumerate(zip(placed, prox) if trains_policy else ()):
       metrics, h = self.updater.update(mbs, normalizer, loss="later" if i else "first", aux=aux,
                                        proceed=health[-1]["applied"] if health else None)
       per_mb += metrics
       health.append(h)
-    per_mb, health = jax.device_get((per_mb, health))
-    counts = collections.Counter()
-    for m in per_mb:  # every update's micro-batches: which policy tokens weighed 0, and where
-      counts.update(selection.selection_counts(**m.pop("selection"), version=version))
-    out = _combine(per_mb, len(placed))
-    self._check_finite(out, health, version)
-    out.update(selection.selection_metrics(counts))
+    value = self._train_critic(placed, estimates, sequences) if estimates is not None else None
+    per_mb, health, value = jax.device_get((per_mb, health, value))
+    out = {}
+    if trains_policy:
+      counts = collections.Counter()
+      for m in per_mb:  # every update's micro-batches: which policy tokens weighed 0, and where
+        counts.update(selection.selection_counts(**m.pop("selection"), version=version))
+      out = _combine(per_mb, len(placed))
+      self._check_finite(out, health, version)
+      out.update(selection.selection_metrics(counts),
+                 grad_norm=float(np.mean([h["grad_norm"] for h in health])))
+    if value is not None:
+      out.update(self._value_metrics(value, version), policy_trained=float(trains_policy))
     self.version += 1
-    out.update(grad_norm=float(np.mean([h["grad_norm"] for h in health])),
-               learner_seconds=time.perf_counter() - t0,
+    out.update(learner_seconds=time.perf_counter() - t0,
                micro_batches=sum(len(m) for m, _ in placed), version=self.version)
+    return out
+
+  def _train_critic(self, placed: list, estimates: list, sequences) -> tuple:
+    """The critic's updates on every micro-batch of the version (one normaliser: the batch's policy
+    tokens); returns what ``_value_metrics`` reads, on device."""
+    mbs = [b for m, _ in placed for b in m]
+    flat = [e for est in estimates for e in est]
+    tokens = np.float32(max(sum(float(np.sum(s.mask)) for s in sequences), 1.0))
+    per_step, health = self.critic.train(mbs, flat, jax.device_put(tokens, self.updater.replicated))
+    return per_step, health, flat, [b.mask for b in mbs]
+
+  def _value_metrics(self, value: tuple, version: int) -> dict:
+    per_step, health, estimates, masks = value
+    out = critic_lib.host_value_metrics(per_step, health, estimates, masks)
+    problem = critic_lib.check_finite(out, health, version)
+    if problem:
+      raise NonFiniteError(f"policy version {version}: non-finite {problem}. The run stops here; its "
+                           "checkpoints are untouched, and the last one is the last good state "
+                           "(lower rl.value_learning_rate)")
     return out
 
   def _check_finite(self, metrics: dict, health: list, version: int) -> None:

@@ -139,8 +139,7 @@ class LearnerGroup:
     if self.processes > 1:
       data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
       self._broadcast(SAVE, self.learner.version, {"data": data}, (len(data),))
-    self.ckpt.save(self.learner.version, params=self.learner.params, opt_state=self.learner.opt_state,
-                   meta=meta)
+    self.ckpt.save(self.learner.version, state=self.learner.checkpoint_state(), meta=meta)
 
   def stop(self) -> None:
     if self.processes > 1:
@@ -192,7 +191,7 @@ class LearnerGroup:
       elif op == SAVE:
         data = multihost_utils.broadcast_one_to_all({"data": np.zeros(a, np.uint8)})["data"]
         self.learner.check_version(version, "the checkpoint")
-        self.ckpt.save(version, params=self.learner.params, opt_state=self.learner.opt_state,
+        self.ckpt.save(version, state=self.learner.checkpoint_state(),
                        meta=json.loads(bytes(np.asarray(data)).decode()))
       elif op == CHECK:
         faults.at("sigterm", version)

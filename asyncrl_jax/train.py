@@ -42,6 +42,7 @@ from asyncrl_jax.data import pipeline
 from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
 from asyncrl_jax.learner import Learner, NonFiniteError
 from asyncrl_jax.learner_group import LearnerGroup
+from asyncrl_jax.rl import batching
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
@@ -91,6 +92,15 @@ class _Evaluation:
     result = self.evaluator.evaluate(params, self.reward)
     return primary(result), result["greedy"]
 
+  def value_figures(self, critic) -> dict:
+    """The value model's explained variance (and means) on the last evaluation's held-out
+    completions, as ``eval_value_*`` metrics."""
+    sequences = [batching.make_sequence(p, c, token_reward=r)
+                 for p, c, r in self.evaluator.last_samples if len(c)]
+    if not sequences:
+      return {}
+    return {f"eval_{k}": v for k, v in critic.explained_variance(sequences).items()}
+
 
 def _warm_start(config, learner: Learner, data: _Data, evaluate: _Evaluation) -> dict:
   """Supervised warm start of a randomly initialised policy; returns its meta figures."""
@@ -132,6 +142,8 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
     log.start_fresh()
     meta = (_warm_start(config, learner, data, evaluate)
             if config.learner.warm_start_steps and not config.model.hf_path else {})
+    if learner.critic is not None:  # the value model starts from the policy RL starts from
+      learner.critic.reset(learner.params)
   if evaluate is None:
     meta.update(initial_eval_accuracy=None, initial_eval_greedy_accuracy=None)
     say(f"model {models.count_params(learner.params):,} params at version {learner.version}; no "
@@ -225,6 +237,8 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
     if evaluate is not None and (learner.version % config.learner.eval_every == 0 or last):
       accuracy = evaluate(learner.params, getattr(backend, "rollout_params", None))
       record.update(eval_accuracy=accuracy[0], eval_greedy_accuracy=accuracy[1])
+      if learner.critic is not None:
+        record.update(evaluate.value_figures(learner.critic))
     log.append(record, batch)
     if learner.version % config.checkpoint.every_steps == 0 or last:
       meta.update(last_eval_accuracy=accuracy[0], last_eval_greedy_accuracy=accuracy[1])

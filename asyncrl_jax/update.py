@@ -71,13 +71,16 @@ class Updater:
       per-micro-batch array (e.g. the prox log-probs) or None; ``update(..., loss=name)`` picks one.
     token_budget: tokens per micro-batch.
     opt_state: restored optimizer state (on the mesh), or None for a fresh one.
+    param_shardings: the params' shardings when they are not the model's own (a value model's trunk
+      and head); None: ``models.param_shardings``.
   """
 
   def __init__(self, model_config: ModelConfig, params, mesh: Mesh, optimizer, losses: dict, *,
-               token_budget: int, opt_state=None):
+               token_budget: int, opt_state=None, param_shardings=None):
     self.model_config, self.mesh, self.optimizer = model_config, mesh, optimizer
     self.token_budget = token_budget
-    self.param_shardings = models.param_shardings(model_config, mesh)
+    self.param_shardings = (models.param_shardings(model_config, mesh) if param_shardings is None
+                            else param_shardings)
     self.replicated = sharding_lib.replicated(mesh)
     self.batch_sharding = sharding_lib.batch_sharding(mesh, 2)
     self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -124,8 +127,8 @@ class Updater:
             {"grad_norm": grad_norm, "param_norm": param_norm, "applied": ok})
 
   def jit_forward(self, fn, name: str):
-    """``fn(params, batch) -> [R, L]`` jitted with this updater's shardings and trace bound (e.g. the
-    learner's prox pass)."""
+    """``fn(params, batch) -> [R, L]`` (or a tuple of them) jitted with this updater's shardings and
+    trace bound (e.g. the learner's prox pass)."""
     def forward(params, batch):
       return fn(params, batch)
     return jax.jit(bucketing.bounded_traces(forward, name, self.max_traces),

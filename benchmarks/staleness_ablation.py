@@ -1,29 +1,30 @@
-"""Final held-out accuracy by loss and staleness bound, with the supervised control beside it.
+"""Held-out accuracy by objective and staleness bound, in a regime where staleness can hurt.
 
-  .venv/bin/python benchmarks/staleness_ablation.py --quick
+  .venv/bin/python benchmarks/staleness_ablation.py --quick      # about 35 minutes on 2 cores
+  .venv/bin/python benchmarks/staleness_ablation.py --workdir=/data/ablation   # the full grid
 
 Every arm is the main job (``python -m asyncrl_jax.train``, configs/default.py) from one shared
-supervised warm start, for the same number of policy versions, differing only in ``rl.loss``
-(``ppo``, ``decoupled_ppo``, ``dis``), ``rl.max_staleness`` (eta) and ``seed``. The control a sceptical
-reader asks for first: the same warm start trained on with *supervised* data instead
-(``python -m asyncrl_jax.sft --schedule=constant``: its final learning rate, carried on) for the mean
-wall time the RL arms of that seed took (their RL phase including its final evaluation, so the control
-gets slightly more training time than RL did), evaluated the same way. The table is shaped like the seed's
-ablation (rows eta, columns the losses); cells are mean +- standard deviation over seeds.
+supervised warm start, for the same number of policy versions on batches of the same number of
+trajectories, in the regime ``GRID`` (learning rate 3e-4, 2 optimizer updates per batch: the policy
+moves far within eta versions). Arms (``ARMS``): naive PPO, decoupled PPO (the default), DIS, and SAO
+(one rollout per prompt, value advantages from the learner's critic, DIS), at eta in 0, 2, 4, 8, 16 and
+unbounded (admission limited by the decode slots alone), 3 seeds; ``--quick``: eta 0 (naive PPO only,
+the synchronous reference) and 16 (every arm), one seed, 60 versions.
 
-Accuracy is the main job's held-out metric (pass@1 over sampled completions, see
-``asyncrl_jax.evaluation``); greedy accuracy is in the JSON. Writes
-benchmarks/results/staleness_ablation.{json,md,png}, and staleness_ablation_selection.png: the DIS
-arms' masked token fraction by completion length and by token staleness (``rl.selection``); prints one
-JSON object (last line).
+The table is shaped like the seed's ablation (rows eta, columns the arms; mean +- sd over seeds); under
+it, per arm and eta, the mechanism: the staleness reached, the mean KL(behaviour || current), the
+clipped and the dropped/masked token fractions and the effective batch. Writes
+benchmarks/results/staleness_ablation.{json,md,png} (final accuracy and KL against eta, accuracy
+against versions at the largest eta) and staleness_ablation_selection.png (the DIS and SAO arms'
+masked fraction by completion length and token staleness, ``rl.selection``); prints one JSON object
+(last line). A rerun with the same ``--workdir`` reuses every finished arm.
 
-``--regime=probe`` is the regime where the objectives come apart (the decoupled-vs-naive issue):
-learning rate 3e-4, 2 optimizer updates per batch, eta 8, 80 versions, evaluated every 20, so the
-policy moves far within eta versions (KL(behaviour || current) 0.2-0.6). Its arms are naive PPO,
-decoupled PPO as shipped (behaviour weight truncated at 1), decoupled PPO with no guard and DIS, 3
-seeds each, with AReaL's cap-5 guard alone and synchronous PPO (eta 0) as one-seed context; no
-supervised control; it writes benchmarks/results/staleness_probe.{json,md,png} with mean +- sd at
-version 20 and at the end, and each arm's weight statistics from its metrics.
+``--regime=probe`` is the regime of the decoupled-vs-naive diagnosis: learning rate 3e-4, 2 optimizer
+updates per batch, eta 8, 80 versions, evaluated every 20. Its arms are naive PPO, decoupled PPO as
+shipped (behaviour weight truncated at 1), decoupled PPO with no guard and DIS, 3 seeds each, with
+AReaL's cap-5 guard alone and synchronous PPO (eta 0) as one-seed context; it writes
+benchmarks/results/staleness_probe.{json,md,png} with mean +- sd at version 20 and at the end, and each
+arm's weight statistics from its metrics.
 """
 
 from __future__ import annotations
@@ -47,7 +48,22 @@ cli.ensure_cpu_devices(4)
 from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
-LOSSES = ("ppo", "decoupled_ppo", "dis")
+# The grid's arms: name -> (rl.loss, extra overrides). `sao` is SAO whole: one rollout per prompt,
+# value advantages from the learner's critic, DIS.
+ARMS = {
+    "ppo": ("ppo", []),
+    "decoupled_ppo": ("decoupled_ppo", []),
+    "dis": ("dis", []),
+    "sao": ("dis", ["--config.rl.advantage=value", "--config.rl.group_size=1",
+                    "--config.rl.value_pretrain_versions=5"]),
+}
+UNBOUNDED = "unbounded"
+ETAS = [0, 2, 4, 8, 16, UNBOUNDED]
+# The regime where staleness can hurt (the search is in RESULTS.md): the probe's learning rate and
+# optimizer updates per batch, where KL(behaviour || current) at eta 8 is already 0.1-0.3.
+GRID = dict(overrides=["--config.learner.learning_rate=3e-4", "--config.learner.ppo_minibatches=2"],
+            steps=80)
+QUICK = dict(etas=[0, 16], arms=["ppo", "decoupled_ppo", "dis", "sao"], steps=60)
 PROBE = dict(overrides=["--config.learner.learning_rate=3e-4", "--config.learner.ppo_minibatches=2"],
              etas=[8], steps=80, eval_every=20, seeds=3)
 # The probe's arms: name -> (rl.loss, extra overrides, seeds (None: --seeds), eta (None: the probe's)).
@@ -103,96 +119,137 @@ def _run_arm(py: str, work: str, name: str, steps: int, args_list) -> dict:
   return s
 
 
+def _eta_flag(eta, steps: int) -> int:
+  """``rl.max_staleness`` for an eta of the grid: "unbounded" is the run's length, which no token
+  can be older than, so admission is limited by the decode slots alone."""
+  return steps if eta == UNBOUNDED else int(eta)
+
+
+def _parse_eta(text: str):
+  if text == UNBOUNDED:
+    return UNBOUNDED
+  try:
+    eta = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"eta {text!r} is not an integer >= 0 or {UNBOUNDED!r}") from None
+  if eta < 0:
+    raise argparse.ArgumentTypeError(f"eta {eta} is not an integer >= 0 or {UNBOUNDED!r}")
+  return eta
+
+
+def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
+  """One arm's outcome and mechanism from its summary and metrics: accuracy against versions,
+  KL(behaviour || current), the clipped and the dropped/masked token fractions, the staleness
+  reached, the selection monitor."""
+  history = _metrics(os.path.join(work, name, "metrics.jsonl"))
+  mean = lambda key: float(np.mean([h[key] for h in history if key in h])) if any(
+      key in h for h in history) else None
+  return dict(fields, initial=s["initial_eval_accuracy"], final=s["final_eval_accuracy"],
+              final_greedy=s["final_eval_greedy_accuracy"],
+              evals={h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h},
+              kl_behav=mean("kl_behav"), clipped_frac=mean("clipped_frac"),
+              dropped_frac=mean("dropped_frac"), mean_staleness=mean("mean_staleness"),
+              max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"],
+              value_explained_variance=mean("eval_value_explained_variance"),
+              selection=_selection(history))
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--regime", choices=("default", "probe"), default="default",
-                 help="probe: the regime where the objectives come apart (see the module docstring)")
-  p.add_argument("--quick", action="store_true", help="eta 0, 2, 8; one seed; 100 versions per arm")
-  p.add_argument("--etas", type=int, nargs="*", default=None, help="default 0 1 2 4 8 (quick: 0 2 8)")
-  p.add_argument("--losses", nargs="*", default=list(LOSSES), choices=LOSSES)
-  p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 2; quick 1; probe 3)")
-  p.add_argument("--steps", type=int, default=None, help="policy versions per arm (default 100; probe 80)")
-  p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary directory)")
+                 help="probe: the eta-8 regime of the decoupled-vs-naive diagnosis (module docstring)")
+  p.add_argument("--quick", action="store_true",
+                 help=f"eta {QUICK['etas']}, arms {QUICK['arms']}, one seed, {QUICK['steps']} versions")
+  p.add_argument("--etas", type=_parse_eta, nargs="*", default=None,
+                 help=f"integers >= 0 or {UNBOUNDED!r} (default {' '.join(map(str, ETAS))})")
+  p.add_argument("--arms", nargs="*", default=None, choices=list(ARMS), help="default: all")
+  p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3; quick 1)")
+  p.add_argument("--steps", type=int, default=None, help=f"policy versions per arm (default {GRID['steps']})")
+  p.add_argument("--workdir", default="", help="keep the runs here; a rerun reuses finished arms "
+                 "(default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm")
   args = p.parse_args(argv)
   if args.regime == "probe":
     return probe(args)
-  etas = args.etas if args.etas is not None else ([0, 2, 8] if args.quick else [0, 1, 2, 4, 8])
-  seeds = list(range(args.seeds or (1 if args.quick else 2)))
-  steps = args.steps or 100
+  quick = args.quick
+  etas = args.etas if args.etas is not None else (QUICK["etas"] if quick else ETAS)
+  arms = args.arms or (QUICK["arms"] if quick else list(ARMS))
+  seeds = list(range(args.seeds or (1 if quick else 3)))
+  steps = args.steps or (QUICK["steps"] if quick else GRID["steps"])
+  eval_every = max(1, steps // 4)
   work = args.workdir or tempfile.mkdtemp(prefix="staleness_ablation_")
   os.makedirs(work, exist_ok=True)
   py, t0 = sys.executable, time.time()
-  data = os.path.join(work, "data")
   ws = _warm_start(work, py, args.override)
-  common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}", f"--config.data.path={data}",
-            f"--config.learner.eval_every={steps}", f"--config.checkpoint.every_steps={steps}", *args.override]
-  runs, control = [], []
-  n_arms, done = len(seeds) * len(args.losses) * len(etas), 0
-  for seed in seeds:
-    seconds = []
-    for loss in args.losses:
-      for eta in etas:
-        name = f"{loss}_eta{eta}_seed{seed}"
-        print(f"[ablation] {done + 1}/{n_arms} {name} ({time.time() - t0:.0f}s so far)", flush=True)
-        s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.rl.max_staleness={eta}",
-                                             f"--config.seed={seed}", *common])
-        runs.append(dict(loss=loss, eta=eta, seed=seed, initial=s["initial_eval_accuracy"],
-                         final=s["final_eval_accuracy"], final_greedy=s["final_eval_greedy_accuracy"],
-                         initial_greedy=s["initial_eval_greedy_accuracy"],
-                         rl_seconds=s["rl_seconds_this_run"], max_staleness_seen=s["max_staleness_seen"],
-                         tokens_per_s=s["effective_tokens_per_s"],
-                         selection=_selection(_metrics(os.path.join(work, name, "metrics.jsonl")))))
-        seconds.append(s["rl_seconds_this_run"])
-        done += 1
-    budget = float(np.mean(seconds))
-    cd = os.path.join(work, f"sft_control_seed{seed}")
-    print(f"[ablation] supervised control, seed {seed}: {budget:.0f}s", flush=True)
-    if not os.path.exists(os.path.join(cd, "sft_summary.json")):  # a rerun keeps a finished control
-      run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={cd}",
-            f"--config.model.hf_path={ws}", f"--config.seed={seed}", f"--config.data.path={data}",
-            "--config.learner.warm_start_steps=1000000", "--schedule=constant",
-            f"--max_seconds={budget}", "--evaluate", *args.override], os.path.join(work, f"control{seed}.log"))
-    c = _json(os.path.join(cd, "sft_summary.json"))
-    control.append(dict(seed=seed, seconds=c["seconds"], steps=c["steps"], initial=c["initial_eval_accuracy"],
-                        final=c["final_eval_accuracy"], final_greedy=c["final_eval_greedy_accuracy"]))
+  common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}",
+            f"--config.data.path={os.path.join(work, 'data')}", f"--config.learner.eval_every={eval_every}",
+            f"--config.checkpoint.every_steps={steps}", *GRID["overrides"], *args.override]
+  # the synchronous reference (eta 0) of the quick mode is naive PPO's alone
+  plan = [(seed, arm, eta) for seed in seeds for eta in etas for arm in arms
+          if not (quick and eta == 0 and arm != "ppo")]
+  runs = []
+  for seed, arm, eta in plan:  # seed-major: a partial run holds every cell of seed 0
+    loss, extra = ARMS[arm]
+    name = f"{arm}_eta{eta}_seed{seed}"
+    print(f"[ablation] {len(runs) + 1}/{len(plan)} {name} ({time.time() - t0:.0f}s so far)", flush=True)
+    s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
+                                         f"--config.rl.max_staleness={_eta_flag(eta, steps)}", *extra])
+    runs.append(_arm_record(work, name, s, arm=arm, loss=loss, eta=eta, seed=seed))
 
-  def cell(loss, eta, key="final"):
-    return [r[key] for r in runs if r["loss"] == loss and r["eta"] == eta]
+  def cell(arm, eta, key="final"):
+    return [r[key] for r in runs if r["arm"] == arm and r["eta"] == eta and r[key] is not None]
 
-  header = ["eta"] + [f"{loss} (ours)" for loss in args.losses] + ["seed: naive PPO", "seed: decoupled"]
-  rows = [[eta] + [_cell(cell(loss, eta)) for loss in args.losses] +
-          [SEED_TABLE.get(eta, ("-", "-"))[0], SEED_TABLE.get(eta, ("-", "-"))[1]] for eta in etas]
+  header = ["eta"] + [f"{arm} (ours)" for arm in arms] + ["seed: naive PPO", "seed: decoupled"]
+  rows = [[eta] + [_cell(cell(arm, eta)) for arm in arms] +
+          list(SEED_TABLE.get(eta, ("-", "-"))) for eta in etas]
   initial = runs[0]["initial"]
-  rows.append(["warm start (before RL)"] + [_cell([initial])] * len(args.losses) + ["-", "-"])
-  rows.append(["supervised control, same wall time"] + [_cell([c["final"] for c in control])] * len(args.losses)
-              + ["-", "-"])
-  eval_metric = _json(os.path.join(work, f"{args.losses[0]}_eta{etas[0]}_seed0", "summary.json"))["eval_metric"]
+  rows.append(["warm start (before RL)"] + [_cell([initial])] * len(arms) + ["-", "-"])
+  mechanism = ["| arm | eta | seeds | staleness reached (max / mean) | KL(behaviour, current) | clipped "
+               "tokens | dropped or masked tokens | effective batch |", "|" + "---|" * 8]
+  for eta in etas:
+    for arm in arms:
+      if not cell(arm, eta):
+        continue
+      sel = [r["selection"].get("effective_batch") for r in runs if r["arm"] == arm and r["eta"] == eta]
+      sel = [x for x in sel if x is not None]
+      mechanism.append(
+          f"| {arm} | {eta} | {len(cell(arm, eta))} | {max(cell(arm, eta, 'max_staleness_seen'))} / "
+          f"{np.mean(cell(arm, eta, 'mean_staleness')):.2f} | {np.mean(cell(arm, eta, 'kl_behav')):.3g} | "
+          f"{100 * np.mean(cell(arm, eta, 'clipped_frac') or [0]):.2f}% | "
+          f"{100 * np.mean(cell(arm, eta, 'dropped_frac') or [0]):.2f}% | "
+          f"{f'{np.mean(sel):.3f}' if sel else '-'} |")
+  regime = " ".join(GRID["overrides"])
+  notes = (f"Held-out pass@1 in % after {steps} policy versions of the main job (configs/default.py, "
+           f"{regime}) from one shared supervised warm start; mean +- sd over {len(seeds)} seed(s). Arms: "
+           "`ppo` is naive PPO (ratio to the behaviour policy), `decoupled_ppo` the shipped default, "
+           "`dis` SAO's masked importance sampling, `sao` SAO whole: one rollout per prompt, value "
+           f"advantages (the learner's critic) and DIS. eta `{UNBOUNDED}` is no bound: admission is "
+           "limited by the decode slots alone. Every arm trains the same number of versions on "
+           "batches of the same number of trajectories. The seed's columns are AReaL's AIME24 scores "
+           "for a 1.5B model on math: a different task and scale, shown for the shape of the curve. "
+           "A rerun with the same --workdir reuses finished arms.\n\nMechanism, per arm (means over "
+           "versions and seeds):\n\n" + "\n".join(mechanism))
   result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, etas=etas,
-                                               losses=args.losses, seeds=seeds, overrides=args.override,
-                                               eval_metric=eval_metric),
-                runs=runs, control=control, warm_start_accuracy=initial, seconds=time.time() - t0)
-  for loss in args.losses:
-    base = np.mean(cell(loss, 0)) if cell(loss, 0) else None
-    result[f"{loss}_max_drop_vs_eta0"] = (None if base is None else
-                                          float(max(base - np.mean(cell(loss, e)) for e in etas)))
-  notes = (f"Held-out accuracy in % ({eval_metric}) after {steps} policy versions of the main job "
-           f"(configs/default.py) from one shared warm start; {len(seeds)} seed(s) per cell "
-           "(mean +- sd where more than one). The seed's columns are AReaL's AIME24 scores for a 1.5B "
-           "model on math: a different task and scale, shown for the shape of the curve only. "
-           "The supervised control trains the same warm start on worked solutions for the RL arms' "
-           "mean wall time.")
+                                               arms={a: dict(loss=ARMS[a][0], overrides=ARMS[a][1])
+                                                     for a in arms},
+                                               seeds=seeds, overrides=GRID["overrides"] + args.override,
+                                               quick=quick),
+                runs=runs, warm_start_accuracy=initial, seconds=time.time() - t0)
+  for arm in arms:
+    base = np.mean(cell(arm, 0)) if cell(arm, 0) else (np.mean(cell("ppo", 0)) if cell("ppo", 0) else None)
+    result[f"{arm}_max_drop_vs_eta0"] = (None if base is None else
+                                         float(max(base - np.mean(cell(arm, e)) for e in etas
+                                                   if cell(arm, e))))
   md = write_result("staleness_ablation", result, header, rows, notes,
                     **({"out_dir": args.out} if args.out else {}))
-  _plot(runs, control, initial, etas, args.losses, os.path.join(os.path.dirname(md), "staleness_ablation.png"))
-  _plot_selection({f"{r['loss']} eta {r['eta']}": r["selection"] for r in runs
-                   if r["seed"] == 0 and r["loss"] == "dis"},
+  _plot(runs, initial, etas, arms, os.path.join(os.path.dirname(md), "staleness_ablation.png"))
+  _plot_selection({f"{r['arm']} eta {r['eta']}": r["selection"] for r in runs
+                   if r["seed"] == 0 and r["arm"] in ("dis", "sao")},
                   os.path.join(os.path.dirname(md), "staleness_ablation_selection.png"))
   print(f"[ablation] wrote {md}")
-  print(json.dumps({"warm_start": initial, "control": float(np.mean([c["final"] for c in control])),
-                    **{f"{loss}_eta{eta}": float(np.mean(cell(loss, eta))) for loss in args.losses
-                       for eta in etas}}))
+  print(json.dumps({"warm_start": initial, **{f"{arm}_eta{eta}": float(np.mean(cell(arm, eta)))
+                                               for arm in arms for eta in etas if cell(arm, eta)}}))
   return 0
 
 
@@ -325,18 +382,32 @@ def _plot_selection(selection: dict, path: str) -> None:
   plt.close(fig)
 
 
-def _plot(runs, control, initial, etas, losses, path) -> None:
+def _plot(runs, initial, etas, arms, path) -> None:
+  """Left: final accuracy against eta per arm; middle: accuracy against versions at the largest eta;
+  right: KL(behaviour || current) against eta per arm (the mechanism)."""
   plt = pyplot()
-  fig, ax = plt.subplots(figsize=(6.5, 4))
-  for loss in losses:
-    vals = [[r["final"] for r in runs if r["loss"] == loss and r["eta"] == e] for e in etas]
-    ax.errorbar([str(e) for e in etas], [np.mean(v) for v in vals],
-                yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in vals], marker="o", capsize=3, label=loss)
-  ax.axhline(initial, color="gray", ls=":", label="warm start")
-  ax.axhline(np.mean([c["final"] for c in control]), color="black", ls="--", label="supervised control")
-  ax.set_xlabel("max staleness eta")
-  ax.set_ylabel("held-out accuracy")
-  ax.legend(fontsize=8)
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  of = lambda arm, eta: [r for r in runs if r["arm"] == arm and r["eta"] == eta]
+  for arm in arms:
+    shown = [e for e in etas if of(arm, e)]
+    finals = [[r["final"] for r in of(arm, e)] for e in shown]
+    axes[0].errorbar([str(e) for e in shown], [np.mean(v) for v in finals],
+                     yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in finals], marker="o", capsize=3,
+                     label=arm)
+    axes[2].plot([str(e) for e in shown], [np.mean([r["kl_behav"] for r in of(arm, e)]) for e in shown],
+                 marker="o", label=arm)
+    last = of(arm, etas[-1])
+    if last:
+      xs = [0] + sorted(last[0]["evals"])
+      ys = np.array([[r["initial"]] + [r["evals"][x] for x in xs[1:]] for r in last])
+      axes[1].errorbar(xs, ys.mean(0), yerr=ys.std(0, ddof=1) if len(last) > 1 else None, marker="o",
+                       capsize=3, label=arm)
+  axes[0].axhline(initial, color="gray", ls=":", label="warm start")
+  axes[0].set(xlabel="max staleness eta", ylabel="held-out pass@1 (end)")
+  axes[1].set(xlabel="policy version", ylabel="held-out pass@1", title=f"eta {etas[-1]}")
+  axes[2].set(xlabel="max staleness eta", ylabel="KL(behaviour || current), mean", yscale="log")
+  for ax in axes:
+    ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

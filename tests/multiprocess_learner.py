@@ -28,13 +28,13 @@ def resume(learner, directory: str, out: str, pid: int) -> None:
   from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   ckpt = Checkpointer(directory, async_save=False)
-  learner.params, learner.opt_state, meta = ckpt.restore(1, params_like=learner.params,
-                                                         opt_state_like=learner.opt_state)
+  state, meta = ckpt.restore(1, state_like=learner.checkpoint_state())
+  learner.load_checkpoint_state(state)
   learner.version = int(meta["version"])
   restored = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
   learner.train(t.sequences(seed=6), version=1)
   trained = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
-  ckpt.save(2, params=learner.params, opt_state=learner.opt_state, meta={"version": 2})
+  ckpt.save(2, state=learner.checkpoint_state(), meta={"version": 2})
   ckpt.close()
   if pid == 0:
     np.savez(out, **{f"restored_{i}": x for i, x in enumerate(restored)},

@@ -89,7 +89,11 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("rl.eps_clip", 1.5, r"rl.eps_clip=1.5 is not allowed"),
     ("rl.eps_low", 1.0, r"rl.eps_low=1.0 is not allowed"),
     ("rl.eps_high", 0.0, r"rl.eps_high=0.0 is not allowed"),
-    ("rl.advantage", "value", r"rl.advantage='value' is not allowed: not implemented yet"),
+    ("rl.advantage", "critic", r"rl.advantage='critic' is not allowed: must be one of \('group', 'value'\)"),
+    ("rl.value_updates", 0, r"rl.value_updates=0 is not allowed: an integer >= 1"),
+    ("rl.value_learning_rate", 0.0, r"rl.value_learning_rate=0.0 is not allowed: a number > 0"),
+    ("rl.value_clip", -1.0, r"rl.value_clip=-1.0 is not allowed: a number > 0"),
+    ("rl.value_pretrain_versions", -1, r"rl.value_pretrain_versions=-1 is not allowed"),
     ("rl.behav_weight_cap", 1.0, r"rl.behav_weight_cap=1.0 is not allowed: a number > 1 \(inf: no cap\)"),
     ("rl.behav_weight_cap", float("nan"), r"rl.behav_weight_cap=nan is not allowed"),
     ("rl.behav_weight_floor", 1.0, r"rl.behav_weight_floor=1.0 is not allowed: a number in \[0, 1\)"),
@@ -138,9 +142,24 @@ def test_bad_values_name_the_field(field, value, pattern):
     config_lib.validate(cfg)
 
 
+@pytest.mark.parametrize("field,value,pattern", [
+    # value advantages need no group, but a batch is still whole groups
+    ("rl.group_size", 5, r"learner.batch_size=\d+ is not allowed: must be a multiple of rl.group_size \(5\)"),
+    ("rl.value_pretrain_versions", 200, r"rl.value_pretrain_versions=200 is not allowed: must be < steps \(200\)"),
+])
+def test_bad_value_mode_settings_name_the_field(field, value, pattern):
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  cfg.rl.advantage = "value"
+  _set(cfg, field, value)
+  with pytest.raises(config_lib.ConfigError, match=pattern):
+    config_lib.validate(cfg)
+
+
 @pytest.mark.parametrize("changes", [
     {"rollout.top_p": 1.0, "rollout.temperature": 0.0, "rollout.top_k": 0, "rollout.port": 65535},
     {"learner.batch_size": 64, "learner.ppo_minibatches": 64, "rl.group_size": 64},  # both bounds inclusive
+    {"rl.advantage": "value", "rl.group_size": 1, "rl.loss": "dis", "rl.value_pretrain_versions": 199,
+     "rl.value_freeze_attention": True},
     {"data.max_terms": 2, "data.eval_samples": 0, "learner.b1": 0.0, "rl.gamma": 0.0, "rl.gae_lambda": 1.0},
     {"model.max_seq_len": 256, "data.max_prompt_len": 64, "data.max_completion_len": 192,
      "learner.token_budget": 256},

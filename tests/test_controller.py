@@ -101,6 +101,29 @@ def test_group_advantage_values():
   ctl.close()
 
 
+def test_value_mode_puts_each_reward_on_its_last_token_with_groups_of_one():
+  submitted, learner = [], _Learner()
+  ctl = Controller(prompts=PromptStream(_source(), seed=0, shard_index=0, shard_count=1), tokenizer=TOK,
+                   submit=lambda *r: submitted.extend(r),
+                   manager=StalenessManager(batch_size=4, max_staleness=0, max_concurrent=100),
+                   version=lambda: learner.version,
+                   reward=lambda text, answer: float(text.endswith("#" + answer)), batch_size=4,
+                   group_size=1, max_new_tokens=8, advantage="value")
+  ctl.pump()
+  assert len(submitted) == 4 and len({r.group_id for r in submitted}) == 4  # four prompts, one each
+  right = {r.request_id: i % 2 == 0 for i, r in enumerate(submitted)}
+  for r in reversed(submitted):  # arrival order does not change the batch's order
+    ctl.on_trajectory(_answered(ctl, r, right[r.request_id]))
+  b = ctl.next_batch(version=0, timeout=10)
+  assert [t.trajectory_id for t in b.trajectories] == [r.request_id for r in submitted]
+  for s, t in zip(b.sequences, b.trajectories):
+    reward = 1.0 if right[t.trajectory_id] else 0.0
+    expect = np.zeros(len(s.tokens), np.float32)
+    expect[-1] = reward  # the reward on the last completion token, nothing else
+    np.testing.assert_array_equal(s.advantages, expect)
+  ctl.close()
+
+
 def _train(ctl, learner, batch_requests, versions=None):
   """Delivers a batch's trajectories (tokens at ``versions``, default the learner's), takes the batch
   for the learner's version and counts one trained version, as the main loop does."""

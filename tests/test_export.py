@@ -29,7 +29,7 @@ def run(tmp_path_factory):
   saved = {}
   for step, seed in ((2, 4), (3, 5)):
     learner = Learner(model_config, sharp_params(model_config, seed, mesh=mesh), mesh, config, total_steps=10)
-    ckpt.save(step, params=learner.params, opt_state=learner.opt_state, meta={"version": step})
+    ckpt.save(step, state=learner.checkpoint_state(), meta={"version": step})
     saved[step] = jax.device_get(learner.params)
   ckpt.close()
   return workdir, model_config, saved

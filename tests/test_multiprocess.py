@@ -82,7 +82,7 @@ def test_two_process_learner_equals_one_process_and_checkpoints_move_between_pro
   learner = _one_process_learner()
   metrics = learner.train(sequences(), version=0)
   ckpt = Checkpointer(directory, async_save=False)
-  ckpt.save(1, params=learner.params, opt_state=learner.opt_state, meta={"version": 1})
+  ckpt.save(1, state=learner.checkpoint_state(), meta={"version": 1})
   ckpt.close()
   saved = jax.tree.leaves(jax.device_get(learner.params))
   learner.train(sequences(seed=6), version=1)  # the uninterrupted run's next version
@@ -110,7 +110,8 @@ def test_two_process_learner_equals_one_process_and_checkpoints_move_between_pro
   fresh = _one_process_learner()
   ckpt = Checkpointer(directory, async_save=False)
   assert ckpt.latest_step() == 2
-  restored, _, meta = ckpt.restore(2, params_like=fresh.params, opt_state_like=fresh.opt_state)
+  state, meta = ckpt.restore(2, state_like=fresh.checkpoint_state())
+  restored = state["params"]
   ckpt.close()
   assert meta == {"version": 2}
   for i, r in enumerate(jax.tree.leaves(jax.device_get(restored))):

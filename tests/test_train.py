@@ -184,6 +184,28 @@ def test_learner_preempted_and_killed_resumes_each_time_and_trains_every_prompt_
   assert json.loads((run / "summary.json").read_text())["steps"] == steps
 
 
+@pytest.mark.slow(40)
+def test_value_advantages_run_end_to_end_and_resume_with_their_value_model(tmp_path):
+  """SAO's single-rollout mode in the main job: groups of one, a value-pretraining version, the
+  value model's figures in the metrics, and a second start that resumes the value model too."""
+  value = ["--config.rl.advantage=value", "--config.rl.group_size=1", "--config.rl.loss=dis",
+           "--config.rl.value_pretrain_versions=1"]
+  _run(tmp_path, "--config.steps=3", *value)
+  out = _run(tmp_path, "--config.steps=4", *value)
+  assert "resumed from checkpoint at policy version 3" in out.stdout
+  with open(tmp_path / "metrics.jsonl") as f:
+    metrics = [json.loads(l) for l in f if l.strip()]
+  assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+  assert [m["policy_trained"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+  assert "loss" not in metrics[0] and all("loss" in m for m in metrics[1:])
+  for m in metrics:  # (>= 0: after a 2-step warm start every reward may be 0, and so every value)
+    assert np.isfinite(m["value_loss"]) and m["value_loss"] >= 0
+  evaluated = [m for m in metrics if "eval_accuracy" in m]
+  assert evaluated and all(np.isfinite(m["eval_value_explained_variance"]) for m in evaluated)
+  with open(tmp_path / "checkpoints" / "4" / "state" / "_METADATA") as f:
+    assert "value_opt_state" in f.read()  # the value model's optimizer state is saved with the run
+
+
 @pytest.mark.slow(19)
 def test_a_nan_update_stops_the_run_naming_the_version_and_keeps_the_last_checkpoint(tmp_path):
   overrides = ["--config.steps=6", "--config.learner.eval_every=0", "--config.learner.warm_start_steps=0",

@@ -116,10 +116,14 @@ def gae(rewards_bt, values_bt, mask_bt, terminated_b, bootstrap_b, *, gamma: flo
   return adv, jnp.where(is_action, adv + values_bt, 0.0)
 
 
-def clipped_value_loss(values, old_values, returns, mask, *, clip_eps: float):
-  """PPO value loss ``0.5 * max((V - R)^2, (clip(V, V_old - e, V_old + e) - R)^2)``, token mean."""
+def clipped_value_loss(values, old_values, returns, mask, *, clip_eps: float, normalizer=None):
+  """PPO value loss ``0.5 * max((V - R)^2, (clip(V, V_old - e, V_old + e) - R)^2)``, summed over the
+  tokens with ``mask`` and divided by ``normalizer`` (default: their count, a token mean; a whole
+  batch's count makes micro-batch losses sum to the batch's token mean)."""
   mask = jnp.asarray(mask, jnp.float32)
   old_values = jax.lax.stop_gradient(old_values)
   clipped = old_values + jnp.clip(values - old_values, -clip_eps, clip_eps)
   per_token = 0.5 * jnp.maximum(jnp.square(values - returns), jnp.square(clipped - returns))
-  return jnp.sum(jnp.where(mask > 0, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+  if normalizer is None:
+    normalizer = jnp.maximum(jnp.sum(mask), 1.0)
+  return jnp.sum(jnp.where(mask > 0, per_token, 0.0)) / normalizer

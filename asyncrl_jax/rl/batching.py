@@ -115,19 +115,28 @@ class SequenceData(NamedTuple):
   loss_weight: Optional[np.ndarray] = None  # float32 [n]: per-token weight of the loss; None: 1
 
 
-def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0
-                  ) -> SequenceData:
+def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0,
+                  token_reward: Optional[float] = None) -> SequenceData:
   """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
-  ``advantage`` is broadcast over the completion.
+  ``advantage`` is broadcast over the completion. ``token_reward`` (value advantages, see
+  ``asyncrl_jax.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere: the
+  ``advantages`` field then holds per-token rewards, which the learner's critic turns into advantages.
   """
   p, c = len(prompt), len(completion)
   mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
+  if token_reward is None:
+    per_token = mask * advantage
+  else:
+    if advantage:
+      raise ValueError("give an advantage or a token_reward, not both")
+    per_token = np.zeros(p + c)
+    per_token[-1] = token_reward
   return SequenceData(
       tokens=np.r_[np.asarray(prompt), np.asarray(completion)].astype(np.int32), mask=mask,
       behav_logp=np.r_[np.zeros(p), np.zeros(c) if logprobs is None else logprobs].astype(np.float32),
-      advantages=(mask * advantage).astype(np.float32),
+      advantages=per_token.astype(np.float32),
       versions=np.r_[np.full(p, -1), np.full(c, -1) if versions is None else versions].astype(np.int32))
 
 

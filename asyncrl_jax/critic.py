@@ -1,0 +1,176 @@
+"""The learner's critic for single-rollout advantages (SAO, ``rl.advantage="value"``).
+
+A value model (``models.value``: the policy's trunk and a scalar head) on the learner mesh, with its
+own optimizer in the shared update loop. Per policy version, on the batch's packed micro-batches:
+
+1. ``estimate``: one forward pass of the value model before any update gives ``V(s_t)`` on every
+   policy token, and GAE over the packed rows (``rl.gamma``, ``rl.gae_lambda``) turns the per-token
+   rewards into advantages and returns. With gamma = lambda = 1 and the reward on a trajectory's last
+   token this is ``A_t = R - V(s_t)``: no advantage needs another trajectory, so there is no group
+   barrier (``rl.group_size=1`` is allowed).
+2. the policy update uses those advantages (``learner.Learner.train``);
+3. ``train``: ``rl.value_updates`` optimizer steps of the clipped value loss on the returns, the
+   old values being the estimate's.
+
+In value mode a batch's ``advantages`` field holds per-token *rewards* (the controller puts each
+trajectory's reward on its last completion token, ``batching.make_sequence(token_reward=...)``):
+rewards are what the decode side knows; advantages are what only the learner's critic can compute.
+Every trajectory is treated as terminated (its reward is final, a truncated one included), so nothing
+is bootstrapped past its last token.
+
+The critic's state is checkpointed with the run and never offered to decode servers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from asyncrl_jax import models
+from asyncrl_jax import update as update_lib
+from asyncrl_jax.models import value as value_lib
+from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.rl import advantages as adv_lib
+from asyncrl_jax.rl import batching
+
+
+def value_metrics(values, returns, mask) -> dict:
+  """Host figures of a value model on tokens with ``mask`` (numpy ``[...]`` arrays):
+  ``value_explained_variance`` (``models.value.explained_variance``), ``value_mean``, ``return_mean``."""
+  mask = np.asarray(mask, np.float64) > 0
+  v, r = np.asarray(values, np.float64)[mask], np.asarray(returns, np.float64)[mask]
+  if not v.size:
+    return {"value_explained_variance": 0.0, "value_mean": 0.0, "return_mean": 0.0}
+  var_r = float(np.var(r))
+  ev = 1.0 - float(np.var(r - v)) / var_r if var_r > 0 else 0.0
+  return {"value_explained_variance": ev, "value_mean": float(v.mean()), "return_mean": float(r.mean())}
+
+
+class Critic:
+  """The value model's params and optimizer state on ``mesh``; ``estimate`` and ``train`` per version.
+
+  Args:
+    model_config: the policy's model (the trunk's architecture).
+    policy_params: the policy the value model starts from (its trunk is a copy; the head is zero).
+    mesh: the learner mesh.
+    config: the run config (``rl.gamma``, ``rl.gae_lambda``, ``rl.value_*``, ``learner.*``).
+    total_steps: optimizer steps the run may take (for the optimizer's schedule).
+    remat, attention_chunk: the learner's memory options for the forward pass.
+  """
+
+  def __init__(self, model_config: ModelConfig, policy_params, mesh: Mesh, config, *,
+               total_steps: int, remat: bool = False, attention_chunk: int = 0):
+    rl = config.rl
+    self.model_config, self.mesh = model_config, mesh
+    self.gamma, self.lam = float(rl.gamma), float(rl.gae_lambda)
+    self.updates, self.clip = int(rl.value_updates), float(rl.value_clip)
+    self.pretrain_versions = int(rl.value_pretrain_versions)
+    self._forward = dict(mesh=mesh, remat=remat, attention_chunk=attention_chunk)
+    params = value_lib.init_value_params(policy_params)
+    base = update_lib.make_optimizer(
+        learning_rate=rl.value_learning_rate, total_steps=total_steps * self.updates,
+        grad_clip=config.learner.grad_clip, schedule="constant", b1=config.learner.b1,
+        b2=config.learner.b2, weight_decay=config.learner.weight_decay)
+    optimizer = value_lib.value_optimizer(base, params, freeze_attention=bool(rl.value_freeze_attention))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    shardings = {"trunk": models.param_shardings(model_config, mesh),
+                 "head": {"w": replicated, "b": replicated}}
+    self.updater = update_lib.Updater(model_config, params, mesh, optimizer,
+                                      {"value": self._loss}, token_budget=config.learner.token_budget,
+                                      param_shardings=shardings)
+    self._estimate = self.updater.jit_forward(
+        functools.partial(self._estimate_impl, lam=self.lam), "value_estimate")
+    # held-out figures: the returns at lambda = 1 (reward to go), which do not depend on the values
+    self._reward_to_go = self.updater.jit_forward(
+        functools.partial(self._estimate_impl, lam=1.0), "value_reward_to_go")
+
+  def reset(self, policy_params) -> None:
+    """Starts the value model again from ``policy_params`` (e.g. the policy after its supervised warm
+    start): the trunk a copy of them, the head zero. The optimizer state is not touched (a fresh
+    critic's is the initial one)."""
+    self.params = jax.device_put(value_lib.init_value_params(policy_params),
+                                 self.updater.param_shardings)
+
+  params = property(lambda self: self.updater.params,
+                    lambda self, v: setattr(self.updater, "params", v))
+  opt_state = property(lambda self: self.updater.opt_state,
+                       lambda self, v: setattr(self.updater, "opt_state", v))
+
+  def _values(self, params, batch: batching.TokenBatch):
+    return value_lib.token_values(self.model_config, params, batch.tokens, batch.positions,
+                                  batch.segment_ids, **self._forward)
+
+  def _estimate_impl(self, params, batch: batching.TokenBatch, *, lam: float):
+    """``(advantages, returns, values)``, each ``[R, L]`` and 0 off the policy tokens; the batch's
+    ``advantages`` field holds the per-token rewards."""
+    values = self._values(params, batch)
+    rows = batch.tokens.shape[0]
+    adv, returns = adv_lib.gae(batch.advantages, values, batch.mask, jnp.ones((rows,), bool),
+                               jnp.zeros((rows,), jnp.float32), gamma=self.gamma, lam=lam,
+                               segment_ids_bt=batch.segment_ids)
+    return adv, returns, jnp.where(batch.mask > 0, values, 0.0)
+
+  def _loss(self, params, batch: batching.TokenBatch, aux, normalizer):
+    old_values, returns = aux
+    loss = adv_lib.clipped_value_loss(self._values(params, batch), old_values, returns, batch.mask,
+                                      clip_eps=self.clip, normalizer=normalizer)
+    return loss, {"policy_tokens": jnp.sum(batch.mask)}
+
+  def estimate(self, micro_batches: Sequence[batching.TokenBatch]) -> list:
+    """Per micro-batch (placed by the learner's updater, same mesh and budget): ``(advantages,
+    returns, values)`` on device, under the current value model."""
+    return [self._estimate(self.params, b) for b in micro_batches]
+
+  def train(self, micro_batches: Sequence[batching.TokenBatch], estimates: Sequence, normalizer
+            ) -> tuple[list, list]:
+    """``rl.value_updates`` optimizer steps on the returns of ``estimates`` (``estimate``'s, for the
+    same micro-batches); returns each step's per-micro-batch metrics and health, on device."""
+    aux = [(values, returns) for _, returns, values in estimates]
+    per_step, health = [], []
+    for _ in range(self.updates):
+      metrics, h = self.updater.update(micro_batches, normalizer, loss="value", aux=aux,
+                                       proceed=health[-1]["applied"] if health else None)
+      per_step.append(metrics)
+      health.append(h)
+    return per_step, health
+
+  def explained_variance(self, sequences: Sequence[batching.SequenceData]) -> dict:
+    """``value_metrics`` of the current value model on ``sequences`` (per-token rewards in their
+    ``advantages`` field), e.g. held-out samples: returns from GAE at lambda = 1 (the discounted
+    reward to go, which does not depend on the values)."""
+    mbs, _ = self.updater.place(sequences)
+    out, mbs = jax.device_get(([self._reward_to_go(self.params, b) for b in mbs], mbs))
+    return value_metrics(np.concatenate([v.ravel() for _, _, v in out]),
+                         np.concatenate([r.ravel() for _, r, _ in out]),
+                         np.concatenate([np.ravel(b.mask) for b in mbs]))
+
+
+def host_value_metrics(per_step: list, health: list, estimates: list, masks: list) -> dict:
+  """A version's value figures from ``Critic.train``'s results and the estimates (device_get already
+  applied): ``value_loss`` (the first step's, i.e. on data the value model has not trained on),
+  ``value_loss_after`` (the last step's), ``value_grad_norm``, and ``value_metrics`` of the
+  estimates against their returns."""
+  first = sum(float(m["loss"]) for m in per_step[0])
+  last = sum(float(m["loss"]) for m in per_step[-1])
+  values = np.concatenate([np.ravel(v) for _, _, v in estimates])
+  returns = np.concatenate([np.ravel(r) for _, r, _ in estimates])
+  mask = np.concatenate([np.ravel(m) for m in masks])
+  out = {"value_loss": first, "value_loss_last_update": last,
+         "value_grad_norm": float(np.mean([h["grad_norm"] for h in health]))}
+  out.update(value_metrics(values, returns, mask))
+  return out
+
+
+def check_finite(metrics: dict, health: list, version: int) -> Optional[str]:
+  """What was not finite in the critic's version (a message), or None."""
+  for i, h in enumerate(health):
+    if not (np.isfinite(h["grad_norm"]) and np.isfinite(h["param_norm"])):
+      return (f"the value model's update {i + 1} of {len(health)} at version {version} (gradient norm "
+              f"{h['grad_norm']}, parameter norm {h['param_norm']})")
+  bad = [k for k, v in metrics.items() if not np.isfinite(v)]
+  return f"the value model's {bad[0]} at version {version}" if bad else None
