@@ -53,6 +53,10 @@ def _data_section() -> ml_collections.ConfigDict:
       tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
       max_prompt_len=48, max_completion_len=160,
       min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
+      # built-in task: > 0 draws the supervised warm start's demonstrations from chains of 2 to this
+      # many terms, apart from the RL prompts (min_terms..max_terms): no demonstration of the long
+      # chains RL must solve. 0: the warm start reads the task's own train split
+      demo_max_terms=0,
       num_train=20000, num_test=500,  # built-in task: problems per split
       seed=0,  # built-in task: generator seed of the problems (the run's seed drives everything else)
       eval_problems=256,  # held-out problems per evaluation
@@ -273,6 +277,11 @@ def _validate_data(config) -> None:
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
   _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,
           f"an integer >= data.min_terms ({config.data.min_terms})", integer=True)
+  _number(config, "data.demo_max_terms", lambda v: v == 0 or v >= 2,
+          "an integer >= 2, or 0 (demonstrations from the task's own train split)", integer=True)
+  if config.data.demo_max_terms:
+    _check(config.data.task == "arithmetic", "data.demo_max_terms", config.data.demo_max_terms,
+           f"applies to the built-in task only (data.task={config.data.task!r})")
   if not config.model.hf_path:
     total = config.data.max_prompt_len + config.data.max_completion_len
     _check(total <= config.model.max_seq_len, "data.max_completion_len", config.data.max_completion_len,

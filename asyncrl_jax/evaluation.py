@@ -73,13 +73,22 @@ class Evaluator:
     result = {"greedy": float(self._scores(*out, self.prompt_ids, answers, reward).mean()),
               "sampled": None}
     if self.samples:
-      out = generate(self.model_config, params, *self._sampled, jax.random.key(self.seed),
-                     max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id, mesh=self.mesh,
-                     settings=self.sampling)
-      repeat = lambda xs: [x for x in xs for _ in range(self.samples)]
-      result["sampled"] = float(self._scores(*out, repeat(self.prompt_ids), repeat(answers),
-                                             reward).mean())
+      result["sampled"] = float(self.sample(params, reward).mean())
     return result
+
+  def sample(self, params, reward, *, seed=None) -> np.ndarray:
+    """The rewards of ``samples`` completions per problem (problem-major) drawn as the decode servers
+    draw them, with PRNG seed ``seed`` (default: the evaluator's own, the same every time); the
+    completions stay in ``last_samples``."""
+    if not self.samples:
+      raise ValueError("this evaluator draws no samples (samples=0 or greedy sampling settings)")
+    out = generate(self.model_config, params, *self._sampled,
+                   jax.random.key(self.seed if seed is None else seed),
+                   max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id, mesh=self.mesh,
+                   settings=self.sampling)
+    repeat = lambda xs: [x for x in xs for _ in range(self.samples)]
+    return self._scores(*out, repeat(self.prompt_ids), repeat([p["answer"] for p in self.problems]),
+                        reward)
 
 
 def eval_kind(evaluator: Evaluator) -> str:

@@ -95,6 +95,9 @@ def main(argv=None) -> None:
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rft import rejection_sampling_fine_tune  # pylint: disable=import-outside-toplevel
+  import dataclasses  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
@@ -107,6 +110,12 @@ def main(argv=None) -> None:
                                "learner.warm_start_lr, its final rate).")
   evaluate = flags.DEFINE_bool("evaluate", False, "Held-out accuracy before and after (as the main job "
                                "measures it); written to WORKDIR/sft_summary.json.")
+  rft = flags.DEFINE_bool("rft", False, "Rejection-sampling fine-tuning instead of demonstrations: "
+                          "train on the model's own correct samples of the RL prompts (asyncrl_jax.rft), "
+                          "at the constant rate of --schedule=constant.")
+  rft_samples = flags.DEFINE_integer("rft_samples", 4, "--rft: completions drawn per prompt.")
+  rft_prompts = flags.DEFINE_integer("rft_prompts_per_round", 128, "--rft: prompts sampled per round.")
+  rft_steps = flags.DEFINE_integer("rft_steps_per_round", 16, "--rft: optimizer steps per round.")
 
   def _main(args):
     del args
@@ -117,8 +126,10 @@ def main(argv=None) -> None:
     b = builder_lib.from_config(config, workdir.value)
     tokenizer = load_tokenizer(config.data.tokenizer_path)
     model_config, params = models.from_config(config, mesh)  # model.hf_path: continue from it
-    lr = config.learner.warm_start_lr * (0.1 if schedule.value == "constant" else 1.0)
-    summary = dict(schedule=schedule.value, learning_rate=lr, init=config.model.hf_path or "random")
+    constant = schedule.value == "constant" or rft.value
+    lr = config.learner.warm_start_lr * (0.1 if constant else 1.0)
+    summary = dict(schedule="constant" if constant else schedule.value, learning_rate=lr,
+                   init=config.model.hf_path or "random", mode="rft" if rft.value else "demonstrations")
     evaluator = None
     if evaluate.value:
       evaluator = Evaluator.from_config(
@@ -133,13 +144,32 @@ def main(argv=None) -> None:
       steps_run[0] = i
       print(f"[sft] step {i} loss {loss:.3f}", flush=True)
 
+    def rft_progress(stats, loss):
+      steps_run[0] = stats.steps
+      print(f"[sft] rft round {stats.rounds}: {stats.steps} steps, {stats.kept} of {stats.sampled} "
+            f"samples kept, sample accuracy {stats.sample_accuracy[-1]:.3f}, loss {loss:.3f}", flush=True)
+
     t = time.time()
-    params, loss = warm_start(
-        model_config, params, mesh, pipeline.read_split(b, "train"), tokenizer,
-        steps=max(config.learner.warm_start_steps, 1),
-        batch_size=config.learner.warm_start_batch, learning_rate=lr, seed=config.seed,
-        token_budget=config.learner.token_budget, progress=progress, schedule=schedule.value,
-        max_seconds=max_seconds.value, grad_clip=config.learner.grad_clip)
+    if rft.value:
+      params, stats = rejection_sampling_fine_tune(
+          model_config, params, mesh, pipeline.read_split(b, "train"), tokenizer,
+          reward_fn(config.data.task), sampling=SamplingSettings.from_config(config),
+          samples=rft_samples.value, prompts_per_round=rft_prompts.value,
+          steps_per_round=rft_steps.value, batch_size=config.learner.warm_start_batch,
+          learning_rate=lr, token_budget=config.learner.token_budget,
+          max_prompt_len=config.data.max_prompt_len, max_new_tokens=config.data.max_completion_len,
+          seed=config.seed, max_steps=max(config.learner.warm_start_steps, 1),
+          max_seconds=max_seconds.value, grad_clip=config.learner.grad_clip, progress=rft_progress)
+      loss = stats.last_loss if stats.last_loss is not None else float("nan")
+      summary.update(rft=dataclasses.asdict(stats))
+    else:
+      params, loss = warm_start(
+          model_config, params, mesh,
+          pipeline.read_split(builder_lib.demonstrations_from_config(config, workdir.value), "train"),
+          tokenizer, steps=max(config.learner.warm_start_steps, 1),
+          batch_size=config.learner.warm_start_batch, learning_rate=lr, seed=config.seed,
+          token_budget=config.learner.token_budget, progress=progress, schedule=schedule.value,
+          max_seconds=max_seconds.value, grad_clip=config.learner.grad_clip)
     summary.update(seconds=time.time() - t, steps=steps_run[0], final_loss=loss)
     out = os.path.join(workdir.value, "warm_start")
     models.export_hf(model_config, params, out)

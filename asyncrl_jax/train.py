@@ -64,6 +64,7 @@ class _Data:
   reward: object
   eval_problems: list
   prompts: pipeline.PromptStream
+  workdir: str  # (where the warm start's demonstrations are prepared, when they are apart)
 
   @classmethod
   def from_config(cls, config, workdir: str) -> "_Data":
@@ -72,7 +73,7 @@ class _Data:
                pipeline.read_split(builder, builder_lib.held_out_split(builder), config.data.eval_problems),
                # the one controller reads every prompt, however many learner processes there are
                pipeline.PromptStream(builder.as_data_source(split="train"), seed=config.seed,
-                                     shard_index=0, shard_count=1))
+                                     shard_index=0, shard_count=1), workdir)
 
 
 class _Evaluation:
@@ -115,7 +116,8 @@ def _warm_start(config, learner: Learner, data: _Data, evaluate: _Evaluation) ->
     bar.set_postfix(loss=f"{loss:.3f}")
 
   learner.params, meta["warm_start_loss"] = warm_start(
-      learner.model_config, learner.params, learner.mesh, pipeline.read_split(data.builder, "train"),
+      learner.model_config, learner.params, learner.mesh,
+      pipeline.read_split(builder_lib.demonstrations_from_config(config, data.workdir), "train"),
       data.tokenizer, steps=config.learner.warm_start_steps, batch_size=config.learner.warm_start_batch,
       learning_rate=config.learner.warm_start_lr, seed=config.seed,
       token_budget=config.learner.token_budget, progress=progress, grad_clip=config.learner.grad_clip)

@@ -205,6 +205,28 @@ def from_config(config, workdir: str):
   return tfds.builder_from_directory(os.path.expanduser(data.path))
 
 
+DEMONSTRATION_SEED_OFFSET = 1_000_003  # demonstrations are other draws than the RL prompts
+
+
+def demonstrations_from_config(config, workdir: str):
+  """The dataset whose train split the supervised warm start reads: the task's own (``from_config``),
+  or, with ``data.demo_max_terms > 0``, built-in chains of 2 to ``demo_max_terms`` terms drawn with
+  another seed, prepared apart from the RL prompts (``DATA_PATH-demonstrations``, or
+  ``WORKDIR/data-demonstrations``): the longer chains RL trains on have no demonstration."""
+  data = config.data
+  if not data.demo_max_terms:
+    return from_config(config, workdir)
+  settings = dict(num_train=data.num_train, num_test=data.num_test,
+                  seed=data.seed + DEMONSTRATION_SEED_OFFSET, min_terms=2, max_terms=data.demo_max_terms)
+  if data.path:
+    path = data.path.rstrip("/") + "-demonstrations"
+  elif paths.is_remote(workdir):
+    path = prepared_dir(workdir, "arithmetic-demonstrations", settings)
+  else:
+    path = os.path.join(workdir, "data-demonstrations")
+  return build_arithmetic(path, **settings)
+
+
 def held_out_split(builder) -> str:
   """``test`` when the dataset has one, else its first split (evaluation then reuses training data)."""
   splits = list(builder.info.splits.keys())
