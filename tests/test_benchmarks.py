@@ -1,5 +1,7 @@
 """Benchmark arithmetic that turns logged metrics into the reported figures."""
 
+import json
+
 import pytest
 
 from benchmarks.async_vs_sync import window_metrics
@@ -38,7 +40,6 @@ def test_window_metrics_hand_computed():
 
 
 def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
-  import json
   from benchmarks import straggler as bench
   assert bench.main(["--seeds", "2", "--epochs", "4", "--out", str(tmp_path)]) == 0
   last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -55,7 +56,6 @@ def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
 @pytest.mark.slow(23)
 def test_gpu_script_runs_end_to_end_at_a_tiny_size(tmp_path):
   """The accelerator script (never run in CI on an accelerator) still works: same steps, tiny sizes."""
-  import json
   import os
   import subprocess
   import sys
@@ -90,7 +90,6 @@ def test_twin_figures_hand_computed():
 
 
 def test_soak_fault_effects_and_lineage_hand_computed(tmp_path):
-  import json  # pylint: disable=import-outside-toplevel
   from benchmarks.soak import fault_effects, lineage  # pylint: disable=import-outside-toplevel
   # 1 version/s for 60 s, a learner restart at t=60 back to version 50 (lost work), then 2 s per
   # version: it passes 60 + 3 = 63 again at t = 60 + 2 * 13 = 86
@@ -120,4 +119,27 @@ def test_ablation_selection_monitor_averages_and_plots(tmp_path):
                                "effective_batch": 0.8})
   png = tmp_path / "selection.png"
   staleness_ablation._plot_selection({"dis eta 8": sel, "old arm": {}}, str(png))  # pylint: disable=protected-access
+  assert png.stat().st_size > 1000
+
+
+def test_ablation_arm_record_reads_the_mechanism_and_plots(tmp_path):
+  from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
+  arm = tmp_path / "ppo_eta16_seed0"
+  arm.mkdir()
+  records = [{"version": 1, "kl_behav": 0.02, "clipped_frac": 0.1, "dropped_frac": 0.0, "mean_staleness": 3.0},
+             {"version": 2, "kl_behav": 0.04, "clipped_frac": 0.3, "dropped_frac": 0.0, "mean_staleness": 5.0,
+              "eval_accuracy": 0.4}]
+  (arm / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  summary = {"initial_eval_accuracy": 0.3, "final_eval_accuracy": 0.4, "final_eval_greedy_accuracy": 0.5,
+             "max_staleness_seen": 7, "rl_seconds_this_run": 12.0}
+  rec = ab._arm_record(str(tmp_path), arm.name, summary, arm="ppo", eta=16, seed=0)  # pylint: disable=protected-access
+  assert rec["kl_behav"] == pytest.approx(0.03) and rec["clipped_frac"] == pytest.approx(0.2)
+  assert rec["mean_staleness"] == pytest.approx(4.0) and rec["max_staleness_seen"] == 7
+  assert rec["evals"] == {2: 0.4} and rec["value_explained_variance"] is None
+  assert ab._eta_flag(ab.UNBOUNDED, 80) == 80 and ab._eta_flag(4, 80) == 4  # pylint: disable=protected-access
+  with pytest.raises(Exception, match="not an integer"):
+    ab._parse_eta("-3")  # pylint: disable=protected-access
+  png = tmp_path / "ablation.png"
+  other = dict(rec, eta=ab.UNBOUNDED, final=0.35, kl_behav=0.1)
+  ab._plot([rec, other], 0.3, [16, ab.UNBOUNDED], ["ppo"], str(png))  # pylint: disable=protected-access
   assert png.stat().st_size > 1000
