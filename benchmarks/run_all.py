@@ -47,7 +47,22 @@ BENCHMARKS = {
                             "throughput at eta 2 over eta 0."),
     "staleness_ablation": ("staleness_ablation.py", ["--quick"], [],
                            "Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
-                           "drops to 23.3 at eta 4."),
+                           "drops to 23.3 at eta 4. Goal: a regime where staleness hurts the naive "
+                           "objective (KL(behaviour, current) >= 1e-2 at eta 16)."),
+    "staleness_ablation_gentle": (
+        "staleness_ablation.py", ["--name", "staleness_ablation_gentle", "--arms", "ppo", "decoupled_ppo",
+                                  "dis", "--etas", "0", "2", "8", "--seeds", "1", "--steps", "100",
+                                  "--override=--config.learner.learning_rate=1e-4",
+                                  "--override=--config.learner.ppo_minibatches=1"],
+        ["--name", "staleness_ablation_gentle", "--arms", "ppo", "decoupled_ppo", "dis", "--etas", "0", "1",
+         "2", "4", "8", "--seeds", "2", "--steps", "100", "--override=--config.learner.learning_rate=1e-4",
+         "--override=--config.learner.ppo_minibatches=1"],
+        "The default learning rate (1e-4, one update per batch), where the policy moves little per "
+        "version: nothing can fail here. The supervised-control row comes from the run recorded below "
+        "(an earlier version of the script); rl_vs_rft holds the controls now."),
+    "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
+                  "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
+                  "than any demonstration."),
     "staleness_probe": ("staleness_ablation.py", ["--regime", "probe", "--seeds", "1"], ["--regime", "probe"],
                         "Seed (AReaL): at eta 8 decoupled PPO 41.0 vs naive PPO 35.7; the issue's probe "
                         "had found the opposite order."),

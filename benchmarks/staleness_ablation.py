@@ -14,10 +14,10 @@ the synchronous reference) and 16 (every arm), one seed, 60 versions.
 The table is shaped like the seed's ablation (rows eta, columns the arms; mean +- sd over seeds); under
 it, per arm and eta, the mechanism: the staleness reached, the mean KL(behaviour || current), the
 clipped and the dropped/masked token fractions and the effective batch. Writes
-benchmarks/results/staleness_ablation.{json,md,png} (final accuracy and KL against eta, accuracy
-against versions at the largest eta) and staleness_ablation_selection.png (the DIS and SAO arms'
-masked fraction by completion length and token staleness, ``rl.selection``); prints one JSON object
-(last line). A rerun with the same ``--workdir`` reuses every finished arm.
+benchmarks/results/NAME.{json,md,png} (``--name``, default staleness_ablation; final accuracy and KL
+against eta, accuracy against versions at the largest eta) and NAME_selection.png (the DIS and SAO
+arms' masked fraction by completion length and token staleness, ``rl.selection``); prints one JSON
+object (last line). A rerun with the same ``--workdir`` reuses every finished arm.
 
 ``--regime=probe`` is the regime of the decoupled-vs-naive diagnosis: learning rate 3e-4, 2 optimizer
 updates per batch, eta 8, 80 versions, evaluated every 20. Its arms are naive PPO, decoupled PPO as
@@ -168,7 +168,9 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="", help="keep the runs here; a rerun reuses finished arms "
                  "(default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
-  p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm")
+  p.add_argument("--name", default="staleness_ablation", help="result files' name (default regime)")
+  p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm "
+                 "(after the regime's own, so they win)")
   args = p.parse_args(argv)
   if args.regime == "probe":
     return probe(args)
@@ -241,12 +243,12 @@ def main(argv=None) -> int:
     result[f"{arm}_max_drop_vs_eta0"] = (None if base is None else
                                          float(max(base - np.mean(cell(arm, e)) for e in etas
                                                    if cell(arm, e))))
-  md = write_result("staleness_ablation", result, header, rows, notes,
-                    **({"out_dir": args.out} if args.out else {}))
-  _plot(runs, initial, etas, arms, os.path.join(os.path.dirname(md), "staleness_ablation.png"))
+  name = args.name
+  md = write_result(name, result, header, rows, notes, **({"out_dir": args.out} if args.out else {}))
+  _plot(runs, initial, etas, arms, os.path.join(os.path.dirname(md), f"{name}.png"))
   _plot_selection({f"{r['arm']} eta {r['eta']}": r["selection"] for r in runs
                    if r["seed"] == 0 and r["arm"] in ("dis", "sao")},
-                  os.path.join(os.path.dirname(md), "staleness_ablation_selection.png"))
+                  os.path.join(os.path.dirname(md), f"{name}_selection.png"))
   print(f"[ablation] wrote {md}")
   print(json.dumps({"warm_start": initial, **{f"{arm}_eta{eta}": float(np.mean(cell(arm, eta)))
                                                for arm in arms for eta in etas if cell(arm, eta)}}))
