@@ -107,15 +107,44 @@ def planner_md(stdout: str, args: list, preface: str, *, name: str = "planner",
   return path
 
 
+# Sections written by hand in RESULTS.md (several runs, or findings rather than one result file): kept
+# as they stand, after the benchmark named with each.
+HAND_WRITTEN = {"transfer_faults": "transfer", "soak": "transfer_faults"}
+
+
+def _sections(text: str) -> dict:
+  """RESULTS.md's sections by name (the lines after each ``## name`` up to the next)."""
+  out, name = {}, None
+  for line in text.splitlines():
+    if line.startswith("## "):
+      name = line[3:].strip()
+      out[name] = []
+    elif name is not None:
+      out[name].append(line)
+  return out
+
+
 def assemble() -> str:
   date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
   out = ["# Benchmark results", "",
          f"Assembled {date} by `python benchmarks/run_all.py`; each section below was written by its "
          "benchmark and names its own machine, configuration and date. Plots (PNG) sit next to this file "
          "in `results/`.", ""]
-  names = list(BENCHMARKS) + sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(RESULTS, "gpu_*.md")))
+  path = os.path.join(HERE, "RESULTS.md")
+  kept = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      kept = _sections(f.read())
+  names = list(BENCHMARKS)
+  for name, after in HAND_WRITTEN.items():
+    if name in kept:  # (after the one named, or at the end when that one is not there)
+      names.insert(names.index(after) + 1 if after in names else len(names), name)
+  names += sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(RESULTS, "gpu_*.md")))
   for name in names:
     out.append(f"## {name}")
+    if name in HAND_WRITTEN:
+      out += kept[name]
+      continue
     out.append("")
     if name in BENCHMARKS:
       out += [f"*{BENCHMARKS[name][3]}*", ""]
@@ -132,7 +161,6 @@ def assemble() -> str:
   if not any(n.startswith("gpu_") for n in names):
     out += ["## gpu", "", "Not run yet: `benchmarks/gpu/run.sh` needs an accelerator (none was available "
             "where these results were made).", ""]
-  path = os.path.join(HERE, "RESULTS.md")
   with open(path, "w") as f:
     f.write("\n".join(out))
   return path

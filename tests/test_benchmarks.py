@@ -143,3 +143,19 @@ def test_ablation_arm_record_reads_the_mechanism_and_plots(tmp_path):
   other = dict(rec, eta=ab.UNBOUNDED, final=0.35, kl_behav=0.1)
   ab._plot([rec, other], 0.3, [16, ab.UNBOUNDED], ["ppo"], str(png))  # pylint: disable=protected-access
   assert png.stat().st_size > 1000
+
+
+def test_results_assembly_keeps_hand_written_sections(tmp_path, monkeypatch):
+  from benchmarks import run_all  # pylint: disable=import-outside-toplevel
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "transfer.md").write_text("# transfer\n\nmeasured table\n")
+  (tmp_path / "RESULTS.md").write_text("# Benchmark results\n\n## transfer\n\nOLD-TEXT\n\n## soak\n\nthree runs, "
+                                       "written by hand\n\n## gone\n\nnot a benchmark\n")
+  monkeypatch.setattr(run_all, "HERE", str(tmp_path))
+  monkeypatch.setattr(run_all, "RESULTS", str(results))
+  text = open(run_all.assemble()).read()
+  assert "measured table" in text and "OLD-TEXT" not in text  # a benchmark's section comes from its file
+  assert text.count("## soak") == 1 and "three runs, written by hand" in text
+  assert text.index("## soak") > text.index("## transfer")
+  assert "## gone" not in text and "## straggler\n\n" in text  # (not run yet: says so)
