@@ -123,6 +123,9 @@ def _learner_section() -> ml_collections.ConfigDict:
       # compile every micro-batch shape (one per row-length bucket up to the longest sequence) at
       # start, applying nothing, so that no version stalls on a compilation mid-run
       warm_up=True,
+      # a jax profiler trace of the whole process (decode, learner, host) over profile_versions
+      # policy versions from profile_start, in WORKDIR/profile (-1: none)
+      profile_start=-1, profile_versions=3,
   ))
 
 
@@ -350,6 +353,9 @@ def _validate_learner(config) -> None:
          "True or False")
   _number(config, "learner.vocab_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
           integer=True)
+  _number(config, "learner.profile_start", lambda v: v >= -1, "a policy version >= 0, or -1 (no trace)",
+          integer=True)
+  _number(config, "learner.profile_versions", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.attention_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
           integer=True)
   if not config.model.hf_path:

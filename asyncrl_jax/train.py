@@ -198,8 +198,45 @@ def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: 
                       on_weight_update=config.rollout.on_weight_update)
 
 
+class _Profile:
+  """A jax profiler trace of versions ``[learner.profile_start, + learner.profile_versions)`` in
+  ``WORKDIR/profile`` (every thread of the process: decode, learner, host work): an ``.xplane.pb`` for
+  TensorBoard's profile plugin and a ``perfetto_trace.json.gz`` for ui.perfetto.dev (README,
+  Benchmarks)."""
+
+  def __init__(self, config, workdir: str):
+    self.start, self.stop = config.learner.profile_start, config.learner.profile_start + \
+        config.learner.profile_versions
+    self.path, self.tracing = paths.join(workdir, "profile"), False
+
+  def before(self, version: int) -> None:
+    if version == self.start and not self.tracing:
+      jax.profiler.start_trace(self.path, create_perfetto_trace=True)  # (+ a file Perfetto opens)
+      self.tracing = True
+
+  def after(self, version: int) -> None:
+    """``version``: the learner's version after a training step."""
+    if self.tracing and version >= self.stop:
+      self.close()
+
+  def close(self) -> None:
+    if self.tracing:
+      jax.profiler.stop_trace()
+      self.tracing = False
+      say(f"profile of versions {self.start}..{self.stop - 1} written to {self.path}")
+
+
 def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunLog, ckpt, meta: dict):
   """The RL loop: one policy version per batch, until ``config.steps``; returns the last accuracies."""
+  profile = _Profile(config, log.workdir)
+  try:
+    return _train_versions(config, group, controller, backend, evaluate, log, ckpt, meta, profile)
+  finally:
+    profile.close()
+
+
+def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, log: RunLog, ckpt,
+                    meta: dict, profile: _Profile):
   learner = group.learner
   accuracy = (meta.get("last_eval_accuracy", meta["initial_eval_accuracy"]),
               meta.get("last_eval_greedy_accuracy", meta["initial_eval_greedy_accuracy"]))
@@ -229,6 +266,7 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
     faults.at("train", batch.version)
     if faults.at("nan", batch.version):
       batch.sequences[0].advantages[:] = float("nan")
+    profile.before(batch.version)
     update = group.train(batch.sequences, version=batch.version)
     transfer = backend.update_weights(learner.params, learner.version)
     faults.at("push", learner.version)
@@ -242,6 +280,7 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
       if learner.critic is not None:
         record.update(evaluate.value_figures(learner.critic))
     log.append(record, batch)
+    profile.after(learner.version)
     if learner.version % config.checkpoint.every_steps == 0 or last:
       meta.update(last_eval_accuracy=accuracy[0], last_eval_greedy_accuracy=accuracy[1])
       group.save(ckpt.run_meta(learner, controller, meta))

@@ -174,6 +174,9 @@ def main(argv=None) -> int:
                  help="run each arm as a decode-server process pinned to one core and the main job "
                       "pinned to another (one CPU device each): separate rollout and learner devices, "
                       "as on accelerator slices (needs 2 cores; default: one process, shared cores)")
+  p.add_argument("--profile", default=None, metavar="ETA",
+                 help="write a jax profiler trace of 3 versions (after the skipped ones) of the arm at "
+                      "this eta to WORKDIR/eta<ETA>/profile (README: Benchmarks, where the time goes)")
   args = p.parse_args(argv)
   pinning = hasattr(os, "sched_setaffinity")  # Linux
   cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if args.split_cores and pinning else ()
@@ -207,6 +210,8 @@ def main(argv=None) -> int:
     wd = os.path.join(work, name)
     print(f"[async_vs_sync] eta={label}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
     flags = [f"--config.rl.max_staleness={eta}", *common, *extra]
+    if args.profile is not None and args.profile == label.replace(" ", "_"):
+      flags += [f"--config.learner.profile_start={skip}", "--config.learner.profile_versions=3"]
     if args.split_cores:
       run_split_arm(py, flags, wd, os.path.join(work, name), cores)
     else:

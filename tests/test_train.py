@@ -49,8 +49,13 @@ def _trained_prompts(workdir):
 
 @pytest.mark.slow(43)
 def test_async_run_end_to_end(tmp_path):
-  out = _run(tmp_path, "--config.steps=4", "--config.rl.max_staleness=2")
+  out = _run(tmp_path, "--config.steps=4", "--config.rl.max_staleness=2",
+             "--config.learner.profile_start=1", "--config.learner.profile_versions=2")
   summary = json.loads((tmp_path / "summary.json").read_text())
+  traces = list((tmp_path / "profile").rglob("*.xplane.pb"))  # versions 1-2 traced (learner.profile_*)
+  assert len(traces) == 1 and traces[0].stat().st_size > 1000, traces
+  assert list((tmp_path / "profile").rglob("perfetto_trace.json.gz"))
+  assert "profile of versions 1..2 written to" in out.stdout
   config = json.loads((tmp_path / "config.json").read_text())  # the run's resolved config
   assert config["rl"]["max_staleness"] == 2 and config["rollout"]["num_slots"] == 12
   for key in ("initial_eval_accuracy", "final_eval_accuracy", "trained_tokens", "wall_seconds",
