@@ -10,6 +10,11 @@ the version's first update: the first minibatch reads them off its own forward p
 and only later minibatches need a separate prox pass, run before any update; with the default single
 minibatch there is no prox pass at all.
 
+With ``rl.advantage="value"`` the learner also owns a critic (``asyncrl_jax.critic``): per version it
+turns the batch's per-token rewards into advantages with the value model before any update, the
+policy trains on those, and the value model then takes its own optimizer steps; the first
+``rl.value_pretrain_versions`` versions train the value model alone.
+
 ``Learner.version`` is the only count of trained versions in the system: batches name the version
 they train, decode servers the version they hold, and both are checked against it.
 """

@@ -142,10 +142,11 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
     say(f"resumed from checkpoint at policy version {learner.version}")
   else:
     log.start_fresh()
-    meta = (_warm_start(config, learner, data, evaluate)
-            if config.learner.warm_start_steps and not config.model.hf_path else {})
-    if learner.critic is not None:  # the value model starts from the policy RL starts from
-      learner.critic.reset(learner.params)
+    meta = {}
+    if config.learner.warm_start_steps and not config.model.hf_path:  # (one learner process only)
+      meta = _warm_start(config, learner, data, evaluate)
+      if learner.critic is not None:  # the value model starts from the policy RL starts from
+        learner.critic.reset(learner.params)
   if evaluate is None:
     meta.update(initial_eval_accuracy=None, initial_eval_greedy_accuracy=None)
     say(f"model {models.count_params(learner.params):,} params at version {learner.version}; no "
