@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax import models
+from asyncrl_jax import sharding as sharding_lib
 from asyncrl_jax import update as update_lib
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.models.config import ModelConfig
@@ -46,8 +47,7 @@ def value_metrics(values, returns, mask) -> dict:
   v, r = np.asarray(values, np.float64)[mask], np.asarray(returns, np.float64)[mask]
   if not v.size:
     return {"value_explained_variance": 0.0, "value_mean": 0.0, "return_mean": 0.0}
-  var_r = float(np.var(r))
-  ev = 1.0 - float(np.var(r - v)) / var_r if var_r > 0 else 0.0
+  ev = float(value_lib.explained_variance(v, r, np.ones_like(v)))
   return {"value_explained_variance": ev, "value_mean": float(v.mean()), "return_mean": float(r.mean())}
 
 
@@ -77,7 +77,7 @@ class Critic:
         grad_clip=config.learner.grad_clip, schedule="constant", b1=config.learner.b1,
         b2=config.learner.b2, weight_decay=config.learner.weight_decay)
     optimizer = value_lib.value_optimizer(base, params, freeze_attention=bool(rl.value_freeze_attention))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    replicated = sharding_lib.replicated(mesh)
     shardings = {"trunk": models.param_shardings(model_config, mesh),
                  "head": {"w": replicated, "b": replicated}}
     self.updater = update_lib.Updater(model_config, params, mesh, optimizer,
