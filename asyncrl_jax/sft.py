@@ -87,6 +87,48 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   return updater.params, float(loss)
 
 
+def _fine_tune(config, model_config, params, mesh, builder, tokenizer, workdir: str, *,
+               learning_rate: float, schedule: str, max_seconds: Optional[float],
+               rft: Optional[dict]) -> tuple:
+  """The CLI's training: on demonstrations (``warm_start``), or, with ``rft`` (the ``samples``,
+  ``prompts_per_round`` and ``steps_per_round`` of ``asyncrl_jax.rft``), on the model's own correct
+  samples of the train split's prompts. Prints progress; returns (params, last loss, steps, summary
+  fields)."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rft import rejection_sampling_fine_tune  # pylint: disable=import-outside-toplevel
+  steps = max(config.learner.warm_start_steps, 1)
+  common = dict(learning_rate=learning_rate, token_budget=config.learner.token_budget,
+                max_seconds=max_seconds, grad_clip=config.learner.grad_clip,
+                batch_size=config.learner.warm_start_batch, seed=config.seed)
+  if rft is None:
+    steps_run = [0]
+
+    def progress(i, loss):
+      steps_run[0] = i
+      print(f"[sft] step {i} loss {loss:.3f}", flush=True)
+
+    params, loss = warm_start(
+        model_config, params, mesh,
+        pipeline.read_split(builder_lib.demonstrations_from_config(config, workdir), "train"),
+        tokenizer, steps=steps, progress=progress, schedule=schedule, **common)
+    return params, loss, steps_run[0], {}
+
+  def rft_progress(stats, loss):
+    print(f"[sft] rft round {stats.rounds}: {stats.steps} steps, {stats.kept} of {stats.sampled} "
+          f"samples kept, sample accuracy {stats.sample_accuracy[-1]:.3f}, loss {loss:.3f}", flush=True)
+
+  params, stats = rejection_sampling_fine_tune(
+      model_config, params, mesh, pipeline.read_split(builder, "train"), tokenizer,
+      reward_fn(config.data.task), sampling=SamplingSettings.from_config(config),
+      max_prompt_len=config.data.max_prompt_len, max_new_tokens=config.data.max_completion_len,
+      max_steps=steps, progress=rft_progress, **rft, **common)
+  loss = stats.last_loss if stats.last_loss is not None else float("nan")
+  return params, loss, stats.steps, {"rft": dataclasses.asdict(stats)}
+
+
 def main(argv=None) -> None:
   from asyncrl_jax import cli  # pylint: disable=import-outside-toplevel
   cli.ensure_cpu_devices(4)
@@ -95,9 +137,6 @@ def main(argv=None) -> None:
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rft import rejection_sampling_fine_tune  # pylint: disable=import-outside-toplevel
-  import dataclasses  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
@@ -138,39 +177,14 @@ def main(argv=None) -> None:
       before = evaluator.evaluate(params, reward_fn(config.data.task))
       summary.update(eval_metric=eval_kind(evaluator), initial_eval_accuracy=primary(before),
                      initial_eval_greedy_accuracy=before["greedy"])
-    steps_run = [0]
-
-    def progress(i, loss):
-      steps_run[0] = i
-      print(f"[sft] step {i} loss {loss:.3f}", flush=True)
-
-    def rft_progress(stats, loss):
-      steps_run[0] = stats.steps
-      print(f"[sft] rft round {stats.rounds}: {stats.steps} steps, {stats.kept} of {stats.sampled} "
-            f"samples kept, sample accuracy {stats.sample_accuracy[-1]:.3f}, loss {loss:.3f}", flush=True)
-
     t = time.time()
-    if rft.value:
-      params, stats = rejection_sampling_fine_tune(
-          model_config, params, mesh, pipeline.read_split(b, "train"), tokenizer,
-          reward_fn(config.data.task), sampling=SamplingSettings.from_config(config),
-          samples=rft_samples.value, prompts_per_round=rft_prompts.value,
-          steps_per_round=rft_steps.value, batch_size=config.learner.warm_start_batch,
-          learning_rate=lr, token_budget=config.learner.token_budget,
-          max_prompt_len=config.data.max_prompt_len, max_new_tokens=config.data.max_completion_len,
-          seed=config.seed, max_steps=max(config.learner.warm_start_steps, 1),
-          max_seconds=max_seconds.value, grad_clip=config.learner.grad_clip, progress=rft_progress)
-      loss = stats.last_loss if stats.last_loss is not None else float("nan")
-      summary.update(rft=dataclasses.asdict(stats))
-    else:
-      params, loss = warm_start(
-          model_config, params, mesh,
-          pipeline.read_split(builder_lib.demonstrations_from_config(config, workdir.value), "train"),
-          tokenizer, steps=max(config.learner.warm_start_steps, 1),
-          batch_size=config.learner.warm_start_batch, learning_rate=lr, seed=config.seed,
-          token_budget=config.learner.token_budget, progress=progress, schedule=schedule.value,
-          max_seconds=max_seconds.value, grad_clip=config.learner.grad_clip)
-    summary.update(seconds=time.time() - t, steps=steps_run[0], final_loss=loss)
+    params, loss, steps, extra = _fine_tune(
+        config, model_config, params, mesh, b, tokenizer, workdir.value, learning_rate=lr,
+        schedule=schedule.value, max_seconds=max_seconds.value,
+        rft=dict(samples=rft_samples.value, prompts_per_round=rft_prompts.value,
+                 steps_per_round=rft_steps.value) if rft.value else None)
+    summary.update(extra)
+    summary.update(seconds=time.time() - t, steps=steps, final_loss=loss)
     out = os.path.join(workdir.value, "warm_start")
     models.export_hf(model_config, params, out)
     if evaluator is not None:

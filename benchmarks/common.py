@@ -11,6 +11,23 @@ from typing import Sequence
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def read_json(path: str) -> dict:
+  with open(path) as f:
+    return json.load(f)
+
+
+def percent_cell(values) -> str:
+  """Fractions as a table cell in %: one value, or mean +- sd (ddof 1) of several; "-" for none."""
+  values = [v for v in values if v is not None]
+  if not values:
+    return "-"
+  if len(values) == 1:
+    return f"{100 * values[0]:.1f}"
+  mean, sd = sum(values) / len(values), (sum((v - sum(values) / len(values)) ** 2 for v in values)
+                                         / (len(values) - 1)) ** 0.5
+  return f"{100 * mean:.1f} +- {100 * sd:.1f}"
+
+
 def machine() -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   dev = jax.devices()[0]

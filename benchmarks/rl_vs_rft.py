@@ -37,20 +37,9 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
-from benchmarks.common import machine, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.common import machine, percent_cell, read_json, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "long_chains.py")
-
-
-def _json(path: str) -> dict:
-  with open(path) as f:
-    return json.load(f)
-
-
-def _cell(values) -> str:
-  if len(values) == 1:
-    return f"{100 * values[0]:.1f}"
-  return f"{100 * np.mean(values):.1f} +- {100 * np.std(values, ddof=1):.1f}"
 
 
 def main(argv=None) -> int:
@@ -72,7 +61,7 @@ def main(argv=None) -> int:
     print(f"[rl_vs_rft] warm start on short demonstrations in {work}", flush=True)
     run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={ws_dir}",
                 f"--config.data.path={data}", "--evaluate", *args.override], os.path.join(work, "ws.log"))
-  warm = _json(os.path.join(ws_dir, "sft_summary.json"))
+  warm = read_json(os.path.join(ws_dir, "sft_summary.json"))
   common = [f"--config={CONFIG}", f"--config.model.hf_path={ws}", f"--config.data.path={data}", *args.override]
   rows_by_arm = {"rl": [], "rft": [], "sft_short": []}
   for seed in range(args.seeds):
@@ -84,7 +73,7 @@ def main(argv=None) -> int:
                   f"--config.steps={args.steps}", f"--config.learner.eval_every={max(1, args.steps // 4)}",
                   f"--config.checkpoint.every_steps={args.steps}", *args.rl_override],
                  os.path.join(work, f"{name}.log"))
-    s = _json(os.path.join(wd, "summary.json"))
+    s = read_json(os.path.join(wd, "summary.json"))
     if s["steps"] != args.steps:
       raise SystemExit(f"{wd} holds a run of {s['steps']} versions, not {args.steps}: use another --workdir")
     budget = s["rl_seconds_this_run"]
@@ -97,15 +86,15 @@ def main(argv=None) -> int:
         run_logged([py, "-m", "asyncrl_jax.sft", *common, f"--workdir={cd}", f"--config.seed={seed}",
                     "--config.learner.warm_start_steps=1000000", f"--max_seconds={budget}", "--evaluate",
                     *flags], os.path.join(work, f"{arm}{seed}.log"))
-      c = _json(os.path.join(cd, "sft_summary.json"))
+      c = read_json(os.path.join(cd, "sft_summary.json"))
       rows_by_arm[arm].append(dict(seed=seed, seconds=c["seconds"], steps=c["steps"],
                                    final=c["final_eval_accuracy"], final_greedy=c["final_eval_greedy_accuracy"],
                                    **({"rft": c["rft"]} if "rft" in c else {})))
   header = ["arm", "seeds", "held-out pass@1 (5-10 terms)", "greedy", "seconds", "optimizer steps"]
-  rows = [["warm start (demonstrations of 2-4 terms)", 1, _cell([warm["final_eval_accuracy"]]),
-           _cell([warm["final_eval_greedy_accuracy"]]), f"{warm['seconds']:.0f}", warm["steps"]]]
+  rows = [["warm start (demonstrations of 2-4 terms)", 1, percent_cell([warm["final_eval_accuracy"]]),
+           percent_cell([warm["final_eval_greedy_accuracy"]]), f"{warm['seconds']:.0f}", warm["steps"]]]
   for arm, runs in rows_by_arm.items():
-    rows.append([arm, len(runs), _cell([r["final"] for r in runs]), _cell([r["final_greedy"] for r in runs]),
+    rows.append([arm, len(runs), percent_cell([r["final"] for r in runs]), percent_cell([r["final_greedy"] for r in runs]),
                  f"{np.mean([r['seconds'] for r in runs]):.0f}", f"{np.mean([r['steps'] for r in runs]):.0f}"])
   rl, rft = np.mean([r["final"] for r in rows_by_arm["rl"]]), np.mean([r["final"] for r in rows_by_arm["rft"]])
   kept = [r["rft"] for r in rows_by_arm["rft"]]

@@ -45,7 +45,7 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
-from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.common import machine, percent_cell, read_json, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
 # The grid's arms: name -> (rl.loss, extra overrides). `sao` is SAO whole: one rollout per prompt,
@@ -82,20 +82,6 @@ PROBE_ARMS = {
 SEED_TABLE = {0: (42.0, 42.0), 1: (41.8, 42.1), 2: (40.0, 41.8), 4: (23.3, 42.2), 8: (35.7, 41.0),
               16: (35.8, 38.7)}
 
-def _json(path: str) -> dict:
-  with open(path) as f:
-    return json.load(f)
-
-
-def _cell(values) -> str:
-  values = [v for v in values if v is not None]
-  if not values:
-    return "-"
-  if len(values) == 1:
-    return f"{100 * values[0]:.1f}"
-  return f"{100 * np.mean(values):.1f} +- {100 * np.std(values, ddof=1):.1f}"
-
-
 def _warm_start(work: str, py: str, overrides) -> str:
   """The arms' shared supervised warm start (made once per workdir); returns its export directory."""
   ws_dir = os.path.join(work, "ws")
@@ -113,7 +99,7 @@ def _run_arm(py: str, work: str, name: str, steps: int, args_list) -> dict:
   if not os.path.exists(os.path.join(wd, "summary.json")):
     run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={wd}", *args_list],
                os.path.join(work, f"{name}.log"))
-  s = _json(os.path.join(wd, "summary.json"))
+  s = read_json(os.path.join(wd, "summary.json"))
   if s["steps"] != steps:
     raise SystemExit(f"{wd} holds a run of {s['steps']} policy versions, not {steps}: use another --workdir")
   return s
@@ -203,10 +189,10 @@ def main(argv=None) -> int:
     return [r[key] for r in runs if r["arm"] == arm and r["eta"] == eta and r[key] is not None]
 
   header = ["eta"] + [f"{arm} (ours)" for arm in arms] + ["seed: naive PPO", "seed: decoupled"]
-  rows = [[eta] + [_cell(cell(arm, eta)) for arm in arms] +
+  rows = [[eta] + [percent_cell(cell(arm, eta)) for arm in arms] +
           list(SEED_TABLE.get(eta, ("-", "-"))) for eta in etas]
   initial = runs[0]["initial"]
-  rows.append(["warm start (before RL)"] + [_cell([initial])] * len(arms) + ["-", "-"])
+  rows.append(["warm start (before RL)"] + [percent_cell([initial])] * len(arms) + ["-", "-"])
   mechanism = ["| arm | eta | seeds | staleness reached (max / mean) | KL(behaviour, current) | clipped "
                "tokens | dropped or masked tokens | effective batch |", "|" + "---|" * 8]
   for eta in etas:
@@ -296,11 +282,11 @@ def probe(args) -> int:
   at = lambda arm, key: [r[key] if key != "v20" else r["evals"].get(20) for r in runs if r["arm"] == arm]
   header = ["arm", "eta", "seeds", "pass@1, version 20", f"pass@1, version {steps}", "min over seeds (end)",
             "max weight seen", "KL(behaviour, current), mean v1-20", "dropped tokens"]
-  rows = [[arm, at(arm, "eta")[0], len(at(arm, "final")), _cell(at(arm, "v20")), _cell(at(arm, "final")),
+  rows = [[arm, at(arm, "eta")[0], len(at(arm, "final")), percent_cell(at(arm, "v20")), percent_cell(at(arm, "final")),
            f"{100 * min(at(arm, 'final')):.1f}",
            f"{max(at(arm, 'iw_max')):.3g}", f"{np.mean(at(arm, 'kl_behav_first20')):.3f}",
            f"{100 * np.mean(at(arm, 'dropped_frac')):.2f}%"] for arm in PROBE_ARMS]
-  rows.append(["warm start (before RL)", "-", "-", _cell([runs[0]["initial"]]), "-", "-", "-", "-", "-"])
+  rows.append(["warm start (before RL)", "-", "-", percent_cell([runs[0]["initial"]]), "-", "-", "-", "-", "-"])
   notes = (f"The probe regime: configs/default.py from one shared warm start, eta {eta}, "
            f"{' '.join(PROBE['overrides'])}, {steps} policy versions; held-out pass@1 in % (4 samples "
            f"at T=1 on 256 test problems), mean +- sd over the seeds. `decoupled_ppo` is the shipped "
