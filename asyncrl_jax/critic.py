@@ -144,10 +144,11 @@ class Critic:
     ``advantages`` field), e.g. held-out samples: returns from GAE at lambda = 1 (the discounted
     reward to go, which does not depend on the values)."""
     mbs, _ = self.updater.place(sequences)
-    out, mbs = jax.device_get(([self._reward_to_go(self.params, b) for b in mbs], mbs))
+    out, masks = jax.device_get(([self._reward_to_go(self.params, b) for b in mbs],
+                                 [b.mask for b in mbs]))  # (only the mask comes back of the batch)
     return value_metrics(np.concatenate([v.ravel() for _, _, v in out]),
                          np.concatenate([r.ravel() for _, r, _ in out]),
-                         np.concatenate([np.ravel(b.mask) for b in mbs]))
+                         np.concatenate([m.ravel() for m in masks]))
 
 
 def host_value_metrics(per_step: list, health: list, estimates: list, masks: list) -> dict:
