@@ -45,10 +45,15 @@ BENCHMARKS = {
                             ["--split-cores", "--name", "async_vs_sync_split"],
                             "Seed (AReaL, 1.5B, separate rollout and training GPUs): 2.77x effective "
                             "throughput at eta 2 over eta 0."),
-    "staleness_ablation": ("staleness_ablation.py", ["--quick"], [],
+    "staleness_ablation": ("staleness_ablation.py", ["--assemble-only"], [],
                            "Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
                            "drops to 23.3 at eta 4. Goal: a regime where staleness hurts the naive "
-                           "objective (KL(behaviour, current) >= 1e-2 at eta 16)."),
+                           "objective (KL(behaviour, current) >= 1e-2 at eta 16). The full grid: about 6 "
+                           "hours of both cores, run over several sittings (each arm's record is kept); "
+                           "`--quick` assembles the table from the records."),
+    "staleness_ablation_quick": ("staleness_ablation.py", ["--quick"], ["--quick", "--seeds", "3"],
+                                 "The grid's quick mode: eta 0 (naive PPO) and eta 16 (every arm), 60 "
+                                 "versions."),
     "staleness_ablation_gentle": (
         "staleness_ablation.py", ["--name", "staleness_ablation_gentle", "--arms", "ppo", "decoupled_ppo",
                                   "dis", "--etas", "0", "2", "8", "--seeds", "1", "--steps", "100",

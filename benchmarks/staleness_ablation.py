@@ -14,10 +14,18 @@ the synchronous reference) and 16 (every arm), one seed, 60 versions.
 The table is shaped like the seed's ablation (rows eta, columns the arms; mean +- sd over seeds); under
 it, per arm and eta, the mechanism: the staleness reached, the mean KL(behaviour || current), the
 clipped and the dropped/masked token fractions and the effective batch. Writes
-benchmarks/results/NAME.{json,md,png} (``--name``, default staleness_ablation; final accuracy and KL
+benchmarks/results/NAME.{json,md,png} (``--name``, default staleness_ablation, or
+staleness_ablation_quick with ``--quick``; final accuracy and KL
 against eta, accuracy against versions at the largest eta) and NAME_selection.png (the DIS and SAO
 arms' masked fraction by completion length and token staleness, ``rl.selection``); prints one JSON
 object (last line). A rerun with the same ``--workdir`` reuses every finished arm.
+
+The full grid is about 6 hours of both cores, more than one sitting, so each finished arm's record (its
+outcome and mechanism, the commit and machine it ran on, and the warm start's accuracy) is also kept
+in benchmarks/results/NAME_arms/ARM.json, which is committed: a rerun on any machine reuses those
+records and runs only the missing cells, and refuses to mix in records whose configuration or warm
+start differs from this run's. ``--assemble-only`` writes the table from the records alone, with the
+missing cells marked as not run.
 
 ``--regime=probe`` is the regime of the decoupled-vs-naive diagnosis: learning rate 3e-4, 2 optimizer
 updates per batch, eta 8, 80 versions, evaluated every 20. Its arms are naive PPO, decoupled PPO as
@@ -154,36 +162,53 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="", help="keep the runs here; a rerun reuses finished arms "
                  "(default: a temporary directory)")
   p.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
-  p.add_argument("--name", default="staleness_ablation", help="result files' name (default regime)")
+  p.add_argument("--name", default=None, help="result files' name (default staleness_ablation, "
+                 "staleness_ablation_quick with --quick)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm "
                  "(after the regime's own, so they win)")
+  p.add_argument("--assemble-only", action="store_true",
+                 help="write the table from the kept arm records (NAME_arms/); run nothing")
   args = p.parse_args(argv)
   if args.regime == "probe":
     return probe(args)
   quick = args.quick
+  args.name = args.name or ("staleness_ablation_quick" if quick else "staleness_ablation")
   etas = args.etas if args.etas is not None else (QUICK["etas"] if quick else ETAS)
   arms = args.arms or (QUICK["arms"] if quick else list(ARMS))
   seeds = list(range(args.seeds or (1 if quick else 3)))
   steps = args.steps or (QUICK["steps"] if quick else GRID["steps"])
   eval_every = max(1, steps // 4)
-  work = args.workdir or tempfile.mkdtemp(prefix="staleness_ablation_")
-  os.makedirs(work, exist_ok=True)
-  py, t0 = sys.executable, time.time()
-  ws = _warm_start(work, py, args.override)
-  common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}",
-            f"--config.data.path={os.path.join(work, 'data')}", f"--config.learner.eval_every={eval_every}",
-            f"--config.checkpoint.every_steps={steps}", *GRID["overrides"], *args.override]
+  out_dir = args.out or os.path.join(ROOT, "benchmarks", "results")
+  records = ArmRecords(os.path.join(out_dir, f"{args.name}_arms"),
+                       dict(steps=steps, overrides=GRID["overrides"] + args.override))
   # the synchronous reference (eta 0) of the quick mode is naive PPO's alone
   plan = [(seed, arm, eta) for seed in seeds for eta in etas for arm in arms
           if not (quick and eta == 0 and arm != "ppo")]
-  runs = []
+  py, t0 = sys.executable, time.time()
+  runs, missing, ws = [], [], None
   for seed, arm, eta in plan:  # seed-major: a partial run holds every cell of seed 0
     loss, extra = ARMS[arm]
     name = f"{arm}_eta{eta}_seed{seed}"
-    print(f"[ablation] {len(runs) + 1}/{len(plan)} {name} ({time.time() - t0:.0f}s so far)", flush=True)
-    s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
-                                         f"--config.rl.max_staleness={_eta_flag(eta, steps)}", *extra])
-    runs.append(_arm_record(work, name, s, arm=arm, loss=loss, eta=eta, seed=seed))
+    record = records.get(name)
+    if record is None and args.assemble_only:
+      missing.append(name)
+      continue
+    if record is None:
+      if ws is None:
+        work = args.workdir or tempfile.mkdtemp(prefix="staleness_ablation_")
+        os.makedirs(work, exist_ok=True)
+        ws = _warm_start(work, py, args.override)
+        common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}",
+                  f"--config.data.path={os.path.join(work, 'data')}",
+                  f"--config.learner.eval_every={eval_every}", f"--config.checkpoint.every_steps={steps}",
+                  *GRID["overrides"], *args.override]
+      print(f"[ablation] {len(runs) + 1}/{len(plan)} {name} ({time.time() - t0:.0f}s so far)", flush=True)
+      s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
+                                           f"--config.rl.max_staleness={_eta_flag(eta, steps)}", *extra])
+      record = records.put(name, _arm_record(work, name, s, arm=arm, loss=loss, eta=eta, seed=seed))
+    runs.append(record)
+  if not runs:
+    raise SystemExit(f"no finished arms in {records.path}: run the grid first")
 
   def cell(arm, eta, key="final"):
     return [r[key] for r in runs if r["arm"] == arm and r["eta"] == eta and r[key] is not None]
@@ -216,21 +241,26 @@ def main(argv=None) -> int:
            "limited by the decode slots alone. Every arm trains the same number of versions on "
            "batches of the same number of trajectories. The seed's columns are AReaL's AIME24 scores "
            "for a 1.5B model on math: a different task and scale, shown for the shape of the curve. "
-           "A rerun with the same --workdir reuses finished arms.\n\nMechanism, per arm (means over "
-           "versions and seeds):\n\n" + "\n".join(mechanism))
+           f"Each arm's record, with the commit it ran at, is in `{os.path.basename(records.path)}/`; "
+           "a rerun reuses them."
+           + (f" **Not run yet ({len(missing)} of {len(plan)} cells):** {', '.join(missing)}; the "
+              "cells above hold the seeds that finished." if missing else "")
+           + "\n\nMechanism, per arm (means over versions and seeds):\n\n" + "\n".join(mechanism))
   result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, etas=etas,
                                                arms={a: dict(loss=ARMS[a][0], overrides=ARMS[a][1])
                                                      for a in arms},
                                                seeds=seeds, overrides=GRID["overrides"] + args.override,
                                                quick=quick),
-                runs=runs, warm_start_accuracy=initial, seconds=time.time() - t0)
+                runs=runs, missing=missing, warm_start_accuracy=initial,
+                commits=sorted({r["commit"] for r in runs if "commit" in r}),
+                seconds=time.time() - t0)
   for arm in arms:
     base = np.mean(cell(arm, 0)) if cell(arm, 0) else (np.mean(cell("ppo", 0)) if cell("ppo", 0) else None)
     result[f"{arm}_max_drop_vs_eta0"] = (None if base is None else
                                          float(max(base - np.mean(cell(arm, e)) for e in etas
                                                    if cell(arm, e))))
   name = args.name
-  md = write_result(name, result, header, rows, notes, **({"out_dir": args.out} if args.out else {}))
+  md = write_result(name, result, header, rows, notes, out_dir=out_dir)
   _plot(runs, initial, etas, arms, os.path.join(os.path.dirname(md), f"{name}.png"))
   _plot_selection({f"{r['arm']} eta {r['eta']}": r["selection"] for r in runs
                    if r["seed"] == 0 and r["arm"] in ("dis", "sao")},
@@ -239,6 +269,43 @@ def main(argv=None) -> int:
   print(json.dumps({"warm_start": initial, **{f"{arm}_eta{eta}": float(np.mean(cell(arm, eta)))
                                                for arm in arms for eta in etas if cell(arm, eta)}}))
   return 0
+
+
+class ArmRecords:
+  """Finished arms' records, one JSON file per arm, kept across machines and sessions.
+
+  A record is reused only if it was made with this run's configuration (``config``: versions and
+  overrides) and from a warm start of the same held-out accuracy as the records already kept: the
+  warm start is remade on each machine, and a different one would make the cells incomparable.
+  """
+
+  def __init__(self, path: str, config: dict):
+    self.path, self.config = path, config
+
+  def get(self, name: str) -> dict | None:
+    f = os.path.join(self.path, f"{name}.json")
+    if not os.path.exists(f):
+      return None
+    record = read_json(f)
+    record["evals"] = {int(v): acc for v, acc in record["evals"].items()}  # JSON keys are strings
+    if record.get("grid") != self.config:
+      raise SystemExit(f"{f} was run with {record.get('grid')}, not this run's {self.config}: "
+                       "use another --name")
+    return record
+
+  def put(self, name: str, record: dict) -> dict:
+    kept = [self.get(n[:-5]) for n in sorted(os.listdir(self.path))] if os.path.isdir(self.path) else []
+    if kept and kept[0]["initial"] != record["initial"]:
+      raise SystemExit(f"{name}: the warm start's held-out accuracy is {record['initial']}, but the "
+                       f"records in {self.path} were made from one at {kept[0]['initial']}: the warm "
+                       "start differs, so these cells would not be comparable")
+    where = machine()
+    record = dict(record, grid=self.config, commit=where["commit"], date=where["date"],
+                  processor=where["processor"], cpu_count=where["cpu_count"])
+    os.makedirs(self.path, exist_ok=True)
+    with open(os.path.join(self.path, f"{name}.json"), "w") as f:
+      json.dump(record, f, indent=1, sort_keys=True)
+    return record
 
 
 def _metrics(path: str) -> list[dict]:

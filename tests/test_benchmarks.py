@@ -145,6 +145,36 @@ def test_ablation_arm_record_reads_the_mechanism_and_plots(tmp_path):
   assert png.stat().st_size > 1000
 
 
+def test_ablation_arm_records_are_reused_checked_and_assembled(tmp_path):
+  """Finished arms are kept as records; a rerun reuses them, refuses a record of another grid or of
+  another warm start, and ``--assemble-only`` writes the table with the missing cells named."""
+  from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
+  grid = dict(steps=80, overrides=ab.GRID["overrides"])
+  records = ab.ArmRecords(str(tmp_path / "staleness_ablation_arms"), grid)
+  assert records.get("ppo_eta0_seed0") is None
+  base = dict(arm="ppo", loss="ppo", eta=0, seed=0, initial=0.3, final=0.41, final_greedy=0.5,
+              evals={20: 0.35, 80: 0.41}, kl_behav=0.001, clipped_frac=0.002, dropped_frac=0.0,
+              mean_staleness=0.0, max_staleness_seen=0, rl_seconds=100.0, value_explained_variance=None,
+              selection={})
+  kept = records.put("ppo_eta0_seed0", base)
+  assert kept["grid"] == grid and kept["commit"]
+  again = records.get("ppo_eta0_seed0")
+  assert again["evals"] == {20: 0.35, 80: 0.41} and again["final"] == 0.41  # keys back to versions
+  with pytest.raises(SystemExit, match="warm start"):
+    records.put("ppo_eta16_seed0", dict(base, eta=16, initial=0.31))
+  records.put("ppo_eta16_seed0", dict(base, eta=16, final=0.37, evals={20: 0.33, 80: 0.37},
+                                      max_staleness_seen=14, mean_staleness=7.5))
+  with pytest.raises(SystemExit, match="use another --name"):
+    ab.ArmRecords(records.path, dict(grid, steps=60)).get("ppo_eta0_seed0")
+  assert ab.main(["--assemble-only", "--arms", "ppo", "--etas", "0", "16", "2", "--seeds", "1",
+                  "--out", str(tmp_path)]) == 0
+  md = (tmp_path / "staleness_ablation.md").read_text()
+  assert "| 0 | 41.0 |" in md and "| 16 | 37.0 |" in md and "| 2 | - |" in md
+  assert "Not run yet (1 of 3 cells):** ppo_eta2_seed0" in md
+  result = json.loads((tmp_path / "staleness_ablation.json").read_text())
+  assert result["missing"] == ["ppo_eta2_seed0"] and len(result["runs"]) == 2
+
+
 def test_results_assembly_keeps_hand_written_sections(tmp_path, monkeypatch):
   from benchmarks import run_all  # pylint: disable=import-outside-toplevel
   results = tmp_path / "results"
