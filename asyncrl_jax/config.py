@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import ml_collections
 
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+from asyncrl_jax.workloads import LengthWorkload
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
 LOSSES = ("ppo", "decoupled_ppo", "dis")
@@ -69,6 +70,13 @@ def _rollout_section() -> ml_collections.ConfigDict:
       num_slots=32,  # per decode server (one per rollout host, or per decode-server process)
       temperature=1.0, top_p=1.0, top_k=0,
       logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
+      # no stop token before this many completion tokens (a sampling setting: the learner applies the
+      # same ban to its log-probs)
+      min_new_tokens=0,
+      # a synthetic length workload for throughput measurements, e.g.
+      # "lognormal:median=32,sigma=1.15,cap=640": each request generates exactly a drawn number of
+      # tokens (its minimum and maximum length); "" = off (asyncrl_jax.workloads)
+      length_workload="",
       host="127.0.0.1", port=0,  # where servers listen (the learner's registry and senders too)
       # decode-server processes the learner waits for; they register with learner process 0 at
       # rollout.learner_address (the learner listens on rollout.host:rollout.registry_port; 0 = any
@@ -301,6 +309,20 @@ def _validate_rollout(config) -> None:
   _number(config, "rollout.temperature", lambda v: v >= 0, "a number >= 0 (0 = greedy)")
   _number(config, "rollout.top_p", lambda v: 0 < v <= 1, "a number in (0, 1]")
   _number(config, "rollout.top_k", lambda v: v >= 0, "an integer >= 0 (0 = off)", integer=True)
+  _number(config, "rollout.min_new_tokens", lambda v: 0 <= v <= config.data.max_completion_len,
+          f"an integer in [0, data.max_completion_len={config.data.max_completion_len}]", integer=True)
+  _check(isinstance(config.rollout.length_workload, str), "rollout.length_workload",
+         config.rollout.length_workload, "must be a string (\"\" = off)")
+  try:
+    workload = LengthWorkload.parse(config.rollout.length_workload)
+  except ValueError as e:
+    raise ConfigError(f"rollout.length_workload: {e}") from None
+  _check(workload is None or workload.cap <= config.data.max_completion_len, "rollout.length_workload",
+         config.rollout.length_workload,
+         f"caps lengths above data.max_completion_len={config.data.max_completion_len}")
+  _check(workload is None or not config.rollout.min_new_tokens, "rollout.min_new_tokens",
+         config.rollout.min_new_tokens, "must be 0 with rollout.length_workload (which sets each "
+         "request's minimum)")
   _one_of(config, "rollout.logprob_source", LOGPROB_SOURCES)
   r = config.rollout
   _check(r.logprob_source != "model" or r.temperature in (0, 1), "rollout.logprob_source",

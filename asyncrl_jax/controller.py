@@ -33,6 +33,7 @@ import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
 from asyncrl_jax.models.sampling import SamplingSettings
+from asyncrl_jax.workloads import LengthWorkload
 from asyncrl_jax.rewards import RewardWorker
 from asyncrl_jax.rl import advantages, batching
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
@@ -100,6 +101,12 @@ def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int,
     return "no completion tokens"
   if n > request.max_new_tokens:
     return f"{n} completion tokens, more than max_new_tokens={request.max_new_tokens}"
+  recorded_min = t.sampling.get("min_new_tokens", 0)
+  if recorded_min != request.min_new_tokens:
+    return (f"sampled with min_new_tokens={recorded_min!r}, but the request asked for "
+            f"{request.min_new_tokens}")
+  if n < request.min_new_tokens:
+    return f"{n} completion tokens, fewer than min_new_tokens={request.min_new_tokens}"
   if len(t.logprobs) != n or len(t.versions) != n:
     return f"{n} tokens but {len(t.logprobs)} log-probs and {len(t.versions)} versions"
   if t.completion_tokens.min() < 0 or t.completion_tokens.max() >= vocab_size:
@@ -123,7 +130,8 @@ class Controller:
                scale_by_std: bool = False, reward_threads: int = 2,
                reward_source: str = "exact_answer", max_retries: int = 2,
                newest_version: Optional[Callable[[], int]] = None,
-               max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None):
+               max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None,
+               min_new_tokens: int = 0, lengths: Optional[LengthWorkload] = None, seed: int = 0):
     if advantage not in ("group", "value"):
       raise ValueError(f"advantage={advantage!r} must be 'group' or 'value'")
     if batch_size % group_size:
@@ -138,6 +146,12 @@ class Controller:
     self.batch_size, self.group_size = batch_size, group_size
     self.prompts_per_batch = batch_size // group_size
     self.max_new_tokens = max_new_tokens
+    if not 0 <= min_new_tokens <= max_new_tokens:
+      raise ValueError(f"min_new_tokens={min_new_tokens} must be in [0, max_new_tokens={max_new_tokens}]")
+    if lengths is not None and lengths.cap > max_new_tokens:
+      raise ValueError(f"the length workload's cap {lengths.cap} exceeds max_new_tokens={max_new_tokens}")
+    # each request's minimum length; a length workload instead draws each request's exact length
+    self.min_new_tokens, self.lengths, self.seed = min_new_tokens, lengths, seed
     self.max_prompt_len = max_prompt_len  # longer prompts are skipped (None: no limit here)
     # what every trajectory's recorded sampling settings must be (None: not checked)
     self.sampling = sampling
@@ -180,9 +194,18 @@ class Controller:
                scale_by_std=config.rl.scale_by_std, max_retries=config.rollout.max_retries,
                reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify",
                newest_version=newest_version, max_prompt_len=config.data.max_prompt_len,
-               sampling=SamplingSettings.from_config(config).record())
+               sampling=SamplingSettings.from_config(config).record(),
+               min_new_tokens=config.rollout.min_new_tokens,
+               lengths=LengthWorkload.parse(config.rollout.length_workload), seed=config.seed)
 
   # ------------------------------------------------------------------ admission
+
+  def _lengths(self, prompt_index: int, sample: int) -> dict:
+    """A request's ``max_new_tokens`` and ``min_new_tokens``: the run's, or a drawn exact length."""
+    if self.lengths is None:
+      return dict(max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens)
+    n = self.lengths.draw(self.seed, prompt_index, sample)
+    return dict(max_new_tokens=n, min_new_tokens=n)
 
   def pump(self) -> int:
     """Admits as many whole groups as the staleness bound and slots allow; returns rollouts started."""
@@ -202,8 +225,8 @@ class Controller:
         prompt = self.prompts.next()
         tokens = self.tokenizer.encode_prompt(prompt.question)
         requests = {f"p{prompt.index}-s{j}": RolloutRequest(
-            prompt_tokens=tokens, max_new_tokens=self.max_new_tokens, request_id=f"p{prompt.index}-s{j}",
-            prompt_id=str(prompt.index), group_id=prompt.index, min_version=version)
+            prompt_tokens=tokens, request_id=f"p{prompt.index}-s{j}", prompt_id=str(prompt.index),
+            group_id=prompt.index, min_version=version, **self._lengths(prompt.index, j))
             for j in range(self.group_size)}
         self._groups[prompt.index] = _Group(prompt, requests, admitted_at=version)
         too_long = self.max_prompt_len is not None and len(tokens) > self.max_prompt_len
@@ -364,7 +387,7 @@ class Controller:
     else:
       adv = np.zeros_like(rewards)
     sequences, staleness, failed = [], [], 0
-    for (g, _), t, a, r in zip(ids, trajectories, np.asarray(adv), rewards):
+    for (g, rid), t, a, r in zip(ids, trajectories, np.asarray(adv), rewards):
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
         continue
@@ -384,7 +407,8 @@ class Controller:
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
                                               versions=t.versions, advantage=float(a),
                                               token_reward=float(r) if self.advantage == "value"
-                                              else None))
+                                              else None,
+                                              min_new_tokens=g.requests[rid].min_new_tokens))
     max_seen = max(staleness, default=0)
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
                          rewards=rewards,

@@ -129,7 +129,8 @@ class Learner:
                           temperature=self.settings.temperature, top_k=self.settings.top_k,
                           top_p=self.settings.top_p, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
-                          attention_chunk=self.settings.attention_chunk)
+                          attention_chunk=self.settings.attention_chunk,
+                          eos_banned_bt=batch.eos_banned, eos_ban_ids=self.settings.eos_ban_ids)
 
   def warm_up(self, longest: int) -> int:
     """Compiles every micro-batch shape that sequences of up to ``longest`` tokens can be packed

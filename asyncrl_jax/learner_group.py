@@ -43,12 +43,15 @@ _ADDRESS_BYTES = 256
 
 
 def pack_sequences(sequences: Sequence[SequenceData]) -> dict:
-  """A batch as flat arrays (no pickling): lengths, int32 tokens/versions, float32 per-token fields."""
-  weighted = any(s.loss_weight is not None for s in sequences)
+  """A batch as flat arrays (no pickling): lengths, int32 tokens/versions, float32 per-token fields
+  (mask, behaviour log-prob, advantage, and, when any sequence has either, loss weight and stop-token
+  ban)."""
+  optional = any(s.loss_weight is not None or s.eos_banned is not None for s in sequences)
   cat = lambda f: np.concatenate([np.asarray(f(s)) for s in sequences]) if sequences else np.zeros(0)
   floats = [cat(lambda s: s.mask), cat(lambda s: s.behav_logp), cat(lambda s: s.advantages)]
-  if weighted:
+  if optional:
     floats.append(cat(lambda s: s.loss_weight if s.loss_weight is not None else np.ones(len(s.tokens))))
+    floats.append(cat(lambda s: s.eos_banned if s.eos_banned is not None else np.zeros(len(s.tokens))))
   return {"lengths": np.asarray([len(s.tokens) for s in sequences], np.int32),
           "tokens": cat(lambda s: s.tokens).astype(np.int32),
           "versions": cat(lambda s: s.versions).astype(np.int32),
@@ -63,7 +66,8 @@ def unpack_sequences(arrays: dict) -> list[SequenceData]:
     out.append(SequenceData(tokens=np.asarray(arrays["tokens"][a:b]), mask=floats[0, a:b],
                             behav_logp=floats[1, a:b], advantages=floats[2, a:b],
                             versions=np.asarray(arrays["versions"][a:b]),
-                            loss_weight=floats[3, a:b] if len(floats) > 3 else None))
+                            loss_weight=floats[3, a:b] if len(floats) > 3 else None,
+                            eos_banned=floats[4, a:b] if len(floats) > 4 else None))
   return out
 
 

@@ -54,7 +54,7 @@ def _xla_learner(config, m) -> int:
   width = bucketing.bucket(min(config.learner.token_budget, m.max_seq_len), bucketing.ROW_BUCKETS)
   ints = jax.ShapeDtypeStruct((config.learner.token_budget // width, width), jnp.int32)
   floats = jax.ShapeDtypeStruct(ints.shape, jnp.float32)
-  batch = TokenBatch(ints, ints, ints, floats, floats, floats, ints, floats)
+  batch = TokenBatch(ints, ints, ints, floats, floats, floats, ints, floats, floats)
   loss = functools.partial(micro_batch_loss, model=m, settings=LossSettings.from_config(config),
                            prox_is_current=True)
   grad = jax.jit(jax.value_and_grad(lambda p, b, n: loss(p, b, None, n), has_aux=True))

@@ -6,6 +6,12 @@ Two log-probabilities can be recorded for a sampled token (``rollout.logprob_sou
   top-k and top-p (nucleus) sets and renormalised. This is the behaviour policy in the strict sense.
 * ``"model"``: the raw model distribution, ``log_softmax(logits)`` at temperature 1.
 
+A minimum length (``RolloutRequest.min_new_tokens``, HF's ``min_new_tokens``) holds the stop tokens
+back: while a sequence has fewer completion tokens than its minimum, every stop token's logit is
+``OUTSIDE`` before anything else (``ban_stop_tokens``), for both sources, so the recorded log-prob is of
+the distribution with the ban. The learner applies the same ban at the same tokens (a per-token
+``eos_banned`` flag and ``LossSettings.eos_ban_ids``): its log-probs then compare like with like.
+
 With temperature 0 (greedy) the sampling distribution is a point mass, so both sources record the raw
 model log-probability. Every trajectory records which source it carries and its settings.
 
@@ -69,6 +75,15 @@ class SamplingSettings:
     if self.temperature == 0 or self.logprob_source == "model":
       return 1.0, 0, 1.0
     return float(self.temperature), int(self.top_k), float(self.top_p)
+
+
+def ban_stop_tokens(logits_v: jax.Array, banned, stop_ids) -> jax.Array:
+  """``logits_v`` ``[..., V]`` with the ``stop_ids`` columns at ``OUTSIDE`` where ``banned`` ``[...]``
+  (a bool or 0/1 array of the leading shape) is set: the minimum length's stop-token ban."""
+  if not len(stop_ids):
+    return logits_v
+  is_stop = jnp.zeros(logits_v.shape[-1], bool).at[jnp.asarray(stop_ids, jnp.int32)].set(True)
+  return jnp.where(is_stop & (jnp.asarray(banned) > 0)[..., None], OUTSIDE, logits_v)
 
 
 def sampling_logits(logits_v: jax.Array, settings: SamplingSettings) -> jax.Array:

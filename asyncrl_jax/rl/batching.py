@@ -113,16 +113,20 @@ class SequenceData(NamedTuple):
   advantages: np.ndarray  # float32 [n]
   versions: np.ndarray  # int32 [n]: policy version that sampled the token (-1 off policy tokens)
   loss_weight: Optional[np.ndarray] = None  # float32 [n]: per-token weight of the loss; None: 1
+  # float32 [n]: 1 where the token was sampled with the stop tokens banned (a minimum length); None: 0
+  eos_banned: Optional[np.ndarray] = None
 
 
 def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0,
-                  token_reward: Optional[float] = None) -> SequenceData:
+                  token_reward: Optional[float] = None, min_new_tokens: int = 0) -> SequenceData:
   """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
   ``advantage`` is broadcast over the completion. ``token_reward`` (value advantages, see
   ``asyncrl_jax.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere: the
   ``advantages`` field then holds per-token rewards, which the learner's critic turns into advantages.
+  ``min_new_tokens``: the first that many completion tokens were sampled with the stop tokens banned
+  (``eos_banned``; None when 0).
   """
   p, c = len(prompt), len(completion)
   mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
@@ -137,7 +141,9 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
       tokens=np.r_[np.asarray(prompt), np.asarray(completion)].astype(np.int32), mask=mask,
       behav_logp=np.r_[np.zeros(p), np.zeros(c) if logprobs is None else logprobs].astype(np.float32),
       advantages=per_token.astype(np.float32),
-      versions=np.r_[np.full(p, -1), np.full(c, -1) if versions is None else versions].astype(np.int32))
+      versions=np.r_[np.full(p, -1), np.full(c, -1) if versions is None else versions].astype(np.int32),
+      eos_banned=(np.r_[np.zeros(p), np.arange(c) < min_new_tokens].astype(np.float32)
+                  if min_new_tokens else None))
 
 
 class TokenBatch(NamedTuple):
@@ -150,6 +156,7 @@ class TokenBatch(NamedTuple):
   advantages: np.ndarray
   versions: np.ndarray
   loss_weight: np.ndarray  # 1 unless the aggregation weighs tokens (see weight_sequences_equally)
+  eos_banned: np.ndarray  # 1 where the stop tokens were banned when the token was sampled
 
 
 def _check_sequence(i: int, s: SequenceData) -> int:
@@ -173,7 +180,8 @@ def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]]
   out = TokenBatch(tokens=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32),
                    segment_ids=np.zeros(shape, np.int32), mask=np.zeros(shape, np.float32),
                    behav_logp=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
-                   versions=np.full(shape, -1, np.int32), loss_weight=np.zeros(shape, np.float32))
+                   versions=np.full(shape, -1, np.int32), loss_weight=np.zeros(shape, np.float32),
+                   eos_banned=np.zeros(shape, np.float32))
   for r, row in enumerate(rows):
     start = 0
     for seg, i in enumerate(row, start=1):
@@ -190,6 +198,7 @@ def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]]
       out.advantages[r, sl] = s.advantages
       out.versions[r, sl] = s.versions
       out.loss_weight[r, sl] = 1.0 if s.loss_weight is None else s.loss_weight
+      out.eos_banned[r, sl] = 0.0 if s.eos_banned is None else s.eos_banned
       start += n
   return out
 

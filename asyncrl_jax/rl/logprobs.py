@@ -7,7 +7,9 @@ gets 0: such positions must carry mask 0.
 ``temperature``, ``top_k`` and ``top_p`` give the distribution the log-probs are in: the one the
 behaviour log-probs were recorded in (``models.sampling.SamplingSettings.recorded``), so that the prox
 pass and the loss compare like with like. A token outside the top-k / top-p set of the given weights
-gets log-prob ``sampling.OUTSIDE`` (finite: no NaN anywhere), which the loss masks out.
+gets log-prob ``sampling.OUTSIDE`` (finite: no NaN anywhere), which the loss masks out. Where
+``eos_banned_bt`` is set, the ``eos_ban_ids`` (the stop tokens) are banned first, as the decode server
+banned them inside a request's minimum length (``sampling.ban_stop_tokens``).
 
 ``vocab_chunk > 0`` computes the log-softmax a vocabulary chunk at a time (an online log-sum-exp, each
 chunk recomputed in the backward pass), so neither pass holds ``[B, T, V]`` logits: at Qwen's 151936
@@ -26,13 +28,17 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.models.sampling import truncated_logits
+from asyncrl_jax.models.sampling import ban_stop_tokens, truncated_logits
 
 
 def logprobs_from_logits(logits_btv, tokens_bt, segment_ids_bt, *, temperature: float = 1.0,
-                         top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False):
+                         top_k: int = 0, top_p: float = 1.0, with_entropy: bool = False,
+                         eos_banned_bt=None, eos_ban_ids: tuple = ()):
   """Aligned per-token log-probs ``[B, T]`` (and entropies ``[B, T]`` of the predicting distribution)."""
-  logits = truncated_logits(logits_btv[:, :-1], temperature=temperature, top_k=top_k, top_p=top_p)
+  logits = logits_btv[:, :-1]
+  if eos_ban_ids:  # token t is predicted at t - 1, so its flag bans the stop tokens there
+    logits = ban_stop_tokens(logits, eos_banned_bt[:, 1:], eos_ban_ids)
+  logits = truncated_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
   targets = tokens_bt[:, 1:]
   lse = jax.nn.logsumexp(logits, axis=-1)
   picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -54,9 +60,11 @@ def _chunked_head(head_dv, chunk: int):
   return head_dv.reshape(d, n, chunk).transpose(1, 0, 2)
 
 
-def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperature: float = 1.0):
+def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperature: float = 1.0,
+                       banned_bt=None, ban_ids: tuple = ()):
   """``(log p(targets), entropy)``, each ``[B, T]``, of ``softmax(hidden @ head / temperature)``,
-  one vocabulary chunk of ``chunk`` columns at a time.
+  one vocabulary chunk of ``chunk`` columns at a time (with the ``ban_ids`` columns left out where
+  ``banned_bt`` is set).
 
   Equal to the full log-softmax up to float rounding. The scan keeps a running max, sum of exps, sum
   of exp-weighted logits (for the entropy) and the target's logit; each step is rematerialised, so the
@@ -73,6 +81,9 @@ def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperatu
     logits = logits.astype(jnp.float32) / temperature
     cols = start + jnp.arange(chunk)
     logits = jnp.where(cols < v, logits, _MASKED)
+    if ban_ids:
+      is_banned = jnp.isin(cols, jnp.asarray(ban_ids, jnp.int32)) & (banned_bt[..., None] > 0)
+      logits = jnp.where(is_banned, _MASKED, logits)
     m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(logits, axis=-1)))  # any m is exact
     scale = jnp.exp(m - m_new)
     e = jnp.exp(logits - m_new[..., None])
@@ -102,43 +113,56 @@ def aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
 def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    mesh: Optional[Mesh] = None, with_entropy: bool = False,
-                   remat: bool = False, vocab_chunk: int = 0, attention_chunk: int = 0):
+                   remat: bool = False, vocab_chunk: int = 0, attention_chunk: int = 0,
+                   eos_banned_bt=None, eos_ban_ids: tuple = ()):
   """Traceable: forward + aligned log-probs (use inside a jitted loss).
 
   ``vocab_chunk``: columns per chunk of the log-softmax (0: the whole vocabulary at once, through
   ``[B, T, V]`` logits; needed for top-k / top-p, which look at the whole vocabulary). ``remat``:
   recompute each block's activations in the backward pass. ``attention_chunk``: queries per
-  attention block (0: all at once, through ``[B, heads, T, T]``).
+  attention block (0: all at once, through ``[B, heads, T, T]``). ``eos_banned_bt`` ``[B, T]`` and
+  ``eos_ban_ids``: the stop tokens banned at the flagged tokens (a minimum length).
   """
+  if eos_ban_ids and eos_banned_bt is None:
+    raise ValueError("eos_ban_ids given without eos_banned_bt (which tokens were sampled under the ban)")
   if not vocab_chunk:
     logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
                               remat=remat, attention_chunk=attention_chunk)
     return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
-                                top_k=top_k, top_p=top_p, with_entropy=with_entropy)
+                                top_k=top_k, top_p=top_p, with_entropy=with_entropy,
+                                eos_banned_bt=eos_banned_bt, eos_ban_ids=eos_ban_ids)
   if top_k or top_p < 1.0:
     raise ValueError(f"top_k={top_k}, top_p={top_p} with vocab_chunk={vocab_chunk}: the truncated "
                      "log-softmax needs the whole vocabulary (learner.vocab_chunk=0)")
   hidden, head = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
                                   remat=remat, attention_chunk=attention_chunk)
   logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
-                                     temperature=temperature)
+                                     temperature=temperature,
+                                     banned_bt=None if eos_banned_bt is None else eos_banned_bt[:, 1:],
+                                     ban_ids=eos_ban_ids)
   return aligned(logp, entropy, segment_ids_bt, with_entropy)
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted(config: ModelConfig, temperature: float, top_k: int, top_p: float, mesh: Optional[Mesh],
-            vocab_chunk: int):
-  return jax.jit(functools.partial(token_logprobs, config, temperature=temperature, top_k=top_k,
-                                   top_p=top_p, mesh=mesh, vocab_chunk=vocab_chunk))
+            vocab_chunk: int, eos_ban_ids: tuple):
+  def run(params, tokens, positions, segments, banned):
+    return token_logprobs(config, params, tokens, positions, segments, temperature=temperature,
+                          top_k=top_k, top_p=top_p, mesh=mesh, vocab_chunk=vocab_chunk,
+                          eos_banned_bt=banned, eos_ban_ids=eos_ban_ids)
+  return jax.jit(run)
 
 
 def compute_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     mesh: Optional[Mesh] = None, vocab_chunk: int = 0) -> jax.Array:
+                     mesh: Optional[Mesh] = None, vocab_chunk: int = 0, eos_banned_bt=None,
+                     eos_ban_ids: tuple = ()) -> jax.Array:
   """One jitted pass: per-token log-probs ``[B, T]`` of ``tokens_bt`` under ``params``.
 
   Used once per global batch for ``prox_logp`` (with the weights before the update) and for scoring.
   """
-  return _jitted(config, float(temperature), int(top_k), float(top_p), mesh, int(vocab_chunk))(
+  ids = tuple(int(i) for i in eos_ban_ids)
+  return _jitted(config, float(temperature), int(top_k), float(top_p), mesh, int(vocab_chunk), ids)(
       params, jnp.asarray(tokens_bt, jnp.int32), jnp.asarray(positions_bt, jnp.int32),
-      jnp.asarray(segment_ids_bt, jnp.int32))
+      jnp.asarray(segment_ids_bt, jnp.int32),
+      None if eos_banned_bt is None else jnp.asarray(eos_banned_bt, jnp.float32))

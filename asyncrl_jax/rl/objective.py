@@ -41,6 +41,9 @@ class LossSettings:
   remat: bool = False
   vocab_chunk: int = 0
   attention_chunk: int = 0
+  # the stop tokens a minimum length bans (``TokenBatch.eos_banned`` says where); () when the run
+  # sets no minimum length, so the forward pass has nothing more to do
+  eos_ban_ids: tuple = ()
 
   @classmethod
   def from_config(cls, config) -> "LossSettings":
@@ -52,7 +55,17 @@ class LossSettings:
                behav_weight_clip=_finite_or_none(config.rl.behav_weight_clip),
                temperature=temperature, top_k=top_k, top_p=top_p,
                remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
-               attention_chunk=int(config.learner.attention_chunk))
+               attention_chunk=int(config.learner.attention_chunk),
+               eos_ban_ids=eos_ban_ids(config))
+
+
+def eos_ban_ids(config) -> tuple:
+  """The stop tokens of the run's tokenizer when its requests can carry a minimum length
+  (``rollout.min_new_tokens`` or ``rollout.length_workload``), else ()."""
+  if not (config.rollout.min_new_tokens or config.rollout.length_workload):
+    return ()
+  from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
+  return tuple(sorted(int(i) for i in load_tokenizer(config.data.tokenizer_path).stop_ids))
 
 
 def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model: ModelConfig,
@@ -72,7 +85,8 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
                                  temperature=settings.temperature, top_k=settings.top_k,
                                  top_p=settings.top_p, mesh=mesh, with_entropy=True,
                                  remat=settings.remat, vocab_chunk=settings.vocab_chunk,
-                                 attention_chunk=settings.attention_chunk)
+                                 attention_chunk=settings.attention_chunk,
+                                 eos_banned_bt=batch.eos_banned, eos_ban_ids=settings.eos_ban_ids)
   if prox_is_current:
     prox_logp = jax.lax.stop_gradient(logp) if losses.needs_prox(settings.loss) else None
   # A sampled token outside the truncated (top-k / top-p) set of the current or the prox weights

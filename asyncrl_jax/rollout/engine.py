@@ -36,7 +36,7 @@ from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rollout.compile_cache import ShapedPrefill
 from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer
 from asyncrl_jax.rollout.prefill_plan import prefill_shapes
-from asyncrl_jax.models.sampling import SamplingSettings, sample
+from asyncrl_jax.models.sampling import SamplingSettings, ban_stop_tokens, sample
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
 
 
@@ -63,6 +63,7 @@ class DecodeState:
   generated: jax.Array  # [S] tokens generated since the slot was filled
   budget: jax.Array  # [S] tokens the slot may still generate; 0 = idle (finished or never filled)
   rng: jax.Array
+  min_left: jax.Array  # [S] tokens the slot must still generate before a stop token may be sampled
 
 
 class Engine(engine_api.Engine):
@@ -129,7 +130,7 @@ class Engine(engine_api.Engine):
     self._jit_prefill_insert = jax.jit(bounded_traces(
         _function(self._prefill_insert_impl), "prefill_insert",
         len(prefill_shapes(num_slots, max_prefill_length, prefill_tokens))), donate_argnums=(1,),
-        in_shardings=(self.param_shardings, state) + (self._replicated,) * 4, out_shardings=state)
+        in_shardings=(self.param_shardings, state) + (self._replicated,) * 5, out_shardings=state)
     self._jit_refill = jax.jit(bounded_traces(
         _function(self._refill_impl), "refill",
         len(prefill_shapes(num_slots, max_target_length, prefill_tokens))),
@@ -212,7 +213,7 @@ class Engine(engine_api.Engine):
     cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
     return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
                        positions=self._slot_sharding, generated=self._slot_sharding,
-                       budget=self._slot_sharding, rng=self._replicated)
+                       budget=self._slot_sharding, rng=self._replicated, min_left=self._slot_sharding)
 
   def _build_make_state(self):
     c, s, length = self.config, self.num_slots, self.max_target_length
@@ -222,7 +223,8 @@ class Engine(engine_api.Engine):
       return DecodeState(cache=models.init_cache(c, s, length),
                          logits=jnp.zeros((s, c.vocab_size), jnp.float32),
                          positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
-                         budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed))
+                         budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed),
+                         min_left=jnp.zeros((s,), jnp.int32))
     return make
 
   def prefill(self, *, params, existing_prefix: Optional[Prefix] = None, padded_tokens,
@@ -273,11 +275,12 @@ class Engine(engine_api.Engine):
     return self._jit_steps[max_steps](params, decode_state)
 
   def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
-                     slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None
-                     ) -> DecodeState:
+                     slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None,
+                     min_new_tokens: Optional[Sequence[int]] = None) -> DecodeState:
     """Prefills several prompts in one batched pass and inserts them into ``slots``.
 
-    Each slot may then generate ``max_new_tokens[i]`` tokens (default: until the cache is full).
+    Each slot may then generate ``max_new_tokens[i]`` tokens (default: until the cache is full), and
+    samples no stop token before it has ``min_new_tokens[i]`` (default 0; see ``models.sampling``).
 
     Prompts are grouped by length into a few calls of ``(rows, width)`` shapes (``prefill_plan``;
     padding rows target slot ``S`` and are dropped), so only a few shapes are ever compiled.
@@ -291,6 +294,7 @@ class Engine(engine_api.Engine):
     lengths = np.zeros(len(prompts), np.int32)
     slot_ids = np.zeros(len(prompts), np.int32)
     budgets = np.zeros(len(prompts), np.int32)
+    minimums = np.zeros(len(prompts), np.int32)
     for i, (p, slot) in enumerate(zip(prompts, slots)):
       if not 0 <= slot < self.num_slots:
         raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
@@ -300,14 +304,18 @@ class Engine(engine_api.Engine):
       budget = room if max_new_tokens is None else int(max_new_tokens[i])
       if not 1 <= budget <= room:
         raise ValueError(f"prompt {i}: max_new_tokens={budget} must be in [1, {room}] (cache room)")
+      minimum = 0 if min_new_tokens is None else int(min_new_tokens[i])
+      if not 0 <= minimum <= budget:
+        raise ValueError(f"prompt {i}: min_new_tokens={minimum} must be in [0, max_new_tokens={budget}]")
+      minimums[i] = minimum
       tokens[i, :len(p)] = p
       lengths[i] = len(p)
       slot_ids[i] = slot
       budgets[i] = budget
-    # padding rows: length 1, slot S (dropped by the scatter), budget 0
+    # padding rows: length 1, slot S (dropped by the scatter), budget 0, minimum 0
     return self._prefill_insert_calls(params, decode_state, lengths, tokens,
-                                      [(lengths, 1), (slot_ids, self.num_slots), (budgets, 0)],
-                                      self.prefill_call_overhead)
+                                      [(lengths, 1), (slot_ids, self.num_slots), (budgets, 0),
+                                       (minimums, 0)], self.prefill_call_overhead)
 
   def refill(self, params, decode_state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
     """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
@@ -344,7 +352,7 @@ class Engine(engine_api.Engine):
         self._make_state = self._build_make_state()
       decode_state = jax.eval_shape(self._make_state)
     if self._refill_calls.background:
-      self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 3)
+      self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 4)
       self._refill_calls.warm_up(self.param_spec(), decode_state, 2)
 
   def compiles_pending(self) -> bool:
@@ -379,11 +387,13 @@ class Engine(engine_api.Engine):
         cache=cache, logits=put(state.logits, prefix.logits),
         positions=state.positions.at[slot].set(prefix.length),
         generated=state.generated.at[slot].set(0),
-        budget=state.budget.at[slot].set(self.max_target_length - prefix.length))
+        budget=state.budget.at[slot].set(self.max_target_length - prefix.length),
+        min_left=state.min_left.at[slot].set(0))
 
   def _step_impl(self, params, state: DecodeState):
     rng, key = jax.random.split(state.rng)
-    tokens, logp = sample(state.logits, key, self.sampling)
+    banned = (state.min_left > 0) & (state.budget > 0)
+    tokens, logp = sample(ban_stop_tokens(state.logits, banned, self._stop_ids), key, self.sampling)
     positions = jnp.minimum(state.positions, self.max_target_length - 1)
     logits, cache = models.apply_decode(self.config, params, tokens[:, None], positions[:, None],
                                         state.cache, self._mesh)
@@ -391,7 +401,8 @@ class Engine(engine_api.Engine):
     finishing = active & (jnp.isin(tokens, self._stop_ids) | (state.budget == 1))
     budget = jnp.where(finishing, 0, jnp.maximum(state.budget - 1, 0))
     new_state = DecodeState(cache=cache, logits=logits[:, 0], positions=state.positions + 1,
-                            generated=state.generated + 1, budget=budget, rng=rng)
+                            generated=state.generated + 1, budget=budget, rng=rng,
+                            min_left=jnp.maximum(state.min_left - 1, 0))
     return new_state, tokens, logp
 
   def _steps_impl(self, params, state: DecodeState, max_steps: int):
@@ -430,13 +441,16 @@ class Engine(engine_api.Engine):
                          logits=state.logits.at[slots_n].set(logits[:, 0], mode="drop"),
                          positions=state.positions.at[slots_n].set(lengths_n, mode="drop"))
 
-  def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n):
+  def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n,
+                          minimums_n):
     state = self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
     return state.replace(generated=state.generated.at[slots_n].set(0, mode="drop"),
-                         budget=state.budget.at[slots_n].set(budgets_n, mode="drop"))
+                         budget=state.budget.at[slots_n].set(budgets_n, mode="drop"),
+                         min_left=state.min_left.at[slots_n].set(minimums_n, mode="drop"))
 
   def _refill_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n) -> DecodeState:
-    # Same as a prefill into the slot, but the slot keeps its count of generated tokens and its budget.
+    # Same as a prefill into the slot, but the slot keeps its count of generated tokens, its budget
+    # and its minimum length still to go.
     return self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
 
 

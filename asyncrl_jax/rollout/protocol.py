@@ -6,7 +6,8 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   package asyncrl.rollout.v1;
   message RolloutRequest { string request_id = 1; repeated int32 prompt_tokens = 2;
                            int32 max_new_tokens = 3; string prompt_id = 4; int64 group_id = 5;
-                           int64 incarnation = 6; }   // of the learner asking (0: none)
+                           int64 incarnation = 6;     // of the learner asking (0: none)
+                           int32 min_new_tokens = 7; }  // no stop token before this many
   message SubmitRequest  { repeated RolloutRequest requests = 1; }
   message SubmitReply    { int32 accepted = 1; }
   message StreamRequest  { int32 max_trajectories = 1; }        // 0: until cancelled
@@ -85,7 +86,8 @@ _TYPES = {"string": _F.TYPE_STRING, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT
 _MESSAGES = {
     "RolloutRequest": [("request_id", "string", 1), ("prompt_tokens", "int32*", 2),
                        ("max_new_tokens", "int32", 3), ("prompt_id", "string", 4),
-                       ("group_id", "int64", 5), ("incarnation", "int64", 6)],
+                       ("group_id", "int64", 5), ("incarnation", "int64", 6),
+                       ("min_new_tokens", "int32", 7)],
     "SubmitRequest": [("requests", ".RolloutRequest*", 1)],
     "SubmitReply": [("accepted", "int32", 1)],
     "StreamRequest": [("max_trajectories", "int32", 1)],
@@ -155,7 +157,8 @@ MESSAGES = _build()
 def request_to_pb(r: RolloutRequest):
   return MESSAGES["RolloutRequest"](request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
                                     max_new_tokens=r.max_new_tokens, prompt_id=r.prompt_id,
-                                    group_id=r.group_id, incarnation=r.incarnation)
+                                    group_id=r.group_id, incarnation=r.incarnation,
+                                    min_new_tokens=r.min_new_tokens)
 
 
 def request_from_pb(m) -> RolloutRequest:
@@ -163,7 +166,7 @@ def request_from_pb(m) -> RolloutRequest:
     raise ValueError("RolloutRequest.request_id is empty (trajectory ids must be unique)")
   return RolloutRequest(prompt_tokens=list(m.prompt_tokens), max_new_tokens=m.max_new_tokens,
                         request_id=m.request_id, prompt_id=m.prompt_id, group_id=m.group_id,
-                        incarnation=m.incarnation)
+                        incarnation=m.incarnation, min_new_tokens=m.min_new_tokens)
 
 
 def trajectory_to_pb(t: Trajectory):

@@ -289,6 +289,8 @@ class DecodeServer:
       return f"prompt has {n} tokens, more than the engine's max_prefill_length={e.max_prefill_length}"
     if r.max_new_tokens < 1:
       return f"max_new_tokens={r.max_new_tokens} must be >= 1"
+    if not 0 <= r.min_new_tokens <= r.max_new_tokens:
+      return f"min_new_tokens={r.min_new_tokens} must be in [0, max_new_tokens={r.max_new_tokens}]"
     if n + r.max_new_tokens > e.max_target_length:
       return (f"prompt ({n}) + max_new_tokens ({r.max_new_tokens}) exceeds the cache length "
               f"max_target_length={e.max_target_length}")
@@ -320,7 +322,8 @@ class DecodeServer:
     slots = free[:len(starting)]
     self._state = self.engine.prefill_insert(self._params, self._state,
                                              [r.prompt_tokens for r in starting], slots,
-                                             [r.max_new_tokens for r in starting])
+                                             [r.max_new_tokens for r in starting],
+                                             [r.min_new_tokens for r in starting])
     for slot, request in zip(slots, starting):
       self._slots[slot] = _Building(request)
     self.stats.started += len(starting)
@@ -335,7 +338,9 @@ class DecodeServer:
     """Records the in-flight chunk's tokens for the sequences that were in their slots at launch.
 
     Finishing mirrors the device's rule (stop token, or ``max_new_tokens`` reached), so a slot the host
-    frees is exactly a slot the device stopped counting as busy.
+    frees is exactly a slot the device stopped counting as busy. A stop token inside a slot's minimum
+    length cannot be sampled (the device bans it), so the rule needs no minimum of its own; one seen
+    there means the device broke the ban, and the sequence fails rather than train on it.
     """
     if self._inflight is None:
       return
@@ -362,7 +367,10 @@ class DecodeServer:
         b.versions[-take] = b.next_token_version
         b.next_token_version = None
       self.stats.tokens += take
-      if take == first_stop[i] + 1:  # the stop token itself was taken
+      if take == first_stop[i] + 1 and len(b.tokens) <= b.request.min_new_tokens:
+        self._finish(i, "error", f"a stop token at completion token {len(b.tokens) - 1}, inside "
+                     f"min_new_tokens={b.request.min_new_tokens}")
+      elif take == first_stop[i] + 1:  # the stop token itself was taken
         self._finish(i, "eos")
       elif len(b.tokens) >= b.request.max_new_tokens:
         self._finish(i, "length")

@@ -39,6 +39,7 @@ class RolloutRequest:
   group_id: int = -1
   incarnation: int = 0
   min_version: int = 0
+  min_new_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -46,7 +47,9 @@ class Trajectory:
   """A finished (or aborted / failed) generation with everything the learner needs.
 
   Per completion token: ``completion_tokens[t]``, ``logprobs[t]`` (behaviour log-prob, from the source
-  named by ``logprob_source``) and ``versions[t]`` (the policy version that sampled it). A trajectory
+  named by ``logprob_source``) and ``versions[t]`` (the policy version that sampled it). ``sampling``
+  records the server's settings and the request's ``min_new_tokens`` (tokens ``t < min_new_tokens``
+  were sampled with the stop tokens banned). A trajectory
   interrupted by weight updates holds several versions, non-decreasing along the sequence.
   """
   trajectory_id: str
@@ -127,6 +130,7 @@ class _Building:
         prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
         completion_tokens=np.asarray(self.tokens, np.int32),
         logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
-        finish_reason=reason, logprob_source=logprob_source, sampling=sampling,
+        finish_reason=reason, logprob_source=logprob_source,
+        sampling=dict(sampling, min_new_tokens=r.min_new_tokens),
         tokenizer_id=tokenizer_id, server_id=server_id, num_interruptions=self.interruptions,
         error=error, started_at=self.started_at, finished_at=time.time(), incarnation=r.incarnation)
