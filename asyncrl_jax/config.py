@@ -102,7 +102,8 @@ def _rollout_section() -> ml_collections.ConfigDict:
       auth_token_file="",
       # on new weights: "recompute" re-prefills every in-flight sequence under them (exact); "keep_cache"
       # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
-      # still those of the distribution each token was drawn from)
+      # still those of the distribution each token was drawn from); "drain" lets the sequences in
+      # flight finish under the old weights and starts none until they have (non-interruptible)
       on_weight_update="recompute",
       # compile every batched-prefill shape (new prompts, re-prefills) in the background at start, so
       # decoding rarely waits for a compilation
@@ -334,7 +335,7 @@ def _validate_rollout(config) -> None:
          config.learner.vocab_chunk, f"with rollout.top_k={r.top_k}, rollout.top_p={r.top_p} the "
          "learner's log-probs are those of the truncated distribution, which needs the whole "
          "vocabulary at once: set learner.vocab_chunk=0 (or rollout.top_k=0, rollout.top_p=1)")
-  _one_of(config, "rollout.on_weight_update", ("recompute", "keep_cache"))
+  _one_of(config, "rollout.on_weight_update", ("recompute", "keep_cache", "drain"))
   _check(isinstance(config.rollout.warm_up, bool), "rollout.warm_up", config.rollout.warm_up,
          "must be True or False")
   for port in ("rollout.port", "rollout.registry_port"):

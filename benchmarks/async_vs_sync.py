@@ -28,6 +28,17 @@ machine's cores in one process.
 Besides, the full run repeats eta 2 with ``rollout.on_weight_update=keep_cache`` (``--keep-cache-etas``):
 no re-prefill on new weights, decoding continues on the older weights' KV cache.
 
+``--workload lognormal [--median 32 --sigma 1.15 --cap 640]`` measures the seed's length shape instead
+of the task's own: every request generates exactly a drawn number of tokens (``rollout.length_workload``,
+a per-request minimum length that the learner's log-probs apply too; ``model.max_seq_len`` grows to
+fit). The arms are then, in one run on the same cores: colocated synchronous (both roles on both
+cores in one process, taking turns: ``mesh.colocate``, eta 0), and on split cores eta 0, 1, 2, 4 and
+8 (``--quick``: colocated, eta 0 and eta 2). Before any arm, each role's rate is measured alone on one
+core (``benchmarks/role_rates.py``: decode step time at the colocated and the split slot counts,
+re-prefill cost, learner tokens/s), and the planner predicts every arm from those rates: no
+prediction uses its own arm's measurements. Each request's length is drawn from (seed, prompt,
+sample), so every arm trains the same tokens. Writes results/async_vs_sync_lognormal.*.
+
 ``predicted_headroom`` is the simulator's ``1 / utilization`` of synchronous LPT-packed batches on the
 same lengths, slots and batch size (the seed's definition: free training, lengths known in advance).
 Prints one JSON object (last line); writes benchmarks/results/async_vs_sync.{json,md,png}.
@@ -174,11 +185,22 @@ def main(argv=None) -> int:
                  help="run each arm as a decode-server process pinned to one core and the main job "
                       "pinned to another (one CPU device each): separate rollout and learner devices, "
                       "as on accelerator slices (needs 2 cores; default: one process, shared cores)")
+  p.add_argument("--workload", choices=("task", "lognormal"), default="task",
+                 help="task: the built-in task's own completion lengths; lognormal: each request "
+                      "generates exactly a length drawn from lognormal(--median, --sigma) capped at --cap")
+  p.add_argument("--median", type=float, default=32.0, help="lognormal workload: median length")
+  p.add_argument("--sigma", type=float, default=1.15, help="lognormal workload: sigma of log length")
+  p.add_argument("--cap", type=int, default=640, help="lognormal workload: longest completion")
   p.add_argument("--profile", default=None, metavar="ETA",
                  help="write a jax profiler trace of 3 versions (after the skipped ones) of the arm at "
                       "this eta to WORKDIR/eta<ETA>/profile (README: Benchmarks, where the time goes)")
   args = p.parse_args(argv)
   pinning = hasattr(os, "sched_setaffinity")  # Linux
+  if args.workload == "lognormal":
+    cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if pinning else ()
+    if len(cores) < 2:
+      p.error("--workload lognormal runs split-core arms: it needs 2 CPU cores and core pinning")
+    return workload_main(args, cores)
   cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if args.split_cores and pinning else ()
   if args.split_cores and len(cores) < 2:
     p.error("--split-cores needs 2 CPU cores and core pinning (os.sched_setaffinity, Linux); "
@@ -338,6 +360,203 @@ def main(argv=None) -> int:
                         **{k: result[k] for k in ("async_keep_cache_tokens_per_s", "keep_cache_ratio")
                            if k in result})))
   return 0
+
+
+# ---------------------------------------------------------------------------- the length workload
+
+
+COLOCATED = "colocated sync"
+
+
+def workload_flags(args) -> list:
+  """The config overrides of the lognormal workload: exact drawn lengths, room for the longest."""
+  spec = f"lognormal:median={args.median:g},sigma={args.sigma:g},cap={args.cap}"
+  prompt = 48  # configs/default.py's data.max_prompt_len
+  return [f"--config.rollout.length_workload={spec}", f"--config.data.max_completion_len={args.cap}",
+          f"--config.model.max_seq_len={-(-(prompt + args.cap) // 64) * 64}"]
+
+
+def run_colocated_arm(py: str, flags: list, workdir: str, log_path: str, cores: tuple) -> None:
+  """Both roles in one process on both cores (one CPU device per core), taking turns: what a user
+  without separate rollout devices would run."""
+  flags_env = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                       if not f.startswith("--xla_force_host_platform_device_count"))
+  env = dict(os.environ, XLA_FLAGS=f"{flags_env} --xla_force_host_platform_device_count={len(cores)}".strip(),
+             ASYNCRL_CPU_DEVICES=str(len(cores)))
+  run_logged([py, "-m", "asyncrl_jax.train", f"--config={CONFIG}", f"--workdir={workdir}",
+              "--config.mesh.colocate=True", *flags], log_path, env=env,
+             preexec_fn=lambda: os.sched_setaffinity(0, set(cores)))
+
+
+def measure_rates(py: str, flags: list, slots: int, cores: tuple, log_path: str) -> dict:
+  """Each role alone on one core (``role_rates.py``): decode at the split (``slots``) and colocated
+  (``slots / cores``) slot counts, and the learner."""
+  per_core = max(1, slots // len(cores))
+  flags_env = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                       if not f.startswith("--xla_force_host_platform_device_count"))
+  env = dict(os.environ, XLA_FLAGS=f"{flags_env} --xla_force_host_platform_device_count=1".strip(),
+             ASYNCRL_CPU_DEVICES="1")
+  run_logged([py, os.path.join(ROOT, "benchmarks", "role_rates.py"), f"--config={CONFIG}", f"--slots={slots}",
+              f"--slots={per_core}", *flags], log_path, env=env, preexec_fn=_pin(cores[1]))
+  with open(log_path) as f:
+    rates = json.loads([ln for ln in f.read().splitlines() if ln.startswith("{")][-1])
+  rates["decode"] = {d["slots"]: d for d in rates["decode"]}
+  return rates
+
+
+def workload_predictions(rates: dict, workload, *, slots: int, batch: int, cores: int, etas) -> dict:
+  """The planner's throughput for each arm from the rates measured alone; the simulator's headroom."""
+  lengths = LengthModel(samples=tuple(int(n) for n in workload.sample(20000, seed=7)), cap=workload.cap)
+  per_core = max(1, slots // cores)
+  split = planner.Throughputs(decode_tok_s=rates["decode"][slots]["decode_tok_s"],
+                              train_tok_s=rates["learner"]["train_tok_s"], slots_per_device=slots)
+  shared = planner.Throughputs(decode_tok_s=rates["decode"][per_core]["decode_tok_s"],
+                               train_tok_s=rates["learner"]["train_tok_s"], slots_per_device=per_core)
+  colocated = planner.predict_colocated_sync(lengths, shared, devices=cores, batch=batch, epochs=100)
+  out = {COLOCATED: dict(tokens_per_s=colocated.tokens_per_s, slot_utilization=colocated.slot_utilization,
+                         learner_idle_fraction=colocated.learner_idle_fraction)}
+  cost = rates["decode"][slots]["refill_steps"]
+  for eta in etas:
+    c = planner.predict(lengths, split, rollout_devices=1, learner_devices=1, eta=eta, batch=batch,
+                        epochs=100, interrupt_cost=cost)
+    free = straggler.simulate_async(lengths, epochs=100, batch=batch, slots=slots, eta=eta)
+    out[str(eta)] = dict(tokens_per_s=c.tokens_per_s, slot_utilization=c.slot_utilization,
+                         learner_idle_fraction=c.learner_idle_fraction,
+                         free_training_slot_utilization=free.slot_utilization)
+  sync = straggler.simulate_sync(lengths, epochs=200, batch=batch, slots=slots)
+  decode_alone = straggler.simulate_async(lengths, epochs=100, batch=batch, slots=slots, eta=2)
+  return dict(arms=out, headroom=sync.headroom, sync_slot_utilization=sync.slot_utilization,
+              free_training_eta2_slot_utilization=decode_alone.slot_utilization,
+              learner_bound=split.train_tok_s < decode_alone.slot_utilization * split.decode_tok_s,
+              lengths=dict(median=sync.median_len, mean=sync.mean_len, mean_longest=sync.mean_longest,
+                           p_cap=sync.p_cap))
+
+
+def workload_main(args, cores: tuple) -> int:
+  from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
+  if 2 not in etas:
+    raise SystemExit("--etas must include 2 (the reported asynchronous arm)")
+  steps = args.steps or (10 if args.quick else 30)
+  skip = args.skip if args.skip is not None else 3
+  name = args.name if args.name != "async_vs_sync" else "async_vs_sync_lognormal"
+  work = args.workdir or tempfile.mkdtemp(prefix="async_vs_sync_lognormal_")
+  os.makedirs(work, exist_ok=True)
+  py, t0 = sys.executable, time.time()
+  shape = workload_flags(args)
+  workload = LengthWorkload.parse(shape[0].split("=", 1)[1])
+  print(f"[async_vs_sync] workload {workload.spec}; warm start in {work}", flush=True)
+  run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
+              f"--config.learner.warm_start_steps={args.warm_start_steps}", *shape, *args.override],
+             os.path.join(work, "sft.log"))
+  common = [f"--config.model.hf_path={os.path.join(work, 'warm_start')}", f"--config.steps={steps}",
+            f"--config.learner.eval_every={10 * steps}", f"--config.checkpoint.every_steps={10 * steps}",
+            "--config.data.eval_problems=32", *shape, *args.override]
+  print(f"[async_vs_sync] each role's rate alone ({time.time() - t0:.0f}s so far)", flush=True)
+  from configs import default  # pylint: disable=import-outside-toplevel
+  base = default.get_config()  # slots and batch: the config's, unless overridden
+  slots, batch = base.rollout.num_slots, base.learner.batch_size
+  for flag in args.override:
+    if flag.startswith("--config.rollout.num_slots="):
+      slots = int(flag.split("=", 1)[1])
+    if flag.startswith("--config.learner.batch_size="):
+      batch = int(flag.split("=", 1)[1])
+  rates = measure_rates(py, common, slots, cores, os.path.join(work, "rates.log"))
+  predicted = workload_predictions(rates, workload, slots=slots, batch=batch, cores=len(cores), etas=etas)
+  arms = {}
+  for label in [COLOCATED] + [str(e) for e in etas]:
+    wd = os.path.join(work, label.replace(" ", "_"))
+    print(f"[async_vs_sync] {label}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
+    eta = 0 if label == COLOCATED else int(label)
+    flags = [f"--config.rl.max_staleness={eta}", *common]
+    if args.profile is not None and args.profile == label.replace(" ", "_"):
+      flags += [f"--config.learner.profile_start={skip}", "--config.learner.profile_versions=3"]
+    if label == COLOCATED:
+      run_colocated_arm(py, flags, wd, os.path.join(work, "colocated.log"), cores)
+    else:
+      run_split_arm(py, flags, wd, os.path.join(work, f"eta{label}"), cores)
+    arms[label] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
+    arms[label].update(eta=eta, predicted=predicted["arms"][label])
+  return _write_workload(args, name, arms, predicted, rates, workload, dict(
+      steps=steps, skip=skip, etas=etas, slots=slots, batch=batch, cores=list(cores), t0=t0))
+
+
+def _write_workload(args, name, arms, predicted, rates, workload, run) -> int:
+  sync = arms[COLOCATED]
+  for a in arms.values():
+    a["ratio_vs_colocated"] = a["tokens_per_s"] / sync["tokens_per_s"]
+    a["measured_over_predicted"] = a["tokens_per_s"] / a["predicted"]["tokens_per_s"]
+  pred_ratio = predicted["arms"]["2"]["tokens_per_s"] / predicted["arms"][COLOCATED]["tokens_per_s"]
+  result = dict(
+      machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), workload=workload.spec,
+                                      steps=run["steps"], skip=run["skip"], etas=run["etas"],
+                                      slots=run["slots"], batch=run["batch"], cores=run["cores"],
+                                      warm_start_steps=args.warm_start_steps, overrides=args.override),
+      arms=arms, rates=rates, predicted=predicted, workload=workload.spec,
+      sync_tokens_per_s=sync["tokens_per_s"], async_tokens_per_s=arms["2"]["tokens_per_s"],
+      ratio=arms["2"]["tokens_per_s"] / sync["tokens_per_s"], predicted_ratio=pred_ratio,
+      predicted_headroom=predicted["headroom"], slot_utilization=arms["2"]["slot_utilization"],
+      seconds=time.time() - run["t0"])
+  result["ratio_over_predicted"] = result["ratio"] / pred_ratio
+  header = ["arm", "trained tok/s", "vs colocated", "slot util.", "learner idle", "max staleness",
+            "mean staleness", "re-prefill per update (s)", "planner tok/s", "planner slot util.",
+            "measured / planner", "free-training slot util. (simulator)"]
+  rows = [[label, a["tokens_per_s"], f"{a['ratio_vs_colocated']:.2f}x", f"{a['slot_utilization']:.1%}",
+           f"{a['learner_idle_fraction']:.1%}", a["max_staleness_seen"], f"{a['mean_staleness']:.2f}",
+           f"{a['interrupt_seconds_per_version']:.2f}", a["predicted"]["tokens_per_s"],
+           f"{a['predicted']['slot_utilization']:.1%}", f"{a['measured_over_predicted']:.2f}",
+           f"{a['predicted'].get('free_training_slot_utilization', predicted['sync_slot_utilization']):.1%}"]
+          for label, a in arms.items()]
+  d, lr = rates["decode"], rates["learner"]
+  per_core = max(1, run["slots"] // len(run["cores"]))
+  lengths = predicted["lengths"]
+  notes = (
+      f"The main job (configs/default.py) on the length workload `{workload.spec}`: every request "
+      "generates exactly its drawn number of tokens (stop tokens banned until then; the learner applies "
+      f"the same ban). Lengths: median {lengths['median']:.0f}, mean {lengths['mean']:.1f}, mean longest "
+      f"of a batch {lengths['mean_longest']:.0f}, cap {workload.cap}. {run['slots']} decode slots, batch "
+      f"{run['batch']}, {run['steps']} policy versions per arm (the first {run['skip']} not timed); every "
+      "arm trains the same trajectories' lengths. `colocated sync`: both roles in one process on "
+      f"{len(run['cores'])} cores, taking turns (eta 0); the other arms: a decode server on one core "
+      "and the main job on the other. Rates measured alone before the arms (one core each): decode "
+      f"step {1000 * d[run['slots']]['step_seconds']:.1f} ms at {run['slots']} slots "
+      f"({d[run['slots']]['decode_tok_s']:.0f} tok/s), {1000 * d[per_core]['step_seconds']:.1f} ms at "
+      f"{per_core} slots; re-prefill {d[run['slots']]['refill_steps']:.1f} decode steps per update; "
+      f"learner {lr['train_tok_s']:.0f} trained tok/s. Simulator, free training: synchronous slot "
+      f"utilization {predicted['sync_slot_utilization']:.1%}, headroom {predicted['headroom']:.2f}x. "
+      f"Measured eta 2 / colocated sync: {result['ratio']:.2f}x; planner: {pred_ratio:.2f}x "
+      f"(measured/predicted {result['ratio_over_predicted']:.2f}). " +
+      ("On this machine the learner is the bottleneck: one core trains fewer tokens per second than "
+       "one core's decode slots produce at the asynchronous utilization, so the prediction stays below "
+       "the free-training headroom." if predicted["learner_bound"] else
+       "The learner is not the bottleneck here: decoding is."))
+  md = write_result(name, result, header, rows, notes, **({"out_dir": args.out} if args.out else {}))
+  _plot_workload(arms, os.path.join(os.path.dirname(md), f"{name}.png"))
+  print(f"[async_vs_sync] wrote {md}")
+  print(json.dumps({k: result[k] for k in ("sync_tokens_per_s", "async_tokens_per_s", "ratio",
+                                           "predicted_ratio", "predicted_headroom", "slot_utilization",
+                                           "workload")}))
+  return 0
+
+
+def _plot_workload(arms: dict, path: str) -> None:
+  plt = pyplot()
+  split = {a["eta"]: a for label, a in arms.items() if label != COLOCATED}
+  etas = sorted(split)
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+  ax1.plot(etas, [split[e]["tokens_per_s"] for e in etas], "o-", label="split cores, measured")
+  ax1.plot(etas, [split[e]["predicted"]["tokens_per_s"] for e in etas], "s--", label="planner")
+  ax1.axhline(arms[COLOCATED]["tokens_per_s"], color="gray", ls=":", label="colocated sync, measured")
+  ax1.set(xlabel="max staleness eta", ylabel="trained tokens/s")
+  ax1.legend(fontsize=7)
+  ax2.plot(etas, [split[e]["slot_utilization"] for e in etas], "o-", label="slot utilization")
+  ax2.plot(etas, [split[e]["learner_idle_fraction"] for e in etas], "s-", label="learner idle")
+  ax2.axhline(arms[COLOCATED]["slot_utilization"], color="gray", ls=":", label="colocated: slot util.")
+  ax2.set(xlabel="max staleness eta", ylim=(0, 1))
+  ax2.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def _plot(arms: dict, path: str, topology: str) -> None:

@@ -8,7 +8,9 @@ One loop owns the engine's decode state. Each iteration:
    ``on_weight_update="keep_cache"`` the re-prefill is skipped: decoding continues under the new weights
    on the KV cache the older ones wrote (cheaper; each later token is then drawn from a distribution
    that no single version defines, and its recorded log-prob is that distribution's, which is what the
-   behaviour policy of the importance weights must be);
+   behaviour policy of the importance weights must be). With ``on_weight_update="drain"`` (the
+   non-interruptible baseline of AReaL's ablation) the new weights wait: the sequences in flight finish
+   under the old ones, no new sequence starts meanwhile, and the weights apply once every slot is free;
 2. fills free slots from the request queue at once (prefill + insert), so slots stay busy;
 3. runs one decode step for all slots and records each sampled token with its log-prob and version;
 4. finishes sequences that emitted a stop token or reached their length cap and streams them out
@@ -37,7 +39,7 @@ from asyncrl_jax.rollout.trajectory import DRAINED, RolloutRequest, Trajectory, 
 
 log = logging.getLogger(__name__)
 
-ON_WEIGHT_UPDATE = ("recompute", "keep_cache")
+ON_WEIGHT_UPDATE = ("recompute", "keep_cache", "drain")
 
 
 class DecodeServer:
@@ -52,7 +54,8 @@ class DecodeServer:
     on_trajectory: called (from the loop thread) with each finished trajectory; if None they are put on
       ``self.finished``.
     on_weight_update: ``"recompute"`` (default: re-prefill every in-flight sequence under the new
-      weights) or ``"keep_cache"`` (continue on the existing KV cache), see above.
+      weights), ``"keep_cache"`` (continue on the existing KV cache) or ``"drain"`` (finish the
+      sequences in flight under the old weights, then switch), see above.
     steps_per_call: most decode steps fused into one device call. A call ends early, after the step in
       which any busy slot finishes, so freed slots are refilled promptly; when nothing finishes, long
       calls amortise dispatch and host round trips. A weight update takes effect at the next call
@@ -86,6 +89,7 @@ class DecodeServer:
     self._wake = threading.Condition(self._lock)
     self._slots: list[Optional[_Building]] = [None] * engine.num_slots
     self._inflight: Optional[tuple] = None  # (tokens, logp, slot occupants, version) of a launched chunk
+    self._drain_started: Optional[float] = None  # when held weights began waiting (drain mode)
     self._state = engine.init_decode_state()
     if warm_up:  # compile the batched prefills' shapes in the background, e.g. while weights arrive
       engine.warm_up(self._state)
@@ -224,6 +228,8 @@ class DecodeServer:
         self._wake.wait(timeout=0.5)
         self.stats.idle_seconds += time.perf_counter() - t
       pending, self._pending = self._pending, None
+      if pending is not None and self._draining(pending):
+        self._pending, pending = pending, None  # (no new sequence starts while an update waits)
       aborts, self._aborts = self._aborts, {}
     if pending is not None or aborts:
       self._collect()  # weight refills and aborts need every token generated so far
@@ -236,7 +242,19 @@ class DecodeServer:
     self._inflight = launched
     self._fill_slots()
 
+  def _draining(self, pending) -> bool:
+    """Whether ``pending`` weights wait for the sequences in flight (``on_weight_update="drain"``; a
+    restart's weights never wait: the sequences in flight are dropped)."""
+    if self.on_weight_update != "drain" or pending[2] or not self.num_active:
+      return False
+    if self._drain_started is None:
+      self._drain_started = time.perf_counter()
+    return True
+
   def _apply_weights(self, params, version: int, restart: bool = False) -> None:
+    if self._drain_started is not None:  # the slots' time under the old weights while the update waited
+      self.stats.drain_seconds += time.perf_counter() - self._drain_started
+      self._drain_started = None
     t = time.perf_counter()
     self._params = self.engine.place_params(params)
     old_version, self.version = self.version, version

@@ -32,6 +32,8 @@ class DecodeStats:
   finished_aborted: int = 0
   finished_error: int = 0
   servers: int = 1
+  # (new counters go here, at the end: the Health message numbers its fields in this order)
+  drain_seconds: float = 0.0  # new weights waited for the sequences in flight (on_weight_update=drain)
 
   @classmethod
   def counters(cls) -> tuple[str, ...]:

@@ -139,7 +139,7 @@ def test_keep_cache_update_continues_on_the_old_cache_without_re_prefill(params_
   assert seq[len(prompt):] != want
 
 
-@pytest.mark.parametrize("mode", ["recompute", "keep_cache"])
+@pytest.mark.parametrize("mode", ["recompute", "keep_cache", "drain"])
 def test_requests_submitted_after_an_update_never_see_the_old_weights(params_a, params_b, mode):
   # The controller publishes version 1 and then admits work for it; the loop may be between taking
   # updates and filling slots. Nothing submitted after the publish may be prefilled with version 0.
@@ -155,6 +155,31 @@ def test_requests_submitted_after_an_update_never_see_the_old_weights(params_a, 
   out = {t.trajectory_id: t for t in _drain(server)}
   for r in late:
     assert out[r.request_id].versions.min() == 1
+    np.testing.assert_allclose(out[r.request_id].logprobs, _recompute(params_b, out[r.request_id]),
+                               atol=3e-5)
+
+
+def test_drain_finishes_the_sequences_in_flight_on_the_old_weights_before_switching(params_a, params_b):
+  server = _server(params_a, tokenizer=NoStopTokenizer(), on_weight_update="drain", steps_per_call=1)
+  early = _requests(2, max_new=10, seed=4)
+  server.submit(*early)
+  server.iteration()
+  server.iteration()  # both in flight under version 0
+  server.update_weights(params_b, version=1)
+  late = _requests(2, max_new=6, seed=5)
+  server.submit(*late)
+  server.iteration()
+  assert server.version == 0 and server.num_active == 2  # the update waits; nothing new starts
+  server.run_until_idle()
+  assert server.version == 1 and server.stats.interrupted_sequences == 0
+  assert server.stats.drain_seconds > 0 and server.stats.weight_updates == 1
+  out = {t.trajectory_id: t for t in _drain(server)}
+  for r in early:  # uninterrupted, every token from the old weights, log-probs those of version 0
+    t = out[r.request_id]
+    assert t.num_interruptions == 0 and t.versions.tolist() == [0] * 10
+    np.testing.assert_allclose(t.logprobs, _recompute(params_a, t), atol=3e-5)
+  for r in late:
+    assert out[r.request_id].versions.tolist() == [1] * 6
     np.testing.assert_allclose(out[r.request_id].logprobs, _recompute(params_b, out[r.request_id]),
                                atol=3e-5)
 
