@@ -91,6 +91,7 @@ def window_metrics(records: list, skip: int) -> dict:
       interrupt_seconds=interrupt, interrupt_seconds_per_version=interrupt / len(rest),
       interrupt_share_of_decode=interrupt / max(seconds - idle, 1e-9),
       tokens_per_s=tokens / seconds, seconds=seconds, trained_tokens=tokens,
+      decode_tokens_per_s=decode.tokens / seconds, drain_seconds_per_version=decode.drain_seconds / len(rest),
       slot_utilization=decode.slot_utilization(seconds) or 0.0,
       slot_occupancy=decode.tokens / max(decode.slot_steps, 1),
       decode_busy_seconds=seconds - idle, slot_steps=decode.slot_steps,
@@ -191,6 +192,9 @@ def main(argv=None) -> int:
   p.add_argument("--median", type=float, default=32.0, help="lognormal workload: median length")
   p.add_argument("--sigma", type=float, default=1.15, help="lognormal workload: sigma of log length")
   p.add_argument("--cap", type=int, default=640, help="lognormal workload: longest completion")
+  p.add_argument("--slots", type=int, default=64,
+                 help="lognormal workload: decode slots (default 64: batch 256 is then 4 trajectories per "
+                      "slot, as the seed's 512 over 128, so the free-training headroom is the seed's shape)")
   p.add_argument("--profile", default=None, metavar="ETA",
                  help="write a jax profiler trace of 3 versions (after the skipped ones) of the arm at "
                       "this eta to WORKDIR/eta<ETA>/profile (README: Benchmarks, where the time goes)")
@@ -373,7 +377,8 @@ def workload_flags(args) -> list:
   spec = f"lognormal:median={args.median:g},sigma={args.sigma:g},cap={args.cap}"
   prompt = 48  # configs/default.py's data.max_prompt_len
   return [f"--config.rollout.length_workload={spec}", f"--config.data.max_completion_len={args.cap}",
-          f"--config.model.max_seq_len={-(-(prompt + args.cap) // 64) * 64}"]
+          f"--config.model.max_seq_len={-(-(prompt + args.cap) // 64) * 64}",
+          f"--config.rollout.num_slots={args.slots}"]
 
 
 def run_colocated_arm(py: str, flags: list, workdir: str, log_path: str, cores: tuple) -> None:
@@ -454,29 +459,32 @@ def workload_main(args, cores: tuple) -> int:
             "--config.data.eval_problems=32", *shape, *args.override]
   print(f"[async_vs_sync] each role's rate alone ({time.time() - t0:.0f}s so far)", flush=True)
   from configs import default  # pylint: disable=import-outside-toplevel
-  base = default.get_config()  # slots and batch: the config's, unless overridden
-  slots, batch = base.rollout.num_slots, base.learner.batch_size
+  # the batch: the config's, unless an override sets it
+  slots, batch = args.slots, default.get_config().learner.batch_size
   for flag in args.override:
-    if flag.startswith("--config.rollout.num_slots="):
-      slots = int(flag.split("=", 1)[1])
     if flag.startswith("--config.learner.batch_size="):
       batch = int(flag.split("=", 1)[1])
   rates = measure_rates(py, common, slots, cores, os.path.join(work, "rates.log"))
   predicted = workload_predictions(rates, workload, slots=slots, batch=batch, cores=len(cores), etas=etas)
   arms = {}
-  for label in [COLOCATED] + [str(e) for e in etas]:
+  # the interruptible-generation ablation at eta 2: finish in-flight sequences on the old weights
+  # before switching (AReaL's non-interruptible baseline), or keep the old weights' KV cache
+  modes = [] if args.quick else ["drain", "keep_cache"]
+  for label in [COLOCATED] + [str(e) for e in etas] + [f"2 {m}" for m in modes]:
     wd = os.path.join(work, label.replace(" ", "_"))
     print(f"[async_vs_sync] {label}: {steps} policy versions ({time.time() - t0:.0f}s so far)", flush=True)
-    eta = 0 if label == COLOCATED else int(label)
+    eta = 0 if label == COLOCATED else int(label.split()[0])
     flags = [f"--config.rl.max_staleness={eta}", *common]
+    if " " in label and label != COLOCATED:
+      flags.append(f"--config.rollout.on_weight_update={label.split()[1]}")
     if args.profile is not None and args.profile == label.replace(" ", "_"):
       flags += [f"--config.learner.profile_start={skip}", "--config.learner.profile_versions=3"]
     if label == COLOCATED:
       run_colocated_arm(py, flags, wd, os.path.join(work, "colocated.log"), cores)
     else:
-      run_split_arm(py, flags, wd, os.path.join(work, f"eta{label}"), cores)
+      run_split_arm(py, flags, wd, os.path.join(work, f"eta{label.replace(' ', '_')}"), cores)
     arms[label] = window_metrics(_records(os.path.join(wd, "metrics.jsonl")), skip)
-    arms[label].update(eta=eta, predicted=predicted["arms"][label])
+    arms[label].update(eta=eta, predicted=predicted["arms"].get(label))  # (none for the ablation arms)
   return _write_workload(args, name, arms, predicted, rates, workload, dict(
       steps=steps, skip=skip, etas=etas, slots=slots, batch=batch, cores=list(cores), t0=t0))
 
@@ -485,7 +493,8 @@ def _write_workload(args, name, arms, predicted, rates, workload, run) -> int:
   sync = arms[COLOCATED]
   for a in arms.values():
     a["ratio_vs_colocated"] = a["tokens_per_s"] / sync["tokens_per_s"]
-    a["measured_over_predicted"] = a["tokens_per_s"] / a["predicted"]["tokens_per_s"]
+    a["measured_over_predicted"] = (a["tokens_per_s"] / a["predicted"]["tokens_per_s"]
+                                    if a["predicted"] else None)
   pred_ratio = predicted["arms"]["2"]["tokens_per_s"] / predicted["arms"][COLOCATED]["tokens_per_s"]
   result = dict(
       machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), workload=workload.spec,
@@ -498,15 +507,26 @@ def _write_workload(args, name, arms, predicted, rates, workload, run) -> int:
       predicted_headroom=predicted["headroom"], slot_utilization=arms["2"]["slot_utilization"],
       seconds=time.time() - run["t0"])
   result["ratio_over_predicted"] = result["ratio"] / pred_ratio
-  header = ["arm", "trained tok/s", "vs colocated", "slot util.", "learner idle", "max staleness",
-            "mean staleness", "re-prefill per update (s)", "planner tok/s", "planner slot util.",
-            "measured / planner", "free-training slot util. (simulator)"]
-  rows = [[label, a["tokens_per_s"], f"{a['ratio_vs_colocated']:.2f}x", f"{a['slot_utilization']:.1%}",
-           f"{a['learner_idle_fraction']:.1%}", a["max_staleness_seen"], f"{a['mean_staleness']:.2f}",
-           f"{a['interrupt_seconds_per_version']:.2f}", a["predicted"]["tokens_per_s"],
-           f"{a['predicted']['slot_utilization']:.1%}", f"{a['measured_over_predicted']:.2f}",
-           f"{a['predicted'].get('free_training_slot_utilization', predicted['sync_slot_utilization']):.1%}"]
-          for label, a in arms.items()]
+  for mode in ("drain", "keep_cache"):
+    if f"2 {mode}" in arms:  # the interruptible-generation ablation: recompute (the default) vs mode
+      result[f"interrupt_gain_vs_{mode}"] = arms["2"]["tokens_per_s"] / arms[f"2 {mode}"]["tokens_per_s"] - 1
+      result[f"generation_gain_vs_{mode}"] = (arms["2"]["decode_tokens_per_s"]
+                                              / arms[f"2 {mode}"]["decode_tokens_per_s"] - 1)
+  header = ["arm", "trained tok/s", "vs colocated", "generated tok/s", "slot util.", "learner idle",
+            "max staleness", "mean staleness", "re-prefill per version (s)", "drain wait per version (s)",
+            "planner tok/s", "planner slot util.", "measured / planner",
+            "free-training slot util. (simulator)"]
+  rows = []
+  for label, a in arms.items():
+    pr = a["predicted"] or {}
+    rows.append([label, a["tokens_per_s"], f"{a['ratio_vs_colocated']:.2f}x", a["decode_tokens_per_s"],
+                 f"{a['slot_utilization']:.1%}", f"{a['learner_idle_fraction']:.1%}",
+                 a["max_staleness_seen"], f"{a['mean_staleness']:.2f}",
+                 f"{a['interrupt_seconds_per_version']:.2f}", f"{a['drain_seconds_per_version']:.2f}",
+                 pr.get("tokens_per_s", "-"), f"{pr['slot_utilization']:.1%}" if pr else "-",
+                 f"{a['measured_over_predicted']:.2f}" if pr else "-",
+                 f"{pr.get('free_training_slot_utilization', predicted['sync_slot_utilization']):.1%}"
+                 if pr else "-"])
   d, lr = rates["decode"], rates["learner"]
   per_core = max(1, run["slots"] // len(run["cores"]))
   lengths = predicted["lengths"]
@@ -541,7 +561,7 @@ def _write_workload(args, name, arms, predicted, rates, workload, run) -> int:
 
 def _plot_workload(arms: dict, path: str) -> None:
   plt = pyplot()
-  split = {a["eta"]: a for label, a in arms.items() if label != COLOCATED}
+  split = {a["eta"]: a for label, a in arms.items() if label != COLOCATED and " " not in label}
   etas = sorted(split)
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
   ax1.plot(etas, [split[e]["tokens_per_s"] for e in etas], "o-", label="split cores, measured")

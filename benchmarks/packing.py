@@ -95,6 +95,7 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--seeds", type=int, default=3, help="independent length draws")
   parser.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+  parser.add_argument("--name", default="packing", help="result files' name (results/<name>.{json,md,png})")
   args = parser.parse_args(argv)
   if args.quick:
     args.batch, args.repeats, args.seeds = 128, 3, 2
@@ -128,7 +129,7 @@ def main(argv=None):
 
   ratios = [r["ratio"] for r in rows]
   result = {
-      "benchmark": "packing",
+      "benchmark": args.name,
       "machine": machine(),
       "config": {k: v for k, v in vars(args).items() if k != "out"} | {
           "model": "2 layers, d=128, 4 heads / 2 kv, F=512, V=17", "token_budget": token_budget,
@@ -146,8 +147,8 @@ def main(argv=None):
            f"model, batch and objective, one run. Mean gain **{result['gain_percent']:+.1f}%** "
            f"(AReaL reports +33.7% mean, 17-43%).")
   out_dir = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-  md = write_result("packing", result, header, table, notes, out_dir)
-  _plot(rows, os.path.join(out_dir, "packing.png"))
+  md = write_result(args.name, result, header, table, notes, out_dir)
+  _plot(rows, os.path.join(out_dir, f"{args.name}.png"))
   print(f"mean ratio {result['mean_ratio']:.2f} ({result['gain_percent']:+.1f}%); wrote {md}")
   return result
 

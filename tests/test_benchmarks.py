@@ -39,6 +39,54 @@ def test_window_metrics_hand_computed():
   assert window_metrics(two, skip=1)["slot_utilization"] == pytest.approx(500 / 800 * (1 - 0.5 / 4))
 
 
+def test_lognormal_workload_predictions_and_report(tmp_path, capsys):
+  """The workload mode's planner inputs come from the rates measured alone, the learner-bound flag
+  follows them, and the report carries the quick JSON line the issue asks for."""
+  import argparse  # pylint: disable=import-outside-toplevel
+  from benchmarks import async_vs_sync as avs  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  args = argparse.Namespace(median=32.0, sigma=1.15, cap=640, slots=64, warm_start_steps=10, override=[],
+                            out=str(tmp_path))
+  flags = avs.workload_flags(args)
+  assert flags[0] == "--config.rollout.length_workload=lognormal:median=32,sigma=1.15,cap=640"
+  assert "--config.model.max_seq_len=704" in flags  # 48 + 640, rounded up to 64
+  w = LengthWorkload.parse(flags[0].split("=", 1)[1])
+
+  def rates(train):
+    return {"decode": {64: dict(decode_tok_s=5000.0, refill_steps=3.0, step_seconds=64 / 5000),
+                       32: dict(decode_tok_s=8000.0, refill_steps=6.0, step_seconds=0.004)},
+            "learner": dict(train_tok_s=train)}
+
+  slow = avs.workload_predictions(rates(1900.0), w, slots=64, batch=256, cores=2, etas=[0, 2])
+  fast = avs.workload_predictions(rates(1e6), w, slots=64, batch=256, cores=2, etas=[0, 2])
+  assert slow["learner_bound"] and not fast["learner_bound"]
+  assert 2.2 < slow["headroom"] < 3.0  # the seed's shape (4 trajectories per slot): about 2.6x
+  # a learner-bound split cannot beat its learner's rate; a free one approaches decode x utilization
+  assert slow["arms"]["2"]["tokens_per_s"] <= 1900.0 * 1.01
+  assert fast["arms"]["2"]["tokens_per_s"] > fast["arms"]["0"]["tokens_per_s"] * 1.5
+  arms = {}
+  for label, tok, util in [(avs.COLOCATED, 2000.0, 0.4), ("0", 1500.0, 0.35), ("2", 1800.0, 0.9),
+                           ("2 drain", 1200.0, 0.5)]:
+    arms[label] = dict(tokens_per_s=tok, decode_tokens_per_s=2 * tok, slot_utilization=util,
+                       learner_idle_fraction=0.1, max_staleness_seen=2, mean_staleness=1.0,
+                       interrupt_seconds_per_version=0.1, drain_seconds_per_version=0.0,
+                       eta=int(label.split()[0]) if label != avs.COLOCATED else 0,
+                       predicted=slow["arms"].get(label))
+  run = dict(steps=10, skip=3, etas=[0, 2], slots=64, batch=256, cores=[0, 1], t0=0.0)
+  assert avs._write_workload(args, "wl", arms, slow, rates(1900.0), w, run) == 0  # pylint: disable=protected-access
+  last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert set(last) == {"sync_tokens_per_s", "async_tokens_per_s", "ratio", "predicted_ratio",
+                       "predicted_headroom", "slot_utilization", "workload"}
+  assert last["ratio"] == pytest.approx(0.9) and last["slot_utilization"] == 0.9
+  assert last["predicted_ratio"] == pytest.approx(slow["arms"]["2"]["tokens_per_s"]
+                                                  / slow["arms"][avs.COLOCATED]["tokens_per_s"])
+  result = json.loads((tmp_path / "wl.json").read_text())
+  assert result["interrupt_gain_vs_drain"] == pytest.approx(0.5)
+  md = (tmp_path / "wl.md").read_text()
+  assert "learner is the bottleneck" in md and "| 2 drain | 1,200 |" in md
+  assert (tmp_path / "wl.png").stat().st_size > 1000
+
+
 def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
   from benchmarks import straggler as bench
   assert bench.main(["--seeds", "2", "--epochs", "4", "--out", str(tmp_path)]) == 0
