@@ -442,7 +442,7 @@ def workload_main(args, cores: tuple) -> int:
   etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
   if 2 not in etas:
     raise SystemExit("--etas must include 2 (the reported asynchronous arm)")
-  steps = args.steps or (10 if args.quick else 30)
+  steps = args.steps or (10 if args.quick else 16)
   skip = args.skip if args.skip is not None else 3
   name = args.name if args.name != "async_vs_sync" else "async_vs_sync_lognormal"
   work = args.workdir or tempfile.mkdtemp(prefix="async_vs_sync_lognormal_")
