@@ -65,6 +65,7 @@ from asyncrl_jax.learner import idle_fraction as learner_idle_fraction  # noqa: 
 from asyncrl_jax.rollout.stats import DecodeStats  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
+from asyncrl_jax.workloads import LengthWorkload  # noqa: E402
 from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
@@ -372,13 +373,13 @@ def main(argv=None) -> int:
 COLOCATED = "colocated sync"
 
 
-def workload_flags(args) -> list:
-  """The config overrides of the lognormal workload: exact drawn lengths, room for the longest."""
-  spec = f"lognormal:median={args.median:g},sigma={args.sigma:g},cap={args.cap}"
+def workload_flags(workload: LengthWorkload, slots: int) -> list:
+  """The config overrides of a length workload: exact drawn lengths, room for the longest."""
   prompt = 48  # configs/default.py's data.max_prompt_len
-  return [f"--config.rollout.length_workload={spec}", f"--config.data.max_completion_len={args.cap}",
-          f"--config.model.max_seq_len={-(-(prompt + args.cap) // 64) * 64}",
-          f"--config.rollout.num_slots={args.slots}"]
+  return [f"--config.rollout.length_workload={workload.spec}",
+          f"--config.data.max_completion_len={workload.cap}",
+          f"--config.model.max_seq_len={-(-(prompt + workload.cap) // 64) * 64}",
+          f"--config.rollout.num_slots={slots}"]
 
 
 def run_colocated_arm(py: str, flags: list, workdir: str, log_path: str, cores: tuple) -> None:
@@ -438,7 +439,10 @@ def workload_predictions(rates: dict, workload, *, slots: int, batch: int, cores
 
 
 def workload_main(args, cores: tuple) -> int:
-  from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  try:
+    workload = LengthWorkload(median=args.median, sigma=args.sigma, cap=args.cap)
+  except ValueError as e:
+    raise SystemExit(f"--median/--sigma/--cap: {e}") from None
   etas = args.etas if args.etas is not None else ([0, 2] if args.quick else [0, 1, 2, 4, 8])
   if 2 not in etas:
     raise SystemExit("--etas must include 2 (the reported asynchronous arm)")
@@ -448,8 +452,7 @@ def workload_main(args, cores: tuple) -> int:
   work = args.workdir or tempfile.mkdtemp(prefix="async_vs_sync_lognormal_")
   os.makedirs(work, exist_ok=True)
   py, t0 = sys.executable, time.time()
-  shape = workload_flags(args)
-  workload = LengthWorkload.parse(shape[0].split("=", 1)[1])
+  shape = workload_flags(workload, args.slots)
   print(f"[async_vs_sync] workload {workload.spec}; warm start in {work}", flush=True)
   run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
               f"--config.learner.warm_start_steps={args.warm_start_steps}", *shape, *args.override],

@@ -40,8 +40,9 @@ def summary_rows(avs: dict, packing: dict | None) -> list:
       ["async eta 2 / colocated sync, trained tok/s", f"{avs['ratio']:.2f}x",
        f"{AREAL_ETA2:.2f}x (AReaL, 1.5B, eta 2 / eta 0)",
        f"planner {avs['predicted_ratio']:.2f}x (measured / predicted {avs['ratio_over_predicted']:.2f})"],
-      ["decode-slot utilization at eta 2", f"{eta2['slot_utilization']:.1%}",
-       "38.1% synchronous (seed's simulator)",
+      ["decode-slot utilization, colocated sync -> eta 2",
+       f"{arms['colocated sync']['slot_utilization']:.1%} -> {eta2['slot_utilization']:.1%}",
+       "38.1% synchronous (seed's simulation, free training)",
        f"planner {eta2['predicted']['slot_utilization']:.1%}; learner-bound: "
        f"{'yes' if avs['predicted']['learner_bound'] else 'no'}"],
   ]
@@ -52,7 +53,10 @@ def summary_rows(avs: dict, packing: dict | None) -> list:
   if packing is not None:
     rows.append(["token-budget packing vs padded micro-batches (learner tok/s)",
                  _pct(packing["mean_ratio"] - 1), f"{AREAL_PACKING} (AReaL)",
-                 f"{packing['config']['batch']} sequences, cap {packing['config']['cap']}"])
+                 f"{packing['config']['batch']} sequences, cap {packing['config']['cap']}; padded "
+                 f"micro-batches of {packing['config']['rows']} sequences fill "
+                 f"{sum(r['padded_fill'] for r in packing['runs']) / len(packing['runs']):.0%} of their "
+                 "tokens"])
   for mode, what in (("drain", "interruptible vs drain-then-switch"), ("keep_cache", "re-prefill vs keep_cache")):
     if f"interrupt_gain_vs_{mode}" in avs:
       rows.append([f"{what} at eta 2, trained tok/s", _pct(avs[f"interrupt_gain_vs_{mode}"]),
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
            + (f", and packing_lognormal, commit {packing['machine']['commit']}" if packing else
               "; packing_lognormal not run") + "). The seed's and AReaL's figures are for 1.5B models "
            "on accelerators with a 32k cap: the comparison is of shape, not of scale.")
-  write_result("throughput_summary", dict(machine=avs["machine"], rows=rows,
+  write_result("throughput_summary", dict(machine=avs["machine"], rows=rows, config=avs["config"],
                                           sources=["async_vs_sync_lognormal"] + (["packing_lognormal"]
                                                                                  if packing else [])),
                ["claim", "ours", "seed / AReaL", "beside it"], rows, notes, out_dir=args.out or args.results)

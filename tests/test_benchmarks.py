@@ -45,12 +45,11 @@ def test_lognormal_workload_predictions_and_report(tmp_path, capsys):
   import argparse  # pylint: disable=import-outside-toplevel
   from benchmarks import async_vs_sync as avs  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
-  args = argparse.Namespace(median=32.0, sigma=1.15, cap=640, slots=64, warm_start_steps=10, override=[],
-                            out=str(tmp_path))
-  flags = avs.workload_flags(args)
+  args = argparse.Namespace(warm_start_steps=10, override=[], out=str(tmp_path))
+  w = LengthWorkload(median=32, sigma=1.15, cap=640)
+  flags = avs.workload_flags(w, 64)
   assert flags[0] == "--config.rollout.length_workload=lognormal:median=32,sigma=1.15,cap=640"
   assert "--config.model.max_seq_len=704" in flags  # 48 + 640, rounded up to 64
-  w = LengthWorkload.parse(flags[0].split("=", 1)[1])
 
   def rates(train):
     return {"decode": {64: dict(decode_tok_s=5000.0, refill_steps=3.0, step_seconds=64 / 5000),
@@ -73,18 +72,26 @@ def test_lognormal_workload_predictions_and_report(tmp_path, capsys):
                        eta=int(label.split()[0]) if label != avs.COLOCATED else 0,
                        predicted=slow["arms"].get(label))
   run = dict(steps=10, skip=3, etas=[0, 2], slots=64, batch=256, cores=[0, 1], t0=0.0)
-  assert avs._write_workload(args, "wl", arms, slow, rates(1900.0), w, run) == 0  # pylint: disable=protected-access
+  name = "async_vs_sync_lognormal"
+  assert avs._write_workload(args, name, arms, slow, rates(1900.0), w, run) == 0  # pylint: disable=protected-access
   last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert set(last) == {"sync_tokens_per_s", "async_tokens_per_s", "ratio", "predicted_ratio",
                        "predicted_headroom", "slot_utilization", "workload"}
   assert last["ratio"] == pytest.approx(0.9) and last["slot_utilization"] == 0.9
   assert last["predicted_ratio"] == pytest.approx(slow["arms"]["2"]["tokens_per_s"]
                                                   / slow["arms"][avs.COLOCATED]["tokens_per_s"])
-  result = json.loads((tmp_path / "wl.json").read_text())
+  result = json.loads((tmp_path / f"{name}.json").read_text())
   assert result["interrupt_gain_vs_drain"] == pytest.approx(0.5)
-  md = (tmp_path / "wl.md").read_text()
+  md = (tmp_path / f"{name}.md").read_text()
   assert "learner is the bottleneck" in md and "| 2 drain | 1,200 |" in md
-  assert (tmp_path / "wl.png").stat().st_size > 1000
+  assert (tmp_path / f"{name}.png").stat().st_size > 1000
+  # the summary puts each figure beside the seed's / AReaL's
+  from benchmarks import throughput_summary  # pylint: disable=import-outside-toplevel
+  assert throughput_summary.main(["--results", str(tmp_path)]) == 0
+  summary = (tmp_path / "throughput_summary.md").read_text()
+  assert "| async eta 2 / colocated sync, trained tok/s | 0.90x | 2.77x" in summary
+  assert "| interruptible vs drain-then-switch at eta 2, trained tok/s | +50.0% | +12-17%" in summary
+  assert "packing_lognormal not run" in summary
 
 
 def test_straggler_benchmark_writes_its_result(tmp_path, capsys):

@@ -211,6 +211,29 @@ def test_value_advantages_run_end_to_end_and_resume_with_their_value_model(tmp_p
     assert "value_opt_state" in f.read()  # the value model's optimizer state is saved with the run
 
 
+@pytest.mark.slow(20)
+def test_the_length_workload_runs_end_to_end_with_the_learner_applying_the_ban(tmp_path):
+  """``rollout.length_workload``: every trajectory the main job trains has exactly its request's drawn
+  length (stop tokens banned until then), and at version 1 (data of version 0, weights of version 0)
+  the learner's log-probs equal the behaviour ones, the ban included."""
+  from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  spec = "lognormal:median=6,sigma=0.8,cap=24"
+  _run(tmp_path, "--config.steps=2", f"--config.rollout.length_workload={spec}",
+       "--config.learner.eval_every=0", "--config.rollout.warm_up=False", "--config.seed=3")
+  w = LengthWorkload.parse(spec)
+  lines = [json.loads(l) for l in (tmp_path / "trained_prompts.jsonl").read_text().splitlines()]
+  assert [r["version"] for r in lines] == [0, 1]
+  got, want = [], []
+  for r in lines:
+    for tid, n in zip(r["trajectory_ids"], r["completion_lengths"]):
+      prompt, sample = tid[1:].split("-s")
+      got.append(n)
+      want.append(w.draw(3, int(prompt), int(sample)))
+  assert got == want and len(set(got)) > 3
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert abs(metrics[0]["kl_behav"]) < 1e-5 and metrics[0]["max_staleness_seen"] == 0
+
+
 @pytest.mark.slow(19)
 def test_a_nan_update_stops_the_run_naming_the_version_and_keeps_the_last_checkpoint(tmp_path):
   overrides = ["--config.steps=6", "--config.learner.eval_every=0", "--config.learner.warm_start_steps=0",
