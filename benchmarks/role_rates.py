@@ -1,7 +1,8 @@
 """Each role's rate measured alone, for the planner: decode step time per slot count, learner tokens/s.
 
-  .venv/bin/python benchmarks/role_rates.py --config=configs/default.py --slots 48 96 \
-      --config.model.hf_path=WARM_START --config.rollout.length_workload=lognormal:median=32,sigma=1.15,cap=640 ...
+  .venv/bin/python benchmarks/role_rates.py --config=configs/default.py --slots=64 --slots=32 \
+      --config.model.hf_path=WARM_START --config.rollout.length_workload=lognormal:median=32,sigma=1.15,cap=640 \
+      --config.data.max_completion_len=640 --config.model.max_seq_len=704
 
 Run on one device (the caller pins it to one core). Nothing else runs meanwhile, so the planner's
 inputs never come from the arm it predicts:
@@ -11,7 +12,8 @@ inputs never come from the arm it predicts:
   the re-prefill a weight update costs, in decode steps (every slot re-prefilled at an in-flight length:
   its prompt plus a uniform share of a drawn completion length);
 * learner: ``Learner.train`` on global batches of ``learner.batch_size`` sequences whose completion
-  lengths come from the run's length workload (``rollout.length_workload``) or ``--median/--sigma/--cap``,
+  lengths come from the run's length workload (``rollout.length_workload``, or ``--workload`` when the
+  config has none),
   policy tokens per second (median of ``--repeats`` updates after one that compiles).
 
 Prints one JSON object (last line).
