@@ -202,6 +202,9 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   pinning = hasattr(os, "sched_setaffinity")  # Linux
   if args.workload == "lognormal":
+    if args.keep_cache_etas is not None:
+      p.error("--keep-cache-etas does not apply to --workload lognormal (its full run has eta 2 with "
+              "drain and with keep_cache)")
     cores = tuple(sorted(os.sched_getaffinity(0))[:2]) if pinning else ()
     if len(cores) < 2:
       p.error("--workload lognormal runs split-core arms: it needs 2 CPU cores and core pinning")
