@@ -40,15 +40,28 @@ from asyncrl_jax.rl import advantages as adv_lib
 from asyncrl_jax.rl import batching
 
 
-def value_metrics(values, returns, mask) -> dict:
-  """Host figures of a value model on tokens with ``mask`` (numpy ``[...]`` arrays):
-  ``value_explained_variance`` (``models.value.explained_variance``), ``value_mean``, ``return_mean``."""
-  mask = np.asarray(mask, np.float64) > 0
-  v, r = np.asarray(values, np.float64)[mask], np.asarray(returns, np.float64)[mask]
-  if not v.size:
+def value_sums(values, returns, mask) -> jax.Array:
+  """``[6]`` float32 sums over the tokens with ``mask`` (arrays of one shape): count, sum of values,
+  of returns, of values squared, of returns squared, of their products. Sums add over micro-batches,
+  and a jitted call returns them replicated, so every process can read them (the token arrays it
+  summarises may span other processes' devices)."""
+  m = (jnp.asarray(mask) > 0).astype(jnp.float32)
+  v, r = jnp.asarray(values, jnp.float32) * m, jnp.asarray(returns, jnp.float32) * m
+  return jnp.stack([jnp.sum(m), jnp.sum(v), jnp.sum(r), jnp.sum(v * v), jnp.sum(r * r), jnp.sum(v * r)])
+
+
+def value_metrics(sums) -> dict:
+  """Host figures of a value model from ``value_sums`` (added over micro-batches):
+  ``value_explained_variance`` (``1 - Var(returns - values) / Var(returns)``, 0 when the returns do not
+  vary, as ``models.value.explained_variance``), ``value_mean``, ``return_mean``."""
+  n, sv, sr, svv, srr, svr = np.asarray(sums, np.float64)
+  if n <= 0:
     return {"value_explained_variance": 0.0, "value_mean": 0.0, "return_mean": 0.0}
-  ev = float(value_lib.explained_variance(v, r, np.ones_like(v)))
-  return {"value_explained_variance": ev, "value_mean": float(v.mean()), "return_mean": float(r.mean())}
+  var_r = max(srr / n - (sr / n) ** 2, 0.0)
+  var_d = max((srr - 2 * svr + svv) / n - ((sr - sv) / n) ** 2, 0.0)
+  # (a variance below float32's resolution of the sums is no variance)
+  ev = 1.0 - var_d / var_r if var_r > 1e-6 * max(srr / n, 1e-30) else 0.0
+  return {"value_explained_variance": float(ev), "value_mean": float(sv / n), "return_mean": float(sr / n)}
 
 
 class Critic:
@@ -88,6 +101,8 @@ class Critic:
     # held-out figures: the returns at lambda = 1 (reward to go), which do not depend on the values
     self._reward_to_go = self.updater.jit_forward(
         functools.partial(self._estimate_impl, lam=1.0), "value_reward_to_go")
+    self._sums = jax.jit(lambda estimate, mask: value_sums(estimate[2], estimate[1], mask),
+                         out_shardings=replicated)
 
   def reset(self, policy_params) -> None:
     """Starts the value model again from ``policy_params`` (e.g. the policy after its supervised warm
@@ -139,31 +154,29 @@ class Critic:
       health.append(h)
     return per_step, health
 
+  def sums(self, micro_batches: Sequence[batching.TokenBatch], estimates: Sequence) -> jax.Array:
+    """``value_sums`` of ``estimates`` (``estimate``'s, for the same micro-batches) over every
+    micro-batch's policy tokens, on device and replicated."""
+    return sum(self._sums(e, b.mask) for b, e in zip(micro_batches, estimates))
+
   def explained_variance(self, sequences: Sequence[batching.SequenceData]) -> dict:
     """``value_metrics`` of the current value model on ``sequences`` (per-token rewards in their
     ``advantages`` field), e.g. held-out samples: returns from GAE at lambda = 1 (the discounted
     reward to go, which does not depend on the values)."""
     mbs, _ = self.updater.place(sequences)
-    out, masks = jax.device_get(([self._reward_to_go(self.params, b) for b in mbs],
-                                 [b.mask for b in mbs]))  # (only the mask comes back of the batch)
-    return value_metrics(np.concatenate([v.ravel() for _, _, v in out]),
-                         np.concatenate([r.ravel() for _, r, _ in out]),
-                         np.concatenate([m.ravel() for m in masks]))
+    return value_metrics(jax.device_get(self.sums(mbs, [self._reward_to_go(self.params, b) for b in mbs])))
 
 
-def host_value_metrics(per_step: list, health: list, estimates: list, masks: list) -> dict:
-  """A version's value figures from ``Critic.train``'s results and the estimates (device_get already
-  applied): ``value_loss`` (the first step's, i.e. on data the value model has not trained on),
-  ``value_loss_after`` (the last step's), ``value_grad_norm``, and ``value_metrics`` of the
-  estimates against their returns."""
+def host_value_metrics(per_step: list, health: list, sums) -> dict:
+  """A version's value figures from ``Critic.train``'s results and ``Critic.sums`` of the estimates
+  (device_get already applied): ``value_loss`` (the first step's, i.e. on data the value model has not
+  trained on), ``value_loss_last_update`` (the last step's), ``value_grad_norm``, and
+  ``value_metrics`` of the estimates against their returns."""
   first = sum(float(m["loss"]) for m in per_step[0])
   last = sum(float(m["loss"]) for m in per_step[-1])
-  values = np.concatenate([np.ravel(v) for _, _, v in estimates])
-  returns = np.concatenate([np.ravel(r) for _, r, _ in estimates])
-  mask = np.concatenate([np.ravel(m) for m in masks])
   out = {"value_loss": first, "value_loss_last_update": last,
          "value_grad_norm": float(np.mean([h["grad_norm"] for h in health]))}
-  out.update(value_metrics(values, returns, mask))
+  out.update(value_metrics(sums))
   return out
 
 

@@ -1,6 +1,7 @@
 """One process of a 2-process learner (run by ``test_multiprocess.py``, not collected by pytest).
 
   python -m tests.multiprocess_learner PROCESS_ID NUM_PROCESSES PORT OUT_NPZ [CHECKPOINTS]
+  python -m tests.multiprocess_learner PROCESS_ID NUM_PROCESSES PORT OUT_NPZ --value CHECKPOINTS
 
 Each process has one CPU device; the learner mesh puts ``fsdp`` across the processes. The global
 batch is the same in every process; each puts only its own rows on device. Process 0 writes the
@@ -10,6 +11,11 @@ With CHECKPOINTS (a directory holding a 1-process checkpoint of version 1): the 
 restore it into the same learner, write the restored parameters, train version 1 on the second
 batch, write those (to OUT_NPZ with ``-resume`` before ``.npz``), and save version 2 from both
 processes into the same directory.
+
+With ``--value``: a learner of single-rollout advantages (``rl.advantage="value"``, its critic sharded
+like the policy) trains two versions (the first the value model's only); process 0 writes both
+versions' metrics and the policy's and value model's parameters, and both processes save version 2
+into CHECKPOINTS.
 """
 
 import os
@@ -41,8 +47,37 @@ def resume(learner, directory: str, out: str, pid: int) -> None:
              **{f"trained_{i}": x for i, x in enumerate(trained)})
 
 
-def main(pid: int, n: int, port: int, out: str, checkpoints: str = "") -> None:
+def value_mode(pid: int, n: int, out: str, checkpoints: str) -> None:
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import sharding  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
+  jax.config.update("jax_default_matmul_precision", "highest")
+  mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})
+  learner = t.value_learner(mesh)
+  metrics = [learner.train(t.rewarded(seed=v), version=v) for v in range(2)]
+  policy = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
+  value = jax.tree.leaves(multihost_utils.process_allgather(learner.critic.params, tiled=True))
+  ckpt = Checkpointer(checkpoints, async_save=False)
+  ckpt.save(2, state=learner.checkpoint_state(), meta={"version": 2})
+  ckpt.close()
+  if pid == 0:
+    np.savez(out, **{f"policy_{i}": x for i, x in enumerate(policy)},
+             **{f"value_{i}": x for i, x in enumerate(value)},
+             **{f"v{v}_{k}": np.float64(m[k]) for v, m in enumerate(metrics) for k in t.VALUE_METRICS
+                if k in m})
+
+
+def main(pid: int, n: int, port: int, out: str, *args: str) -> None:
   distributed.initialize(f"127.0.0.1:{port}", n, pid)
+  if args and args[0] == "--value":
+    value_mode(pid, n, out, args[1])
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.distributed.shutdown()
+    return
+  checkpoints = args[0] if args else ""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel

@@ -187,3 +187,22 @@ def test_held_out_explained_variance_by_hand():
   v, r = np.concatenate(values), np.concatenate(returns)
   assert got["value_explained_variance"] == pytest.approx(1 - np.var(r - v) / np.var(r), abs=1e-4)
   assert got["value_mean"] == pytest.approx(v.mean(), abs=1e-5)
+
+
+def test_value_figures_from_sums_added_over_micro_batches():
+  """The value figures a version reports come from per-micro-batch sums (readable in every process);
+  added over parts of the tokens they give numpy's figures on all of them, and 0 for returns that do
+  not vary."""
+  from asyncrl_jax import critic  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  v, r = rng.normal(0.4, 0.3, (3, 50)), rng.integers(0, 2, (3, 50)).astype(np.float64)
+  mask = rng.random((3, 50)) < 0.7
+  sums = sum(np.asarray(critic.value_sums(v[i], r[i], mask[i]), np.float64) for i in range(3))
+  got = critic.value_metrics(sums)
+  vm, rm = v[mask], r[mask]
+  assert got["value_explained_variance"] == pytest.approx(1 - np.var(rm - vm) / np.var(rm), abs=1e-5)
+  assert got["value_mean"] == pytest.approx(vm.mean(), abs=1e-6)
+  assert got["return_mean"] == pytest.approx(rm.mean(), abs=1e-6)
+  same = critic.value_metrics(np.asarray(critic.value_sums(v[0], np.ones(50), mask[0])))
+  assert same["value_explained_variance"] == 0.0 and same["return_mean"] == pytest.approx(1.0)
+  assert critic.value_metrics(np.zeros(6))["value_mean"] == 0.0

@@ -15,6 +15,8 @@ from tests.helpers import random_sequences, sharp_params
 from asyncrl_jax import config as config_lib
 from asyncrl_jax import distributed, models, sharding
 from asyncrl_jax.learner import Learner
+from asyncrl_jax.models import value as value_lib
+from asyncrl_jax.rl import batching
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -36,6 +38,41 @@ def params():
 
 def sequences(n=14, seed=5):
   return random_sequences(seed, n, CFG.vocab_size, behav_prob=(0.05, 0.6))
+
+
+def value_config():
+  """Single-rollout advantages from the critic; version 0 trains the value model only."""
+  c = config_lib.base_config()
+  c.rl.update(loss="dis", advantage="value", group_size=1, value_pretrain_versions=1, value_updates=2,
+              value_learning_rate=3e-2)
+  c.learner.update(token_budget=128, learning_rate=3e-2)
+  return c
+
+
+def value_learner(mesh) -> Learner:
+  """A value-mode learner whose value head is not zero (so the values, and the test, are not 0)."""
+  c = value_config()
+  learner = Learner(CFG, params(), mesh, c, total_steps=c.steps)
+  value = jax.device_get(value_lib.init_value_params(params()))  # the trunk a copy of the policy's
+  rng = np.random.default_rng(4)
+  value["head"] = {"w": rng.normal(0, 0.3, CFG.hidden_size).astype(np.float32), "b": np.float32(0.2)}
+  learner.critic.params = jax.device_put(value, learner.critic.updater.param_shardings)
+  return learner
+
+
+def rewarded(n=12, seed=5):
+  """Random trajectories with a 0/1 reward on each last token (the controller's value mode)."""
+  rng = np.random.default_rng(seed + 100)
+  out = []
+  for s in sequences(n, seed):
+    prompt = int(np.sum(s.mask == 0))
+    out.append(batching.make_sequence(s.tokens[:prompt], s.tokens[prompt:], logprobs=s.behav_logp[prompt:],
+                                      versions=s.versions[prompt:], token_reward=float(rng.integers(0, 2))))
+  return out
+
+
+VALUE_METRICS = ("value_loss", "value_loss_last_update", "value_explained_variance", "value_mean",
+                 "return_mean", "loss", "policy_trained")
 
 
 def _free_port() -> int:
@@ -116,6 +153,44 @@ def test_two_process_learner_equals_one_process_and_checkpoints_move_between_pro
   assert meta == {"version": 2}
   for i, r in enumerate(jax.tree.leaves(jax.device_get(restored))):
     np.testing.assert_array_equal(r, got[f"trained_{i}"])
+
+
+@pytest.mark.slow(40)
+def test_two_process_value_mode_equals_one_process_and_its_checkpoint_holds_the_value_model(tmp_path):
+  """Single-rollout advantages (the critic sharded like the policy) over 2 processes: two versions
+  (value pre-training, then both models) give the one-process run's metrics, value figures included
+  (read back from token arrays no process holds whole), and parameters; the checkpoint the 2
+  processes wrote restores in 1 process with both models bit for bit."""
+  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "value.npz")
+  learner = value_learner(sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1}))
+  start = jax.tree.leaves(jax.device_get(learner.critic.params))
+  metrics = [learner.train(rewarded(seed=v), version=v) for v in range(2)]
+  _two_processes(out, "--value", directory)
+
+  got = np.load(out)
+  assert [m["policy_trained"] for m in metrics] == [0.0, 1.0]
+  assert "loss" not in metrics[0] and "loss" in metrics[1]  # (version 0 trained the value model only)
+  for v, m in enumerate(metrics):
+    assert sorted(f for f in got.files if f.startswith(f"v{v}_")) == sorted(
+        f"v{v}_{k}" for k in VALUE_METRICS if k in m)
+    for k in [k for k in VALUE_METRICS if k in m]:
+      assert float(got[f"v{v}_{k}"]) == pytest.approx(m[k], rel=1e-3, abs=1e-5), (v, k)
+  assert metrics[1]["value_explained_variance"] != 0 and metrics[1]["value_mean"] != 0
+  value = jax.tree.leaves(jax.device_get(learner.critic.params))
+  assert max(float(np.max(np.abs(a - b))) for a, b in zip(value, start)) > 1e-2  # it trained
+  for i, p in enumerate(jax.tree.leaves(jax.device_get(learner.params))):
+    np.testing.assert_allclose(got[f"policy_{i}"], p, rtol=1e-4, atol=1e-5)
+  for i, w in enumerate(value):
+    np.testing.assert_allclose(got[f"value_{i}"], w, rtol=1e-4, atol=1e-5)
+
+  ckpt = Checkpointer(directory, async_save=False)
+  state, _ = ckpt.restore(2, state_like=learner.checkpoint_state())
+  ckpt.close()
+  for i, r in enumerate(jax.tree.leaves(jax.device_get(state["value_params"]))):
+    np.testing.assert_array_equal(r, got[f"value_{i}"])
+  for i, r in enumerate(jax.tree.leaves(jax.device_get(state["params"]))):
+    np.testing.assert_array_equal(r, got[f"policy_{i}"])
 
 
 @pytest.mark.parametrize("env,message", [
