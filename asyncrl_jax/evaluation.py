@@ -1,9 +1,18 @@
-"""Held-out evaluation: greedy accuracy and pass@1 of sampled completions, decoded in one XLA program."""
+"""Held-out evaluation: greedy accuracy and pass@1 of sampled completions, decoded in one XLA program.
+
+Over several learner processes (the learner mesh spanning them) every process runs the same
+evaluation: each puts its own rows of the prompts on device, all decode together, every process
+gathers the completions, process 0 (which alone holds the answers) scores them, and the scores are
+broadcast, so that every process ends with the same ``last_samples``.
+"""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from asyncrl_jax import sharding
 from asyncrl_jax.models.generate import generate
@@ -16,21 +25,27 @@ class Evaluator:
   The sampled accuracy is the mean reward of ``samples`` completions per problem drawn as the decode
   servers draw them (``sampling``: temperature, top-k, top-p), i.e. the quantity RL maximises. The PRNG
   key is the same at every evaluation, so successive evaluations differ by the weights only.
+
+  ``problems`` (dicts with ``question`` and ``answer``) is None in learner processes other than 0,
+  which are given the prompts' token ids instead (``prompt_ids``, process 0's ``prompt_ids``) and
+  score nothing.
   """
 
   def __init__(self, model_config, mesh, tokenizer, problems, *, max_prompt_len: int, max_new_tokens: int,
-               samples: int = 0, sampling=None, seed: int = 0):
+               samples: int = 0, sampling=None, seed: int = 0, prompt_ids: Optional[list] = None):
     self.model_config, self.mesh, self.tokenizer = model_config, mesh, tokenizer
     self.problems = problems
     self.max_new_tokens = max_new_tokens
     self.samples = samples if sampling is not None and sampling.temperature > 0 else 0
     self.sampling, self.seed = sampling, seed
     ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    ids = []
-    for i, p in enumerate(problems):
-      ids.append(tokenizer.encode_prompt(p["question"]))
-      if len(ids[-1]) > max_prompt_len:
-        raise ValueError(f"eval problem {i} has {len(ids[-1])} prompt tokens > data.max_prompt_len")
+    if (problems is None) == (prompt_ids is None):
+      raise ValueError("an Evaluator takes either problems or prompt_ids")
+    ids = ([tokenizer.encode_prompt(p["question"]) for p in problems] if problems is not None else
+           [np.asarray(x, np.int32) for x in prompt_ids])
+    for i, x in enumerate(ids):
+      if len(x) > max_prompt_len:
+        raise ValueError(f"eval problem {i} has {len(x)} prompt tokens > data.max_prompt_len")
 
     def put(rows_ids):
       rows = -(-len(rows_ids) // ways) * ways
@@ -39,8 +54,7 @@ class Evaluator:
       for r, x in enumerate(rows_ids):
         prompts[r, :len(x)] = x
         lengths[r] = len(x)
-      return (jax.device_put(prompts, sharding.batch_sharding(mesh, 2)),
-              jax.device_put(lengths, sharding.batch_sharding(mesh, 1)))
+      return _place(prompts, sharding.batch_sharding(mesh, 2)), _place(lengths, sharding.batch_sharding(mesh, 1))
 
     self.prompt_ids = ids
     self.last_samples: list = []  # (prompt ids, completion ids, reward) of the last evaluation
@@ -48,26 +62,34 @@ class Evaluator:
     self._sampled = put([x for x in ids for _ in range(self.samples)]) if self.samples else None
 
   @classmethod
-  def from_config(cls, config, model_config, mesh, tokenizer, problems) -> "Evaluator":
+  def from_config(cls, config, model_config, mesh, tokenizer, problems, *,
+                  prompt_ids: Optional[list] = None) -> "Evaluator":
     """The main job's evaluation: ``data`` section lengths and samples, the decode servers' sampling."""
     return cls(model_config, mesh, tokenizer, problems, max_prompt_len=config.data.max_prompt_len,
                max_new_tokens=config.data.max_completion_len, samples=config.data.eval_samples,
-               sampling=SamplingSettings.from_config(config), seed=config.seed)
+               sampling=SamplingSettings.from_config(config), seed=config.seed, prompt_ids=prompt_ids)
 
   def _scores(self, tokens, lengths, prompts, answers, reward) -> np.ndarray:
-    """Each completion's reward; the completions and their rewards are kept as ``last_samples``."""
-    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-    completions = [tokens[i, :lengths[i]] for i in range(len(answers))]
-    scores = np.array([reward(self.tokenizer.decode(c), a) for c, a in zip(completions, answers)],
-                      np.float32)
+    """Each completion's reward (``answers`` None: process 0's, broadcast); the completions and their
+    rewards are kept as ``last_samples``."""
+    tokens, lengths = _host(tokens), _host(lengths)
+    completions = [tokens[i, :lengths[i]] for i in range(len(prompts))]
+    scores = np.zeros(len(prompts), np.float32)
+    if answers is not None:
+      scores[:] = [reward(self.tokenizer.decode(c), a) for c, a in zip(completions, answers)]
+    if jax.process_count() > 1:
+      scores = np.asarray(multihost_utils.broadcast_one_to_all(scores), np.float32)
     self.last_samples = list(zip(prompts, completions, scores.tolist()))
     return scores
+
+  def _answers(self) -> Optional[list]:
+    return [p["answer"] for p in self.problems] if self.problems is not None else None
 
   def evaluate(self, params, reward) -> dict:
     """``{"greedy": acc, "sampled": pass@1 or None}`` on the held-out problems. The completions of
     the primary figure (sampled, else greedy) stay in ``last_samples`` as (prompt ids, completion
     ids, reward)."""
-    answers = [p["answer"] for p in self.problems]
+    answers = self._answers()
     out = generate(self.model_config, params, *self._greedy, max_new_tokens=self.max_new_tokens,
                    eos_id=self.tokenizer.eos_id, mesh=self.mesh)
     result = {"greedy": float(self._scores(*out, self.prompt_ids, answers, reward).mean()),
@@ -86,9 +108,20 @@ class Evaluator:
                    jax.random.key(self.seed if seed is None else seed),
                    max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id, mesh=self.mesh,
                    settings=self.sampling)
-    repeat = lambda xs: [x for x in xs for _ in range(self.samples)]
-    return self._scores(*out, repeat(self.prompt_ids), repeat([p["answer"] for p in self.problems]),
-                        reward)
+    repeat = lambda xs: [x for x in xs for _ in range(self.samples)] if xs is not None else None
+    return self._scores(*out, repeat(self.prompt_ids), repeat(self._answers()), reward)
+
+
+def _place(array: np.ndarray, where) -> jax.Array:
+  """``array`` (the same in every process) on sharding ``where``: each process puts its own rows."""
+  return jax.make_array_from_callback(array.shape, where, lambda index: array[index])
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  """The whole of ``x`` in this process (gathered from the others' devices when they hold part)."""
+  if x.is_fully_addressable:
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def eval_kind(evaluator: Evaluator) -> str:

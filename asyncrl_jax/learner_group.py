@@ -3,7 +3,7 @@
 Design: **one controller**, on learner process 0. It owns the prompt stream, admission, rewards and
 batches, the run log and the decode servers' registry, exactly as in a single-process run; the other
 learner processes own no data and make no decisions. Every step that needs all of them (an update, a
-weight offer, a checkpoint save, the stop) is an *op* that process 0 broadcasts (``jax``'s
+weight offer, a checkpoint save, an evaluation, the stop) is an *op* that process 0 broadcasts (``jax``'s
 ``broadcast_one_to_all``) and every process then runs; each process puts only its own rows of every
 micro-batch on device (``update.Updater.place``), and offers only its own blocks of the weights.
 
@@ -24,7 +24,7 @@ import json
 import logging
 import signal
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -37,8 +37,8 @@ from asyncrl_jax.transfer.remote import Source, WeightSender
 
 log = logging.getLogger(__name__)
 
-TRAIN, OFFER, SAVE, STOP, CHECK = 1, 2, 3, 4, 5
-_OPS = {TRAIN: "train", OFFER: "offer", SAVE: "save", STOP: "stop", CHECK: "check"}
+TRAIN, OFFER, SAVE, STOP, CHECK, EVAL = 1, 2, 3, 4, 5, 6
+_OPS = {TRAIN: "train", OFFER: "offer", SAVE: "save", STOP: "stop", CHECK: "check", EVAL: "evaluate"}
 _ADDRESS_BYTES = 256
 
 
@@ -93,6 +93,8 @@ class LearnerGroup:
     self.processes = jax.process_count()
     self.is_leader = jax.process_index() == 0
     self.planned = self.blocks = self.sender = self.addresses = None
+    # what every process runs for an ``evaluate`` op (a follower's; process 0 passes its own)
+    self.on_evaluate: Optional[Callable[[], object]] = None
     if transfer_host is not None:  # remote decode servers: plan the blocks once, start a sender
       leaves = jax.tree.leaves(learner.params)
       self.planned = shards.plan(leaves, [x.sharding for x in leaves])
@@ -144,6 +146,32 @@ class LearnerGroup:
       data = np.frombuffer(json.dumps(meta).encode(), np.uint8)
       self._broadcast(SAVE, self.learner.version, {"data": data}, (len(data),))
     self.ckpt.save(self.learner.version, state=self.learner.checkpoint_state(), meta=meta)
+
+  def evaluate(self, run: Callable[[], object]):
+    """Every learner process runs a held-out evaluation together (``run`` here, ``on_evaluate`` in
+    the others: the same collective steps); returns ``run``'s result."""
+    if self.processes > 1:
+      self._broadcast(EVAL, self.learner.version)
+    return run()
+
+  def share_token_lists(self, lists: Optional[Sequence]) -> list[np.ndarray]:
+    """Process 0's ``lists`` (int token sequences, e.g. the held-out prompts) in every process; the
+    others pass None. Not an op: every process calls it at the same point of its setup."""
+    if self.processes == 1:
+      return [np.asarray(x, np.int32) for x in lists]
+    if self.is_leader:
+      sizes = np.asarray([len(x) for x in lists], np.int32)
+      flat = np.concatenate([np.asarray(x, np.int32) for x in lists]) if len(lists) else np.zeros(0, np.int32)
+      header = np.asarray([len(sizes), len(flat)], np.int32)
+    else:
+      header = np.zeros(2, np.int32)
+    n, total = (int(x) for x in multihost_utils.broadcast_one_to_all(header))
+    if not self.is_leader:
+      sizes, flat = np.zeros(n, np.int32), np.zeros(total, np.int32)
+    got = multihost_utils.broadcast_one_to_all({"sizes": sizes, "flat": flat})
+    bounds = np.cumsum(np.r_[0, np.asarray(got["sizes"])])
+    flat = np.asarray(got["flat"], np.int32)
+    return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
   def stop(self) -> None:
     if self.processes > 1:
@@ -200,6 +228,12 @@ class LearnerGroup:
       elif op == CHECK:
         faults.at("sigterm", version)
         self._any_stop()
+      elif op == EVAL:
+        self.learner.check_version(version, "the evaluation")
+        if self.on_evaluate is None:
+          raise RuntimeError(f"learner process {jax.process_index()}: an evaluation from process 0, "
+                             "but this process has no evaluation set up (learner.eval_every differs?)")
+        self.on_evaluate()
       elif op == STOP:
         return
       else:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Optional
 
 import jax
 from absl import app, flags, logging
@@ -77,13 +78,18 @@ class _Data:
 
 
 class _Evaluation:
-  """Held-out evaluation on the rollout mesh (or the learner's when decode servers are remote)."""
+  """Held-out evaluation on the rollout mesh (or the learner's when decode servers are remote).
 
-  def __init__(self, config, model_config, meshes: sharding.RoleMeshes, data: _Data):
+  In learner processes other than 0 it is built from process 0's prompt ids (``prompt_ids``) and
+  scores nothing (``evaluation.Evaluator``); every process runs ``run`` together."""
+
+  def __init__(self, config, model_config, meshes: sharding.RoleMeshes, tokenizer, *, problems=None,
+               reward=None, prompt_ids=None):
     mesh = meshes.rollout or meshes.learner
     self.shardings = models.param_shardings(model_config, mesh)
-    self.evaluator = Evaluator.from_config(config, model_config, mesh, data.tokenizer, data.eval_problems)
-    self.reward = data.reward
+    self.evaluator = Evaluator.from_config(config, model_config, mesh, tokenizer, problems,
+                                           prompt_ids=prompt_ids)
+    self.reward = reward
     self.kind = eval_kind(self.evaluator)
 
   def __call__(self, learner_params, rollout_params=None) -> tuple[float, float]:
@@ -92,6 +98,11 @@ class _Evaluation:
                                                                               self.shardings)[0]
     result = self.evaluator.evaluate(params, self.reward)
     return primary(result), result["greedy"]
+
+  def run(self, learner: Learner, rollout_params=None) -> tuple[tuple[float, float], dict]:
+    """The accuracies and, with a critic, the value model's ``value_figures``."""
+    accuracy = self(learner.params, rollout_params)
+    return accuracy, self.value_figures(learner.critic) if learner.critic is not None else {}
 
   def value_figures(self, critic) -> dict:
     """The value model's explained variance (and means) on the last evaluation's held-out
@@ -127,15 +138,16 @@ def _warm_start(config, learner: Learner, data: _Data, evaluate: _Evaluation) ->
 
 
 def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
-  """The learner, restored from the last checkpoint or initialised (and warm-started), with the
-  held-out accuracy it starts RL from; returns (learner, evaluation, engine or None, meta)."""
+  """The learner, restored from the last checkpoint or initialised (and warm-started), and its
+  held-out evaluation; returns (learner, evaluation or None, engine or None, meta)."""
   model_config, params = models.from_config(config, meshes.learner)
   learner = Learner(model_config, params, meshes.learner, config, total_steps=config.steps)
   del params
   engine = engine_from_config(config, meshes.rollout, model_config) if meshes.rollout else None
   if engine is not None and config.rollout.warm_up:
     engine.warm_up()  # in the background, during evaluation and warm start
-  evaluate = _Evaluation(config, model_config, meshes, data) if config.learner.eval_every else None
+  evaluate = _Evaluation(config, model_config, meshes, data.tokenizer, problems=data.eval_problems,
+                         reward=data.reward) if config.learner.eval_every else None
   meta = ckpt.restore_run(learner, data.prompts)
   if meta is not None:
     log.resume(learner.version)
@@ -147,18 +159,26 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
       meta = _warm_start(config, learner, data, evaluate)
       if learner.critic is not None:  # the value model starts from the policy RL starts from
         learner.critic.reset(learner.params)
+  return learner, evaluate, engine, meta
+
+
+def _initial_evaluation(config, group: LearnerGroup, evaluate: Optional[_Evaluation], meta: dict) -> None:
+  """The held-out accuracy RL starts from (every learner process evaluates together), unless the
+  checkpoint resumed from holds it."""
+  learner = group.learner
   if evaluate is None:
     meta.update(initial_eval_accuracy=None, initial_eval_greedy_accuracy=None)
     say(f"model {models.count_params(learner.params):,} params at version {learner.version}; no "
         "held-out evaluation (learner.eval_every=0)")
-    return learner, evaluate, engine, meta
+    return
   if meta.get("initial_eval_greedy_accuracy") is None:  # (a checkpoint from before pass@1: measure both)
     meta.pop("last_eval_accuracy", None)
-    meta["initial_eval_accuracy"], meta["initial_eval_greedy_accuracy"] = evaluate(learner.params)
+    (meta["initial_eval_accuracy"], meta["initial_eval_greedy_accuracy"]), _ = group.evaluate(
+        lambda: evaluate.run(learner))
   say(f"model {models.count_params(learner.params):,} params; held-out accuracy "
       f"{meta['initial_eval_accuracy']:.3f} ({evaluate.kind}), greedy "
-      f"{meta['initial_eval_greedy_accuracy']:.3f} at version {learner.version}")
-  return learner, evaluate, engine, meta
+      f"{meta['initial_eval_greedy_accuracy']:.3f} at version {learner.version}"
+      + (f" (over {group.processes} learner processes)" if group.processes > 1 else ""))
 
 
 def _registered(config, model_config, tokenizer, workdir: str, token, incarnation: int):
@@ -276,10 +296,9 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
                                 transfer_seconds=backend.transfer_seconds)
     last = learner.version == config.steps
     if evaluate is not None and (learner.version % config.learner.eval_every == 0 or last):
-      accuracy = evaluate(learner.params, getattr(backend, "rollout_params", None))
-      record.update(eval_accuracy=accuracy[0], eval_greedy_accuracy=accuracy[1])
-      if learner.critic is not None:
-        record.update(evaluate.value_figures(learner.critic))
+      rollout_params = getattr(backend, "rollout_params", None)
+      accuracy, figures = group.evaluate(lambda: evaluate.run(learner, rollout_params))
+      record.update(eval_accuracy=accuracy[0], eval_greedy_accuracy=accuracy[1], **figures)
     log.append(record, batch)
     profile.after(learner.version)
     if learner.version % config.checkpoint.every_steps == 0 or last:
@@ -308,10 +327,6 @@ def _checkpointer(config, workdir: str) -> RunCheckpointer:
 def _check_multi_process(config) -> None:
   if jax.process_count() == 1:
     return
-  if config.learner.eval_every:
-    raise config_lib.ConfigError(f"learner.eval_every={config.learner.eval_every}: held-out evaluation runs on the "
-                     f"learner's devices, which {jax.process_count()} learner processes do not share "
-                     "yet; set learner.eval_every=0")
   if config.learner.warm_start_steps and not config.model.hf_path:
     raise config_lib.ConfigError(f"learner.warm_start_steps={config.learner.warm_start_steps}: the supervised warm "
                      "start runs in one learner process; warm-start once (python -m asyncrl_jax.sft) "
@@ -328,6 +343,10 @@ def _follow(config, workdir: str) -> dict:
   del params
   ckpt.restore_run(learner, None)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)
+  if config.learner.eval_every:  # process 0's held-out prompts; only it holds their answers
+    evaluate = _Evaluation(config, model_config, meshes, load_tokenizer(config.data.tokenizer_path),
+                           prompt_ids=group.share_token_lists(None))
+    group.on_evaluate = lambda: evaluate.run(learner)
   _warm_up(config, learner)
   _take_sigterm(group)
   try:
@@ -388,7 +407,10 @@ def run(config, workdir: str) -> dict:
   ckpt = _checkpointer(config, workdir)
   learner, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
+  if evaluate is not None and group.processes > 1:
+    group.share_token_lists(evaluate.evaluator.prompt_ids)
   _warm_up(config, learner)
+  _initial_evaluation(config, group, evaluate, meta)
   _take_sigterm(group)
   try:
     backend = _rollout(config, meshes, engine, group, data, workdir, token)

@@ -13,9 +13,10 @@ batch, write those (to OUT_NPZ with ``-resume`` before ``.npz``), and save versi
 processes into the same directory.
 
 With ``--value``: a learner of single-rollout advantages (``rl.advantage="value"``, its critic sharded
-like the policy) trains two versions (the first the value model's only); process 0 writes both
-versions' metrics and the policy's and value model's parameters, and both processes save version 2
-into CHECKPOINTS.
+like the policy) trains two versions (the first the value model's only), then runs a held-out
+evaluation through the learner group's op (process 0 leading); process 0 writes both versions'
+metrics, the policy's and value model's parameters and the evaluation's results, and both processes
+save version 2 into CHECKPOINTS.
 """
 
 import os
@@ -53,6 +54,7 @@ def value_mode(pid: int, n: int, out: str, checkpoints: str) -> None:
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import sharding  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner_group import LearnerGroup  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_default_matmul_precision", "highest")
   mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})
@@ -60,14 +62,32 @@ def value_mode(pid: int, n: int, out: str, checkpoints: str) -> None:
   metrics = [learner.train(t.rewarded(seed=v), version=v) for v in range(2)]
   policy = jax.tree.leaves(multihost_utils.process_allgather(learner.params, tiled=True))
   value = jax.tree.leaves(multihost_utils.process_allgather(learner.critic.params, tiled=True))
+  # the held-out evaluation as the main job runs it: process 0 leads, process 1 follows the op
+  group = LearnerGroup(learner, None)
+  if pid == 0:
+    evaluation = t.value_evaluation(mesh)
+    group.share_token_lists(evaluation.evaluator.prompt_ids)
+    (accuracy, greedy), figures = group.evaluate(lambda: evaluation.run(learner))
+    group.stop()
+  else:
+    evaluation = t.value_evaluation(mesh, prompt_ids=group.share_token_lists(None))
+    group.on_evaluate = lambda: evaluation.run(learner)
+    group.follow()
+  follower = multihost_utils.process_allgather(
+      np.float32(np.mean([r for _, _, r in evaluation.evaluator.last_samples])))
   ckpt = Checkpointer(checkpoints, async_save=False)
   ckpt.save(2, state=learner.checkpoint_state(), meta={"version": 2})
   ckpt.close()
   if pid == 0:
+    samples = evaluation.evaluator.last_samples
     np.savez(out, **{f"policy_{i}": x for i, x in enumerate(policy)},
              **{f"value_{i}": x for i, x in enumerate(value)},
              **{f"v{v}_{k}": np.float64(m[k]) for v, m in enumerate(metrics) for k in t.VALUE_METRICS
-                if k in m})
+                if k in m},
+             eval_scores=np.asarray([r for _, _, r in samples]),
+             eval_completions=t._padded([c for _, c, _ in samples]),  # pylint: disable=protected-access
+             eval_accuracy=accuracy, eval_greedy=greedy, follower_eval_accuracy=np.asarray(follower)[1],
+             **figures)
 
 
 def main(pid: int, n: int, port: int, out: str, *args: str) -> None:

@@ -1,6 +1,7 @@
 """A learner over 2 processes (jax.distributed on 127.0.0.1, gloo collectives): the pod's learner
 slice on one machine."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from asyncrl_jax import distributed, models, sharding
 from asyncrl_jax.learner import Learner
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.rl import batching
+from asyncrl_jax.tokenization.builtin import ArithmeticTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -40,31 +42,50 @@ def sequences(n=14, seed=5):
   return random_sequences(seed, n, CFG.vocab_size, behav_prob=(0.05, 0.6))
 
 
+TOK = ArithmeticTokenizer()
+VALUE_CFG = dataclasses.replace(CFG, vocab_size=TOK.vocab_size)  # (the evaluation decodes its tokens)
+PROBLEMS = [{"question": f"{i % 10}+{(i * 7) % 10}=", "answer": str(i % 10 + (i * 7) % 10)} for i in range(6)]
+
+
 def value_config():
-  """Single-rollout advantages from the critic; version 0 trains the value model only."""
+  """Single-rollout advantages from the critic; version 0 trains the value model only. Held-out
+  evaluation: greedy and 2 samples per problem, 12 new tokens."""
   c = config_lib.base_config()
   c.rl.update(loss="dis", advantage="value", group_size=1, value_pretrain_versions=1, value_updates=2,
               value_learning_rate=3e-2)
   c.learner.update(token_budget=128, learning_rate=3e-2)
+  c.data.update(max_prompt_len=8, max_completion_len=12, eval_samples=2)
   return c
 
 
 def value_learner(mesh) -> Learner:
   """A value-mode learner whose value head is not zero (so the values, and the test, are not 0)."""
   c = value_config()
-  learner = Learner(CFG, params(), mesh, c, total_steps=c.steps)
-  value = jax.device_get(value_lib.init_value_params(params()))  # the trunk a copy of the policy's
+  policy = jax.device_get(sharp_params(VALUE_CFG, 4, scale=2.0))
+  learner = Learner(VALUE_CFG, policy, mesh, c, total_steps=c.steps)
+  value = jax.device_get(value_lib.init_value_params(policy))  # the trunk a copy of the policy's
   rng = np.random.default_rng(4)
   value["head"] = {"w": rng.normal(0, 0.3, CFG.hidden_size).astype(np.float32), "b": np.float32(0.2)}
   learner.critic.params = jax.device_put(value, learner.critic.updater.param_shardings)
   return learner
 
 
+def value_evaluation(mesh, prompt_ids=None):
+  """The main job's held-out evaluation on ``mesh`` (the learner's): ``PROBLEMS`` scored by the
+  parity of the completion's length, or, in processes other than 0, ``prompt_ids`` and no answers."""
+  from asyncrl_jax import train  # pylint: disable=import-outside-toplevel
+  meshes = sharding.RoleMeshes(learner=mesh, rollout=None, remote=1, colocated=False)
+  if prompt_ids is not None:
+    return train._Evaluation(value_config(), VALUE_CFG, meshes, TOK, prompt_ids=prompt_ids)  # pylint: disable=protected-access
+  return train._Evaluation(value_config(), VALUE_CFG, meshes, TOK, problems=PROBLEMS,  # pylint: disable=protected-access
+                           reward=lambda text, answer: float(len(text) % 2 == 0))
+
+
 def rewarded(n=12, seed=5):
   """Random trajectories with a 0/1 reward on each last token (the controller's value mode)."""
   rng = np.random.default_rng(seed + 100)
   out = []
-  for s in sequences(n, seed):
+  for s in random_sequences(seed, n, VALUE_CFG.vocab_size, behav_prob=(0.05, 0.6)):
     prompt = int(np.sum(s.mask == 0))
     out.append(batching.make_sequence(s.tokens[:prompt], s.tokens[prompt:], logprobs=s.behav_logp[prompt:],
                                       versions=s.versions[prompt:], token_reward=float(rng.integers(0, 2))))
@@ -155,17 +176,25 @@ def test_two_process_learner_equals_one_process_and_checkpoints_move_between_pro
     np.testing.assert_array_equal(r, got[f"trained_{i}"])
 
 
-@pytest.mark.slow(40)
-def test_two_process_value_mode_equals_one_process_and_its_checkpoint_holds_the_value_model(tmp_path):
-  """Single-rollout advantages (the critic sharded like the policy) over 2 processes: two versions
-  (value pre-training, then both models) give the one-process run's metrics, value figures included
-  (read back from token arrays no process holds whole), and parameters; the checkpoint the 2
-  processes wrote restores in 1 process with both models bit for bit."""
+@pytest.mark.slow(50)
+def test_two_process_value_mode_and_evaluation_equal_one_process_and_the_checkpoint_holds_both(tmp_path):
+  """Single-rollout advantages (the critic sharded like the policy) over 2 processes.
+
+  * Two versions (value pre-training, then both models) give the one-process run's metrics, value
+    figures included (read back from token arrays no process holds whole), and parameters.
+  * Then a held-out evaluation as the main job runs it (process 0 holds the problems and answers,
+    process 1 gets the prompt ids and follows the evaluate op): the same completions, scores and
+    held-out value figures as one process.
+  * The checkpoint the 2 processes wrote restores in 1 process with both models bit for bit.
+  """
   from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "value.npz")
-  learner = value_learner(sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1}))
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  learner = value_learner(mesh)
   start = jax.tree.leaves(jax.device_get(learner.critic.params))
   metrics = [learner.train(rewarded(seed=v), version=v) for v in range(2)]
+  evaluation = value_evaluation(mesh)
+  (accuracy, greedy), figures = evaluation.run(learner)
   _two_processes(out, "--value", directory)
 
   got = np.load(out)
@@ -184,6 +213,19 @@ def test_two_process_value_mode_equals_one_process_and_its_checkpoint_holds_the_
   for i, w in enumerate(value):
     np.testing.assert_allclose(got[f"value_{i}"], w, rtol=1e-4, atol=1e-5)
 
+  # the evaluation: 6 problems, greedy then 2 samples each (the primary figure's are last_samples)
+  samples = evaluation.evaluator.last_samples
+  assert len(samples) == 12 and 0 < accuracy < 1
+  completions = [c for _, c, _ in samples]
+  assert len({tuple(c) for c in completions}) > 2  # the completions differ: a comparison that can fail
+  np.testing.assert_array_equal(got["eval_scores"], [r for _, _, r in samples])
+  np.testing.assert_array_equal(got["eval_completions"], _padded(completions))
+  assert float(got["eval_accuracy"]) == accuracy and float(got["eval_greedy"]) == greedy
+  assert float(got["follower_eval_accuracy"]) == accuracy  # process 1 got process 0's scores
+  assert set(figures) == {"eval_value_explained_variance", "eval_value_mean", "eval_return_mean"}
+  for k, v in figures.items():
+    assert float(got[k]) == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
   ckpt = Checkpointer(directory, async_save=False)
   state, _ = ckpt.restore(2, state_like=learner.checkpoint_state())
   ckpt.close()
@@ -191,6 +233,13 @@ def test_two_process_value_mode_equals_one_process_and_its_checkpoint_holds_the_
     np.testing.assert_array_equal(r, got[f"value_{i}"])
   for i, r in enumerate(jax.tree.leaves(jax.device_get(state["params"]))):
     np.testing.assert_array_equal(r, got[f"policy_{i}"])
+
+
+def _padded(rows) -> np.ndarray:
+  out = np.full((len(rows), max(len(r) for r in rows)), -1, np.int32)
+  for i, r in enumerate(rows):
+    out[i, :len(r)] = r
+  return out
 
 
 @pytest.mark.parametrize("env,message", [

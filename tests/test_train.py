@@ -343,11 +343,12 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
      is stopped by JAX within the heartbeat timeout (5 s here), not left hanging in a collective.
   3. To the end, from the newest complete checkpoint: weights sent shard to shard and balanced over
      the learner processes, the staleness bound held, and over the lineage every version trains the
-     problems a single-process run trains, once."""
+     problems a single-process run trains, once.
+  Held-out evaluation runs over both processes (at the start and every 5 versions)."""
   steps, run = 10, tmp_path / "run"
   run.mkdir()
   logged = lambda: _complete_lines(run / "metrics.jsonl")
-  ckpt = ["--config.checkpoint.every_steps=2"]
+  ckpt = ["--config.checkpoint.every_steps=2", "--config.learner.eval_every=5", "--config.data.eval_problems=8"]
   env = {"ASYNCRL_HEARTBEAT_SECONDS": "5"}
 
   proc = _twin_start(run, 2, 2, steps, *ckpt, env=env)
@@ -360,6 +361,7 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   assert f"SIGTERM: saving policy version {saved} of {steps}" in out and saved >= 3
   # (a checkpoint of 2 processes is written by both: that it is complete shows they agreed on it)
   assert "2 learner process(es)" in out and "2 decode server(s) registering at 127.0.0.1:" in out
+  assert "at version 0 (over 2 learner processes)" in out  # the initial evaluation
 
   (run / "learners" / "pid-1").unlink()  # (the first start's)
   proc = _twin_start(run, 2, 2, steps, *ckpt, flags=["--no-watch"],
@@ -391,6 +393,8 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   # in this start every server pulled every version (before..10) once: no more
   assert sum(sent) == 2 * (steps - before + 1) * _model_bytes()
   assert summary["max_staleness_seen"] <= 1
+  assert 0 <= summary["initial_eval_accuracy"] <= 1 and 0 <= summary["final_eval_accuracy"] <= 1
+  assert [m["version"] for m in metrics if "eval_accuracy" in m] == [5, 10]
   assert [m["version"] for m in metrics] == list(range(1, steps + 1))
   assert all(m["publish_blocked_seconds"] > 0 and m["transfer_seconds"] >= 0 for m in metrics)
   assert all(m["decode_servers"] == 2 for m in metrics)
