@@ -47,9 +47,10 @@ def generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: ja
   b, p = prompt_bp.shape
   cache = api.init_cache(config, b, p + max_new_tokens)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  logits, cache = api.apply_decode(config, params, prompt_bp, positions, cache, mesh)
-  last = jnp.take_along_axis(logits, (prompt_len_b - 1)[:, None, None], axis=1)[:, 0]
-  first = pick(last, keys[0])
+  # next-token logits at each row's last prompt token only: [B, 1, V], not [B, P, V]
+  logits, cache = api.apply_decode(config, params, prompt_bp, positions, cache, mesh,
+                                   logits_at_b=prompt_len_b - 1)
+  first = pick(logits[:, 0], keys[0])
 
   def step(i, carry):
     tokens, cache, done = carry

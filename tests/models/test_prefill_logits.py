@@ -46,6 +46,18 @@ def test_the_prefill_never_holds_the_full_logits():
   assert used(picked) < used(full) - 0.9 * full_bytes
 
 
+def test_generation_never_holds_the_prompts_full_logits():
+  """``generate`` (held-out evaluation, RFT, the eval CLI) prefills its prompts at one position per
+  row too: its program holds far less than the ``[B, P, V]`` logits of its prompts."""
+  from asyncrl_jax.models.generate import generate  # pylint: disable=import-outside-toplevel
+  params = sharp_params(CFG, 3)
+  prompts, lengths = jax.ShapeDtypeStruct((8, 64), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.int32)
+  full_bytes = 8 * 64 * CFG.vocab_size * 4  # 8 MiB
+  compiled = generate.lower(CFG, params, prompts, lengths, max_new_tokens=4, eos_id=1).compile()
+  analysis = compiled.memory_analysis()
+  assert analysis.temp_size_in_bytes + analysis.output_size_in_bytes < 0.25 * full_bytes
+
+
 # Deep and narrow-vocabulary, so that a second cache of the prefilled rows dominates prefill memory.
 DEEP = models.ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_layers=8, num_heads=4,
                           num_kv_heads=2, max_seq_len=128)
