@@ -33,6 +33,8 @@ def memory_report(config, accelerator: str, rollout_accelerator: str = "", margi
   rollout_accelerator = rollout_accelerator or accelerator
   roles = [(memory.learner(config, m, learner_chips), accelerator),
            (memory.decode_server(config, m, memory.host_chips(rollout_accelerator)), rollout_accelerator)]
+  if config.learner.eval_every:  # (on a pod the decode servers are other hosts: it runs on the learner's)
+    roles.insert(1, (memory.evaluation(config, m, learner_chips), accelerator))
   lines, ok = [f"model parameters: {m.num_params:,}"], True
   for role, acc in roles:
     fits, share = memory.fits(role, acc, margin)

@@ -1,6 +1,7 @@
 """How much device memory a run needs, per device of each role, before anything is compiled.
 
-``estimate(config)`` returns two ``RoleMemory`` tables of named terms in bytes:
+``learner``, ``decode_server`` and ``evaluation`` each return a ``RoleMemory`` table of named
+terms in bytes:
 
 * learner (per device of the learner mesh): parameters, AdamW's two moments, gradients (the running
   sum over micro-batches and the current micro-batch's), and the activations one micro-batch of
@@ -13,6 +14,9 @@
   (prompt + completion) x kv_heads x head_dim``), the decode state's next-token logits, one decode
   step's intermediates, and the largest prefill call's (a re-prefill after a weight update may refill
   every slot at full length, in calls of at most ``rollout.prefill_tokens`` tokens).
+* held-out evaluation (``evaluation``; per device of the learner mesh, where it runs when the decode
+  servers are other hosts): the learner's resident state, a parameter copy, the evaluation's KV cache
+  and its largest step.
 
 Parameters and optimizer state are split over ``fsdp x tensor``, rows over ``data x fsdp``, heads and
 the MLP width over ``tensor``. The terms count the buffers a step's program holds at its peak; XLA may
@@ -144,6 +148,35 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
       "KV cache": cache,
       "next-token logits": slots * vocab * 4,
       "largest re-prefill call (> a decode step)": max(step, refill),
+  })
+
+
+def evaluation(config, m: ModelConfig, devices: int) -> RoleMemory:
+  """Per-device memory of the held-out evaluation where it runs on the learner's devices (decode
+  servers on other hosts, ``learner.eval_every`` > 0), between two training steps: the learner's
+  resident parameters and AdamW moments, the copy of the parameters it decodes with, the KV cache of
+  its larger call (``data.eval_problems`` rows greedy, or x ``data.eval_samples`` sampled, padded to
+  a multiple of data x fsdp, each of prompt + completion length), and that call's largest step: the
+  prompts' prefill (logits at one position per row; full attention, no chunking) or a decode step."""
+  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  a, p = _BYTES[m.dtype], _BYTES[m.param_dtype]
+  problems, samples = int(config.data.eval_problems), int(config.data.eval_samples)
+  sampled = problems * samples if samples and float(config.rollout.temperature) > 0 else 0
+  rows = -(-max(problems, sampled) // (data * fsdp))
+  prompt = int(config.data.max_prompt_len)
+  length = prompt + int(config.data.max_completion_len)
+  shard = m.num_params / (fsdp * tensor)
+  cache = 2 * m.num_layers * rows * length * (m.num_kv_heads / tensor) * m.head_dim * a
+  step = rows * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
+  tokens = rows * prompt
+  attention = _block_activations(m, tokens, rows, prompt, tensor)["attention"]
+  prefill = max(attention, 3 * tokens * m.intermediate_size / tensor * a) + 2 * tokens * m.hidden_size * a
+  prefill += rows * m.vocab_size / tensor * 4  # the next-token logits it returns
+  return RoleMemory("held-out evaluation (on the learner's devices)", devices, {
+      "parameters and AdamW moments (resident)": 3 * shard * p,
+      "parameter copy it decodes with": shard * p,
+      "KV cache": cache,
+      "largest prefill or decode step": max(step, prefill),
   })
 
 

@@ -24,6 +24,11 @@ tests/test_memory.py checks it). That takes remat, a chunked log-softmax and blo
 the learner, and on the decode servers blockwise prefill attention and re-prefill calls of at most 4
 full-length rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
 not split over tensor=4.
+
+Held-out evaluation is off (``learner.eval_every=0``, as in every config derived from this one): on
+the learner's chips it would decode 256 x (1 + 4) completions of up to 27648 tokens between two
+steps, 60.6 GiB per v5p chip (``info`` with ``--config.learner.eval_every=50``) and, on v6e, more
+than a chip holds. Evaluate exported checkpoints with ``python -m asyncrl_jax eval`` instead.
 """
 
 from asyncrl_jax.config import base_config
@@ -45,7 +50,7 @@ def get_config():
                    prefill_tokens=4 * 28672)
   c.learner.update(batch_size=512 * 16, token_budget=LEARNER_CHIPS * 32768, learning_rate=2e-5,
                    warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat=True,
-                   vocab_chunk=8192, attention_chunk=512)
+                   vocab_chunk=8192, attention_chunk=512, eval_every=0)
   c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)

@@ -97,6 +97,36 @@ def test_the_decode_server_estimate_is_within_20_percent_of_xla(name, attention_
   assert 0.8 <= estimate.total / _xla_decode_server(config, m) <= 1.2
 
 
+def _xla_evaluation(config, m) -> int:
+  """The held-out evaluation's larger call (``generate``, sampled when it samples): its arguments
+  (the parameter copy, the prompts), outputs and temporaries (KV cache, prefill, decode steps)."""
+  from asyncrl_jax.models.generate import generate  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
+  samples = config.data.eval_samples
+  rows = config.data.eval_problems * max(samples, 1)
+  params = jax.eval_shape(lambda: models.init_params(m, jax.random.key(0)))
+  prompts = jax.ShapeDtypeStruct((rows, config.data.max_prompt_len), jnp.int32)
+  lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
+  kwargs = dict(max_new_tokens=config.data.max_completion_len, eos_id=1)
+  if samples:
+    kwargs.update(settings=SamplingSettings(temperature=1.0))
+  lowered = generate.lower(m, params, prompts, lengths, jax.random.key(0) if samples else None, **kwargs)
+  s = lowered.compile().memory_analysis()
+  return s.argument_size_in_bytes + s.output_size_in_bytes + s.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("name,samples", [("narrow", 0), ("narrow", 4), ("wide", 0), ("wide", 4)])
+def test_the_evaluation_estimate_is_within_20_percent_of_xla(name, samples):
+  config = _small(name)
+  config.data.update(eval_problems=24, eval_samples=samples)
+  m = config_lib.model_config(config)
+  estimate = memory.evaluation(config, m, devices=1)
+  resident = estimate.terms["parameters and AdamW moments (resident)"]
+  assert resident == pytest.approx(3 * memory.learner(config, m, 1).terms["parameters"])
+  assert 0.8 <= (estimate.total - resident) / _xla_evaluation(config, m) <= 1.2
+  assert estimate.terms["KV cache"] > 0.1 * estimate.total  # not a comparison of parameter counts
+
+
 @pytest.mark.parametrize("tie,bias", [(False, True), (True, True), (True, False)])
 def test_the_parameter_count_is_the_models(tie, bias):
   m = models.ModelConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=6,
@@ -135,8 +165,15 @@ def test_accelerator_names():
 def test_info_reports_each_role_and_whether_it_fits():
   from asyncrl_jax import info  # pylint: disable=import-outside-toplevel
   lines, ok = info.memory_report(_small("wide"), "v5p-8")
-  assert ok and sum("fits one v5p-8 chip" in l for l in lines) == 2
+  assert ok and sum("fits one v5p-8 chip" in l for l in lines) == 3
   assert any(l.startswith("learner memory per device (4 devices)") for l in lines)
+  # held-out evaluation runs on the learner's chips (the decode servers are other hosts): its own table
+  assert any(l.startswith("held-out evaluation (on the learner's devices) memory per device (4 devices)")
+             for l in lines)
+  quiet = _small("wide")
+  quiet.learner.eval_every = 0
+  lines, ok = info.memory_report(quiet, "v5p-8")
+  assert ok and not any(l.startswith("held-out evaluation") for l in lines)
   big = _small("wide")
   big.learner.token_budget = 2**22  # 8192 rows of 512: over 200 GiB of attention per device
   lines, ok = info.memory_report(big, "v5p-8", "v6e-8")

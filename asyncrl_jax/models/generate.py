@@ -47,9 +47,12 @@ def generate(config: ModelConfig, params, prompt_bp: jax.Array, prompt_len_b: ja
   b, p = prompt_bp.shape
   cache = api.init_cache(config, b, p + max_new_tokens)
   positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-  # next-token logits at each row's last prompt token only: [B, 1, V], not [B, P, V]
+  # A prefill from position 0 into the cache's rows: attention over the prompts' own tokens ([B, P, P],
+  # not against the whole cache's P + N), and next-token logits at each row's last prompt token only
+  # ([B, 1, V], not [B, P, V]). Padding's keys beyond a row's length are overwritten by its decode steps
+  # before any query reaches them.
   logits, cache = api.apply_decode(config, params, prompt_bp, positions, cache, mesh,
-                                   logits_at_b=prompt_len_b - 1)
+                                   logits_at_b=prompt_len_b - 1, cache_rows_b=jnp.arange(b))
   first = pick(logits[:, 0], keys[0])
 
   def step(i, carry):
