@@ -9,7 +9,8 @@ terms in bytes:
   and the attention probabilities ``[rows, heads, width, width]``, and the log-softmax's logits
   ``[tokens, V]`` (or one ``learner.vocab_chunk`` of them). With ``learner.remat`` a block keeps only
   its input, and one block at a time is live in full; with ``learner.attention_chunk`` the scores of
-  one block of queries are live at a time, and none are kept.
+  one block of queries are live at a time, and none are kept. With ``rl.advantage="value"`` the
+  critic's parameters and AdamW moments too (its updates take turns with the policy's).
 * decode server (per device of one server's mesh): parameters, the KV cache (``2 x layers x slots x
   (prompt + completion) x kv_heads x head_dim``), the decode state's next-token logits, one decode
   step's intermediates, and the largest prefill call's (a re-prefill after a weight update may refill
@@ -112,13 +113,17 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
     kept = m.num_layers * per_layer + (block["attention"] if chunk else 0)
   columns = int(config.learner.vocab_chunk) or m.vocab_size / tensor
   logits = 3 * tokens * columns * 4  # float32 logits, their softmax, its gradient
-  return RoleMemory("learner", devices, {
+  terms = {
       "parameters": shard * p,
       "optimizer (AdamW mu, nu)": 2 * shard * p,
       "gradients (sum + micro-batch)": 2 * shard * p,
       "activations": kept,
       "log-softmax": logits,
-  })
+  }
+  if config.rl.advantage == "value":  # the critic: a second trunk (and a scalar head) with its own
+    # AdamW, resident beside the policy; its updates take turns with the policy's (same activations)
+    terms["value model (parameters, AdamW)"] = 3 * (shard + m.hidden_size + 1) * p
+  return RoleMemory("learner", devices, terms)
 
 
 def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
@@ -172,8 +177,9 @@ def evaluation(config, m: ModelConfig, devices: int) -> RoleMemory:
   attention = _block_activations(m, tokens, rows, prompt, tensor)["attention"]
   prefill = max(attention, 3 * tokens * m.intermediate_size / tensor * a) + 2 * tokens * m.hidden_size * a
   prefill += rows * m.vocab_size / tensor * 4  # the next-token logits it returns
+  resident = 3 * shard * p * (2 if config.rl.advantage == "value" else 1)  # (and the critic's)
   return RoleMemory("held-out evaluation (on the learner's devices)", devices, {
-      "parameters and AdamW moments (resident)": 3 * shard * p,
+      "parameters and AdamW moments (resident)": resident,
       "parameter copy it decodes with": shard * p,
       "KV cache": cache,
       "largest prefill or decode step": max(step, prefill),

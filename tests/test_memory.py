@@ -152,6 +152,19 @@ def test_terms_split_over_the_mesh_by_hand():
   assert server.terms["KV cache"] == 2 * 4 * 32 * 256 * 2 * 16 * 4
 
 
+def test_the_critic_is_counted_in_value_mode():
+  config = _small("wide")
+  m = config_lib.model_config(config)
+  config.mesh.learner.update(data=1, fsdp=2, tensor=2)
+  group, evaluation = memory.learner(config, m, 4), memory.evaluation(config, m, 4)
+  config.rl.update(advantage="value", group_size=1)
+  value, value_evaluation = memory.learner(config, m, 4), memory.evaluation(config, m, 4)
+  # a second trunk (split 4 ways) and a replicated head of hidden + 1, with AdamW's two moments, float32
+  by_hand = 3 * (m.num_params / 4 + 128 + 1) * 4
+  assert value.total - group.total == pytest.approx(by_hand)
+  assert value_evaluation.total - evaluation.total == pytest.approx(3 * m.num_params / 4 * 4)
+
+
 def test_accelerator_names():
   assert memory.chips("v5p-8") == ("v5p", 4) and memory.chips("v6e-16") == ("v6e", 16)
   assert memory.chips("v5litepod-8") == ("v5e", 8) and memory.chips("v4-32") == ("v4", 16)
