@@ -40,28 +40,56 @@ from asyncrl_jax.rl import advantages as adv_lib
 from asyncrl_jax.rl import batching
 
 
-def value_sums(values, returns, mask) -> jax.Array:
-  """``[6]`` float32 sums over the tokens with ``mask`` (arrays of one shape): count, sum of values,
-  of returns, of values squared, of returns squared, of their products. Sums add over micro-batches,
-  and a jitted call returns them replicated, so every process can read them (the token arrays it
-  summarises may span other processes' devices)."""
-  m = (jnp.asarray(mask) > 0).astype(jnp.float32)
-  v, r = jnp.asarray(values, jnp.float32) * m, jnp.asarray(returns, jnp.float32) * m
-  return jnp.stack([jnp.sum(m), jnp.sum(v), jnp.sum(r), jnp.sum(v * v), jnp.sum(r * r), jnp.sum(v * r)])
+def value_moments(values, returns, mask) -> jax.Array:
+  """``[6]`` float32 statistics of the tokens with ``mask`` (arrays of one shape), centred so that
+  nothing cancels: count, mean and sum of squared deviations of the returns, the same of ``returns -
+  values``, and the mean value. A jitted call returns them replicated, so every process can read them
+  (the token arrays they summarise may span other processes' devices); ``merge_moments`` combines
+  those of several micro-batches."""
+  m = jnp.asarray(mask) > 0
+  n = jnp.sum(m.astype(jnp.float32))
+  r = jnp.asarray(returns, jnp.float32)
+  d = r - jnp.asarray(values, jnp.float32)
+
+  def mean_m2(x):
+    mean = jnp.sum(jnp.where(m, x, 0.0)) / jnp.maximum(n, 1.0)
+    return mean, jnp.sum(jnp.where(m, jnp.square(x - mean), 0.0))
+
+  (mr, m2r), (md, m2d) = mean_m2(r), mean_m2(d)
+  return jnp.stack([n, mr, m2r, md, m2d, mr - md])  # (the mean value: mean r - mean (r - v))
 
 
-def value_metrics(sums) -> dict:
-  """Host figures of a value model from ``value_sums`` (added over micro-batches):
-  ``value_explained_variance`` (``1 - Var(returns - values) / Var(returns)``, 0 when the returns do not
-  vary, as ``models.value.explained_variance``), ``value_mean``, ``return_mean``."""
-  n, sv, sr, svv, srr, svr = np.asarray(sums, np.float64)
+def merge_moments(parts) -> np.ndarray:
+  """``value_moments`` of several parts (``[k, 6]``) as one, in float64 (Chan et al.'s pairwise
+  update of the means and sums of squared deviations)."""
+  total = np.zeros(6, np.float64)
+  for part in np.asarray(parts, np.float64).reshape(-1, 6):
+    n_b = part[0]
+    if n_b <= 0:
+      continue
+    n_a, n = total[0], total[0] + part[0]
+    out = np.empty(6)
+    out[0] = n
+    for mean, m2 in ((1, 2), (3, 4)):
+      delta = part[mean] - total[mean]
+      out[mean] = total[mean] + delta * n_b / n
+      out[m2] = total[m2] + part[m2] + delta * delta * n_a * n_b / n
+    out[5] = total[5] + (part[5] - total[5]) * n_b / n
+    total = out
+  return total
+
+
+def value_metrics(moments) -> dict:
+  """Host figures of a value model from ``merge_moments``: ``value_explained_variance`` (``1 -
+  Var(returns - values) / Var(returns)``, 0 when the returns do not vary, as
+  ``models.value.explained_variance``), ``value_mean``, ``return_mean``."""
+  n, mean_r, m2_r, _, m2_d, mean_v = (float(x) for x in np.asarray(moments, np.float64))
   if n <= 0:
     return {"value_explained_variance": 0.0, "value_mean": 0.0, "return_mean": 0.0}
-  var_r = max(srr / n - (sr / n) ** 2, 0.0)
-  var_d = max((srr - 2 * svr + svv) / n - ((sr - sv) / n) ** 2, 0.0)
-  # (a variance below float32's resolution of the sums is no variance)
-  ev = 1.0 - var_d / var_r if var_r > 1e-6 * max(srr / n, 1e-30) else 0.0
-  return {"value_explained_variance": float(ev), "value_mean": float(sv / n), "return_mean": float(sr / n)}
+  # (a spread of the returns at float32's rounding of their mean is no spread)
+  varies = m2_r / n > (1e-6 * max(abs(mean_r), 1e-12)) ** 2
+  ev = 1.0 - m2_d / m2_r if varies else 0.0
+  return {"value_explained_variance": ev, "value_mean": mean_v, "return_mean": mean_r}
 
 
 class Critic:
@@ -101,8 +129,8 @@ class Critic:
     # held-out figures: the returns at lambda = 1 (reward to go), which do not depend on the values
     self._reward_to_go = self.updater.jit_forward(
         functools.partial(self._estimate_impl, lam=1.0), "value_reward_to_go")
-    self._sums = jax.jit(lambda estimate, mask: value_sums(estimate[2], estimate[1], mask),
-                         out_shardings=replicated)
+    self._moments = jax.jit(lambda estimate, mask: value_moments(estimate[2], estimate[1], mask),
+                            out_shardings=replicated)
 
   def reset(self, policy_params) -> None:
     """Starts the value model again from ``policy_params`` (e.g. the policy after its supervised warm
@@ -154,21 +182,22 @@ class Critic:
       health.append(h)
     return per_step, health
 
-  def sums(self, micro_batches: Sequence[batching.TokenBatch], estimates: Sequence) -> jax.Array:
-    """``value_sums`` of ``estimates`` (``estimate``'s, for the same micro-batches) over every
-    micro-batch's policy tokens, on device and replicated."""
-    return sum(self._sums(e, b.mask) for b, e in zip(micro_batches, estimates))
+  def moments(self, micro_batches: Sequence[batching.TokenBatch], estimates: Sequence) -> list:
+    """``value_moments`` of ``estimates`` (``estimate``'s, for the same micro-batches) per
+    micro-batch, on device and replicated."""
+    return [self._moments(e, b.mask) for b, e in zip(micro_batches, estimates)]
 
   def explained_variance(self, sequences: Sequence[batching.SequenceData]) -> dict:
     """``value_metrics`` of the current value model on ``sequences`` (per-token rewards in their
     ``advantages`` field), e.g. held-out samples: returns from GAE at lambda = 1 (the discounted
     reward to go, which does not depend on the values)."""
     mbs, _ = self.updater.place(sequences)
-    return value_metrics(jax.device_get(self.sums(mbs, [self._reward_to_go(self.params, b) for b in mbs])))
+    parts = jax.device_get(self.moments(mbs, [self._reward_to_go(self.params, b) for b in mbs]))
+    return value_metrics(merge_moments(parts))
 
 
-def host_value_metrics(per_step: list, health: list, sums) -> dict:
-  """A version's value figures from ``Critic.train``'s results and ``Critic.sums`` of the estimates
+def host_value_metrics(per_step: list, health: list, moments: list) -> dict:
+  """A version's value figures from ``Critic.train``'s results and ``Critic.moments`` of the estimates
   (device_get already applied): ``value_loss`` (the first step's, i.e. on data the value model has not
   trained on), ``value_loss_last_update`` (the last step's), ``value_grad_norm``, and
   ``value_metrics`` of the estimates against their returns."""
@@ -176,7 +205,7 @@ def host_value_metrics(per_step: list, health: list, sums) -> dict:
   last = sum(float(m["loss"]) for m in per_step[-1])
   out = {"value_loss": first, "value_loss_last_update": last,
          "value_grad_norm": float(np.mean([h["grad_norm"] for h in health]))}
-  out.update(value_metrics(sums))
+  out.update(value_metrics(merge_moments(moments)))
   return out
 
 

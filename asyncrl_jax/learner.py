@@ -218,11 +218,11 @@ class Learner:
     flat = [e for est in estimates for e in est]
     tokens = np.float32(max(sum(float(np.sum(s.mask)) for s in sequences), 1.0))
     per_step, health = self.critic.train(mbs, flat, jax.device_put(tokens, self.updater.replicated))
-    return per_step, health, self.critic.sums(mbs, flat)
+    return per_step, health, self.critic.moments(mbs, flat)
 
   def _value_metrics(self, value: tuple, version: int) -> dict:
-    per_step, health, sums = value
-    out = critic_lib.host_value_metrics(per_step, health, sums)
+    per_step, health, moments = value
+    out = critic_lib.host_value_metrics(per_step, health, moments)
     problem = critic_lib.check_finite(out, health, version)
     if problem:
       raise NonFiniteError(f"policy version {version}: non-finite {problem}. The run stops here; its "

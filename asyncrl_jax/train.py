@@ -410,7 +410,13 @@ def run(config, workdir: str) -> dict:
   if evaluate is not None and group.processes > 1:
     group.share_token_lists(evaluate.evaluator.prompt_ids)
   _warm_up(config, learner)
-  _initial_evaluation(config, group, evaluate, meta)
+  try:
+    _initial_evaluation(config, group, evaluate, meta)
+  except Exception:  # pylint: disable=broad-except
+    if jax.process_count() > 1:  # (the others wait in the evaluation's collectives)
+      log.close()
+      _abandon()
+    raise
   _take_sigterm(group)
   try:
     backend = _rollout(config, meshes, engine, group, data, workdir, token)

@@ -189,20 +189,25 @@ def test_held_out_explained_variance_by_hand():
   assert got["value_mean"] == pytest.approx(v.mean(), abs=1e-5)
 
 
-def test_value_figures_from_sums_added_over_micro_batches():
-  """The value figures a version reports come from per-micro-batch sums (readable in every process);
-  added over parts of the tokens they give numpy's figures on all of them, and 0 for returns that do
-  not vary."""
+def test_value_figures_from_moments_merged_over_micro_batches():
+  """The value figures a version reports come from per-micro-batch statistics (readable in every
+  process); merged over parts of the tokens they give numpy's figures on all of them, and 0 for
+  returns that do not vary, even a constant float32 cannot hold over many tokens."""
   from asyncrl_jax import critic  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   v, r = rng.normal(0.4, 0.3, (3, 50)), rng.integers(0, 2, (3, 50)).astype(np.float64)
   mask = rng.random((3, 50)) < 0.7
-  sums = sum(np.asarray(critic.value_sums(v[i], r[i], mask[i]), np.float64) for i in range(3))
-  got = critic.value_metrics(sums)
+  mask[2] = False  # a micro-batch of padding only
+  v[~mask] = np.nan  # masked-out positions never count, not even as NaN
+  parts = [np.asarray(critic.value_moments(v[i], r[i], mask[i])) for i in range(3)]
+  got = critic.value_metrics(critic.merge_moments(parts))
   vm, rm = v[mask], r[mask]
   assert got["value_explained_variance"] == pytest.approx(1 - np.var(rm - vm) / np.var(rm), abs=1e-5)
   assert got["value_mean"] == pytest.approx(vm.mean(), abs=1e-6)
   assert got["return_mean"] == pytest.approx(rm.mean(), abs=1e-6)
-  same = critic.value_metrics(np.asarray(critic.value_sums(v[0], np.ones(50), mask[0])))
-  assert same["value_explained_variance"] == 0.0 and same["return_mean"] == pytest.approx(1.0)
-  assert critic.value_metrics(np.zeros(6))["value_mean"] == 0.0
+  values = rng.normal(0.3, 0.1, (4, 5000))
+  constant = [np.asarray(critic.value_moments(values[i], np.full(5000, 0.3), np.ones(5000)))
+              for i in range(4)]
+  same = critic.value_metrics(critic.merge_moments(constant))
+  assert same["value_explained_variance"] == 0.0 and same["return_mean"] == pytest.approx(0.3)
+  assert critic.value_metrics(critic.merge_moments([]))["value_mean"] == 0.0

@@ -181,7 +181,7 @@ def test_two_process_value_mode_and_evaluation_equal_one_process_and_the_checkpo
   """Single-rollout advantages (the critic sharded like the policy) over 2 processes.
 
   * Two versions (value pre-training, then both models) give the one-process run's metrics, value
-    figures included (read back from token arrays no process holds whole), and parameters.
+    figures included (statistics of token arrays that span both processes), and parameters.
   * Then a held-out evaluation as the main job runs it (process 0 holds the problems and answers,
     process 1 gets the prompt ids and follows the evaluate op): the same completions, scores and
     held-out value figures as one process.

@@ -409,6 +409,35 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   assert not (run / "learners" / "learner-1.log").read_text().count("Traceback")
 
 
+@pytest.mark.slow(75)
+def test_the_pods_twin_runs_single_rollout_value_mode_with_evaluation_and_resumes(tmp_path):
+  """launch/local.sh, 2 learner processes and 1 decode server, SAO's single-rollout mode (the critic
+  sharded over both processes) with held-out evaluation every 2 versions: value figures every
+  version and on the held-out samples, then a second start resumes both models from version 4."""
+  run = tmp_path / "run"
+  run.mkdir()
+  value = ["--config.rl.advantage=value", "--config.rl.group_size=1", "--config.rl.loss=dis",
+           "--config.rl.value_pretrain_versions=1", "--config.learner.eval_every=2",
+           "--config.data.eval_problems=8", "--config.checkpoint.every_steps=2"]
+  out = _twin_wait(_twin_start(run, 2, 1, 4, *value))
+  assert "at version 0 (over 2 learner processes)" in out, out[-3000:]
+  summary, metrics, _ = _twin_results(run)
+  assert summary["steps"] == 4 and summary["learner_processes"] == 2
+  assert [m["version"] for m in metrics] == [1, 2, 3, 4]
+  assert [m["policy_trained"] for m in metrics] == [0.0, 1.0, 1.0, 1.0]  # version 1: the critic only
+  assert all(np.isfinite(m["value_loss"]) and np.isfinite(m["value_explained_variance"]) for m in metrics)
+  evaluated = [m for m in metrics if "eval_accuracy" in m]
+  assert [m["version"] for m in evaluated] == [2, 4]
+  assert all("eval_value_explained_variance" in m for m in evaluated)
+
+  out = _twin_wait(_twin_start(run, 2, 1, 6, *value))
+  assert "resumed from checkpoint at policy version 4" in out, out[-3000:]
+  summary, metrics, _ = _twin_results(run)
+  assert summary["steps"] == 6 and [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+  assert [m["version"] for m in metrics if "eval_value_explained_variance" in m] == [2, 4, 6]
+  assert not (run / "learners" / "learner-1.log").read_text().count("Traceback")
+
+
 @pytest.mark.slow(17)
 def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
   sft = [sys.executable, "-m", "asyncrl_jax.sft", f"--config={ROOT}/configs/default.py", *TINY[1:4]]
