@@ -172,7 +172,7 @@ class Learner:
     chunks = np.array_split(np.arange(len(sequences)), min(self.minibatches, len(sequences)))
     placed = []
     for idx in chunks:
-      chunk = [sequences[i] for i in idx]
+      chunk = [batching.with_staleness(sequences[i], version) for i in idx]
       if self.aggregation == "sequence_mean":
         chunk = batching.weight_sequences_equally(chunk)
       placed.append(self.updater.place(chunk))
@@ -199,7 +199,7 @@ class Learner:
     if trains_policy:
       counts = collections.Counter()
       for m in per_mb:  # every update's micro-batches: which policy tokens weighed 0, and where
-        counts.update(selection.selection_counts(**m.pop("selection"), version=version))
+        counts.update(selection.counts_of(m.pop("selection")))
       out = _combine(per_mb, len(placed))
       self._check_finite(out, health, version)
       out.update(selection.selection_metrics(counts),

@@ -146,6 +146,13 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
                   if min_new_tokens else None))
 
 
+def with_staleness(seq: SequenceData, version: int) -> SequenceData:
+  """``seq`` with ``versions`` replaced by each policy token's staleness, ``version - versions`` (-1
+  off policy tokens): what the learner puts on device, where only the selection monitor reads it
+  (``rl.selection.device_counts``) and the version being trained is not otherwise known."""
+  return seq._replace(versions=np.where(seq.versions >= 0, version - seq.versions, -1).astype(np.int32))
+
+
 class TokenBatch(NamedTuple):
   """Packed arrays, all ``[R, L]``; segment id 0 marks padding."""
   tokens: np.ndarray
@@ -154,7 +161,7 @@ class TokenBatch(NamedTuple):
   mask: np.ndarray
   behav_logp: np.ndarray
   advantages: np.ndarray
-  versions: np.ndarray
+  versions: np.ndarray  # the sampling policy's version; the learner places staleness (with_staleness)
   loss_weight: np.ndarray  # 1 unless the aggregation weighs tokens (see weight_sequences_equally)
   eos_banned: np.ndarray  # 1 where the stop tokens were banned when the token was sampled
 

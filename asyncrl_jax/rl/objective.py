@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.sampling import SamplingSettings, in_support
-from asyncrl_jax.rl import losses
+from asyncrl_jax.rl import losses, selection
 from asyncrl_jax.rl.batching import TokenBatch
 from asyncrl_jax.rl.logprobs import token_logprobs
 
@@ -103,10 +103,10 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       entropy=jax.lax.stop_gradient(entropy))
   policy_tokens = jnp.sum(batch.mask)
   outside = batch.mask - mask
-  # the per-token view for rl.selection: every policy token given weight 0, and where it sits
+  # rl.selection: every policy token given weight 0, counted by its sequence's length and its
+  # staleness (the learner places each token's staleness in ``versions``: ``batching.with_staleness``)
   zeroed = jnp.maximum(metrics.pop("dropped"), outside)
   metrics.update(policy_tokens=policy_tokens,
                  outside_support_frac=jnp.sum(outside) / jnp.maximum(policy_tokens, 1.0),
-                 selection=dict(zeroed=zeroed, mask=batch.mask, versions=batch.versions,
-                                segment_ids=batch.segment_ids))
+                 selection=selection.device_counts(zeroed, batch.mask, batch.versions, batch.segment_ids))
   return loss, metrics

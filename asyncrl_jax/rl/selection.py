@@ -3,19 +3,23 @@
 DIS masks every token whose importance ratio leaves ``(1 - eps_low, 1 + eps_high)``; decoupled PPO's
 cap and floor drop tokens too; any objective drops a token outside the learner's truncated (top-k /
 top-p) set. If masking falls mostly on long completions, or on stale tokens, the update is trained on
-a biased selection of the data (short, easy, fresh), which a falling reward alone does not show. These
-host functions (numpy) count, per version, the zeroed tokens in each completion-length bucket and
-each staleness bucket, and the effective batch: the share of policy tokens that kept a weight.
+a biased selection of the data (short, easy, fresh), which a falling reward alone does not show. This
+counts, per version, the zeroed tokens in each completion-length bucket and each staleness bucket,
+and the effective batch: the share of policy tokens that kept a weight.
 
-Counts come per micro-batch and per optimizer update (``selection_counts``, a ``Counter``), are summed
-over a version (``Counter.update``), and become metrics (``selection_metrics``), only for buckets that
-hold tokens.
+The jitted step counts each micro-batch (``device_counts``: a few dozen numbers, replicated, not a
+per-token view that every process would bring back whole); the host turns them into a ``Counter``
+(``counts_of``), sums them over the version's micro-batches and updates (``Counter.update``), and
+makes metrics (``selection_metrics``), only for buckets that hold tokens. ``selection_counts`` is the
+same count in numpy, from the per-token view (the reference the tests hold the jitted one to).
 """
 
 from __future__ import annotations
 
 import collections
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 # upper bounds (inclusive) of the completion-length buckets, in tokens; longer ones go to the last
@@ -72,6 +76,43 @@ def selection_counts(zeroed, mask, versions, segment_ids, *, version: int) -> co
       out[("tokens", (kind, int(b)))] += int(n)
     for b, n in zip(*np.unique(bucket[zeroed[mask]], return_counts=True)):
       out[("zeroed", (kind, int(b)))] += int(n)
+  return out
+
+
+def device_counts(zeroed, mask, staleness, segment_ids) -> dict:
+  """Traceable ``selection_counts`` of one micro-batch (all ``[R, L]``; ``staleness``: the version
+  trained minus the token's version): ``tokens_len`` / ``zeroed_len`` (float32 ``[len(LENGTH_BOUNDS)
+  + 1]``), ``tokens_stale`` / ``zeroed_stale`` (``[len(STALENESS_BUCKETS) + 1]``). Exact while a
+  micro-batch holds fewer than 2**24 tokens."""
+  mask = jnp.asarray(mask) > 0
+  zeroed = (jnp.asarray(zeroed) > 0) & mask
+  segment_ids = jnp.asarray(segment_ids)
+  rows, width = segment_ids.shape
+  key = (jnp.arange(rows)[:, None] * (width + 1) + segment_ids).ravel()  # one id per (row, sequence)
+  per_sequence = jax.ops.segment_sum(mask.ravel().astype(jnp.float32), key,
+                                     num_segments=rows * (width + 1))
+  lengths = per_sequence[key].reshape(rows, width)  # policy tokens of each token's sequence
+  length_bucket = jnp.searchsorted(jnp.asarray(LENGTH_BOUNDS, jnp.float32), lengths, side="left")
+  highs = jnp.asarray([hi for _, hi in STALENESS_BUCKETS], jnp.int32)
+  stale_bucket = jnp.searchsorted(highs, jnp.asarray(staleness, jnp.int32), side="left")
+
+  def count(bucket, which, n):
+    return jax.ops.segment_sum(which.ravel().astype(jnp.float32), bucket.ravel(), num_segments=n)
+
+  n_len, n_stale = len(LENGTH_BOUNDS) + 1, len(STALENESS_BUCKETS) + 1
+  return dict(tokens_len=count(length_bucket, mask, n_len), zeroed_len=count(length_bucket, zeroed, n_len),
+              tokens_stale=count(stale_bucket, mask, n_stale),
+              zeroed_stale=count(stale_bucket, zeroed, n_stale))
+
+
+def counts_of(device: dict) -> collections.Counter:
+  """``device_counts``' arrays (read back) as ``selection_counts``' ``Counter``."""
+  out = collections.Counter()
+  for kind in ("len", "stale"):
+    for what in ("tokens", "zeroed"):
+      for b, n in enumerate(np.asarray(device[f"{what}_{kind}"])):
+        if n:
+          out[(what, (kind, b))] += int(round(float(n)))
   return out
 
 

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from asyncrl_jax.rl import losses
-from asyncrl_jax.rl.selection import selection_counts, selection_metrics
+import jax
+
+from asyncrl_jax.rl.selection import counts_of, device_counts, selection_counts, selection_metrics
 
 
 def test_counts_and_fractions_of_a_hand_made_micro_batch():
@@ -39,6 +41,41 @@ def test_counts_and_fractions_of_a_hand_made_micro_batch():
   # counts add over micro-batches and updates
   twice = selection_metrics(counts + selection_counts(zeroed, mask, versions, seg, version=10))
   assert twice == pytest.approx(m)
+
+
+def _random_micro_batch(rng, rows=5, width=200):
+  """Packed rows of random sequences (prompt, then completion, then padding), random versions,
+  random zeroed tokens (some of them off the policy tokens, which never count)."""
+  seg = np.zeros((rows, width), np.int32)
+  mask = np.zeros((rows, width), np.float32)
+  versions = np.full((rows, width), -1, np.int32)
+  for r in range(rows):
+    at, sid = 0, 1
+    while True:
+      prompt, completion = int(rng.integers(1, 6)), int(rng.integers(1, 80))
+      if at + prompt + completion > width:
+        break
+      seg[r, at:at + prompt + completion] = sid
+      mask[r, at + prompt:at + prompt + completion] = 1
+      versions[r, at + prompt:at + prompt + completion] = rng.integers(0, 21, completion)
+      at, sid = at + prompt + completion, sid + 1
+  zeroed = (rng.random((rows, width)) < 0.3).astype(np.float32)
+  return zeroed, mask, versions, seg
+
+
+def test_the_jitted_count_equals_the_per_token_one():
+  """``device_counts`` (in the jitted step, on each token's staleness) against ``selection_counts``
+  (numpy, on versions) for random packed micro-batches, every bucket of both kinds reached."""
+  rng = np.random.default_rng(3)
+  jitted = jax.jit(device_counts)
+  seen = set()
+  for _ in range(4):
+    zeroed, mask, versions, seg = _random_micro_batch(rng)
+    want = selection_counts(zeroed, mask, versions, seg, version=20)
+    got = counts_of(jax.device_get(jitted(zeroed, mask, np.where(versions >= 0, 20 - versions, -1), seg)))
+    assert got == want
+    seen |= {bucket for (_, bucket) in want}
+  assert {("stale", i) for i in range(6)} <= seen and {("len", i) for i in range(4)} <= seen
 
 
 def test_an_objective_that_drops_nothing_has_the_whole_batch():
