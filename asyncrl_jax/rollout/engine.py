@@ -434,7 +434,7 @@ class Engine(engine_api.Engine):
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
     # next-token logits at each row's last prompt token only: [N, 1, V], not [N, P, V]
     # Cache entries beyond a row's length may hold padding's keys; they are never read (see transformer).
-    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, state.cache,
+    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, state.cache, self._mesh,
                                         logits_at_b=jnp.maximum(lengths_n - 1, 0), cache_rows_b=slots_n,
                                         attention_chunk=self.attention_chunk)
     return state.replace(cache=cache,
