@@ -148,9 +148,9 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
 
 def with_staleness(seq: SequenceData, version: int) -> SequenceData:
   """``seq`` with ``versions`` replaced by each policy token's staleness, ``version - versions`` (-1
-  off policy tokens): what the learner puts on device, where only the selection monitor reads it
+  off the policy tokens): what the learner puts on device, where only the selection monitor reads it
   (``rl.selection.device_counts``) and the version being trained is not otherwise known."""
-  return seq._replace(versions=np.where(seq.versions >= 0, version - seq.versions, -1).astype(np.int32))
+  return seq._replace(versions=np.where(seq.mask > 0, version - seq.versions, -1).astype(np.int32))
 
 
 class TokenBatch(NamedTuple):

@@ -87,11 +87,11 @@ def device_counts(zeroed, mask, staleness, segment_ids) -> dict:
   mask = jnp.asarray(mask) > 0
   zeroed = (jnp.asarray(zeroed) > 0) & mask
   segment_ids = jnp.asarray(segment_ids)
-  rows, width = segment_ids.shape
-  key = (jnp.arange(rows)[:, None] * (width + 1) + segment_ids).ravel()  # one id per (row, sequence)
-  per_sequence = jax.ops.segment_sum(mask.ravel().astype(jnp.float32), key,
-                                     num_segments=rows * (width + 1))
-  lengths = per_sequence[key].reshape(rows, width)  # policy tokens of each token's sequence
+  width = segment_ids.shape[1]
+  # policy tokens of each token's sequence, row by row (a row's sequences are its own, so nothing
+  # crosses the devices that hold the rows)
+  lengths = jax.vmap(lambda m, seg: jax.ops.segment_sum(m, seg, num_segments=width + 1)[seg])(
+      mask.astype(jnp.float32), segment_ids)
   length_bucket = jnp.searchsorted(jnp.asarray(LENGTH_BOUNDS, jnp.float32), lengths, side="left")
   highs = jnp.asarray([hi for _, hi in STALENESS_BUCKETS], jnp.int32)
   stale_bucket = jnp.searchsorted(highs, jnp.asarray(staleness, jnp.int32), side="left")
