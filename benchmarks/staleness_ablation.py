@@ -145,7 +145,8 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
   history = _metrics(os.path.join(work, name, "metrics.jsonl"))
   mean = lambda key: float(np.mean([h[key] for h in history if key in h])) if any(
       key in h for h in history) else None
-  return dict(fields, initial=s["initial_eval_accuracy"], final=s["final_eval_accuracy"],
+  return dict(fields, initial=s["initial_eval_accuracy"], initial_greedy=s["initial_eval_greedy_accuracy"],
+              final=s["final_eval_accuracy"],
               final_greedy=s["final_eval_greedy_accuracy"],
               evals={h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h},
               kl_behav=mean("kl_behav"), clipped_frac=mean("clipped_frac"),
@@ -223,8 +224,10 @@ def main(argv=None) -> int:
   header = ["eta"] + [f"{arm} (ours)" for arm in arms] + ["seed: naive PPO", "seed: decoupled"]
   rows = [[eta] + [percent_cell(cell(arm, eta)) for arm in arms] +
           list(SEED_TABLE.get(eta, ("-", "-"))) for eta in etas]
-  initial = runs[0]["initial"]
-  rows.append(["warm start (before RL)"] + [percent_cell([initial])] * len(arms) + ["-", "-"])
+  # the warm start's pass@1 as each seed's evaluation samples it (one record per seed: they agree)
+  per_seed = [next(r["initial"] for r in runs if r["seed"] == seed) for seed in sorted({r["seed"] for r in runs})]
+  initial = float(np.mean(per_seed))
+  rows.append(["warm start (before RL)"] + [percent_cell(per_seed)] * len(arms) + ["-", "-"])
   mechanism = ["| arm | eta | seeds | staleness reached (max / mean) | KL(behaviour, current) | clipped "
                "tokens | dropped or masked tokens | effective batch |", "|" + "---|" * 8]
   for eta in etas:
@@ -283,7 +286,9 @@ class ArmRecords:
 
   A record is reused only if it was made with this run's configuration (``config``: versions and
   overrides) and from a warm start of the same held-out accuracy as the records already kept: the
-  warm start is remade on each machine, and a different one would make the cells incomparable.
+  warm start is remade on each machine, and a different one would make the cells incomparable. The
+  greedy accuracy is compared across all records (it depends on the weights alone); the sampled one
+  (pass@1) only within a seed, whose evaluation draws its samples with the run's seed.
   """
 
   def __init__(self, path: str, config: dict):
@@ -302,10 +307,13 @@ class ArmRecords:
 
   def put(self, name: str, record: dict) -> dict:
     kept = [self.get(n[:-5]) for n in sorted(os.listdir(self.path))] if os.path.isdir(self.path) else []
-    if kept and kept[0]["initial"] != record["initial"]:
-      raise SystemExit(f"{name}: the warm start's held-out accuracy is {record['initial']}, but the "
-                       f"records in {self.path} were made from one at {kept[0]['initial']}: the warm "
-                       "start differs, so these cells would not be comparable")
+    for key, same in (("initial_greedy", lambda r: True), ("initial", lambda r: r["seed"] == record["seed"])):
+      other = next((r for r in kept if same(r) and r.get(key) is not None), None)
+      if other is not None and other[key] != record[key]:
+        raise SystemExit(f"{name}: the warm start's held-out {key} accuracy is {record[key]}, but "
+                         f"{other['arm']} eta {other['eta']} seed {other['seed']} in {self.path} was "
+                         f"made from one at {other[key]}: the warm start differs, so these cells "
+                         "would not be comparable")
     where = machine()
     record = dict(record, grid=self.config, commit=where["commit"], date=where["date"],
                   processor=where["processor"], cpu_count=where["cpu_count"])

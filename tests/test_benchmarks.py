@@ -185,12 +185,13 @@ def test_ablation_arm_record_reads_the_mechanism_and_plots(tmp_path):
              {"version": 2, "kl_behav": 0.04, "clipped_frac": 0.3, "dropped_frac": 0.0, "mean_staleness": 5.0,
               "eval_accuracy": 0.4}]
   (arm / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-  summary = {"initial_eval_accuracy": 0.3, "final_eval_accuracy": 0.4, "final_eval_greedy_accuracy": 0.5,
-             "max_staleness_seen": 7, "rl_seconds_this_run": 12.0}
+  summary = {"initial_eval_accuracy": 0.3, "initial_eval_greedy_accuracy": 0.6, "final_eval_accuracy": 0.4,
+             "final_eval_greedy_accuracy": 0.5, "max_staleness_seen": 7, "rl_seconds_this_run": 12.0}
   rec = ab._arm_record(str(tmp_path), arm.name, summary, arm="ppo", eta=16, seed=0)  # pylint: disable=protected-access
   assert rec["kl_behav"] == pytest.approx(0.03) and rec["clipped_frac"] == pytest.approx(0.2)
   assert rec["mean_staleness"] == pytest.approx(4.0) and rec["max_staleness_seen"] == 7
   assert rec["evals"] == {2: 0.4} and rec["value_explained_variance"] is None
+  assert rec["initial"] == 0.3 and rec["initial_greedy"] == 0.6
   assert ab._eta_flag(ab.UNBOUNDED, 80) == 80 and ab._eta_flag(4, 80) == 4  # pylint: disable=protected-access
   with pytest.raises(Exception, match="not an integer"):
     ab._parse_eta("-3")  # pylint: disable=protected-access
@@ -207,7 +208,7 @@ def test_ablation_arm_records_are_reused_checked_and_assembled(tmp_path):
   grid = dict(steps=80, overrides=ab.GRID["overrides"])
   records = ab.ArmRecords(str(tmp_path / "staleness_ablation_arms"), grid)
   assert records.get("ppo_eta0_seed0") is None
-  base = dict(arm="ppo", loss="ppo", eta=0, seed=0, initial=0.3, final=0.41, final_greedy=0.5,
+  base = dict(arm="ppo", loss="ppo", eta=0, seed=0, initial=0.3, initial_greedy=0.6, final=0.41, final_greedy=0.5,
               evals={20: 0.35, 80: 0.41}, kl_behav=0.001, clipped_frac=0.002, dropped_frac=0.0,
               mean_staleness=0.0, max_staleness_seen=0, rl_seconds=100.0, value_explained_variance=None,
               selection={})
@@ -215,19 +216,25 @@ def test_ablation_arm_records_are_reused_checked_and_assembled(tmp_path):
   assert kept["grid"] == grid and kept["commit"]
   again = records.get("ppo_eta0_seed0")
   assert again["evals"] == {20: 0.35, 80: 0.41} and again["final"] == 0.41  # keys back to versions
-  with pytest.raises(SystemExit, match="warm start"):
+  # the same seed samples the warm start's pass@1 the same way; any seed decodes it greedily the same
+  with pytest.raises(SystemExit, match="warm start differs"):
     records.put("ppo_eta16_seed0", dict(base, eta=16, initial=0.31))
+  with pytest.raises(SystemExit, match="initial_greedy"):
+    records.put("ppo_eta0_seed1", dict(base, seed=1, initial_greedy=0.61))
+  records.put("ppo_eta0_seed1", dict(base, seed=1, initial=0.33, final=0.45))  # another seed's sample
   records.put("ppo_eta16_seed0", dict(base, eta=16, final=0.37, evals={20: 0.33, 80: 0.37},
                                       max_staleness_seen=14, mean_staleness=7.5))
   with pytest.raises(SystemExit, match="use another --name"):
     ab.ArmRecords(records.path, dict(grid, steps=60)).get("ppo_eta0_seed0")
-  assert ab.main(["--assemble-only", "--arms", "ppo", "--etas", "0", "16", "2", "--seeds", "1",
+  assert ab.main(["--assemble-only", "--arms", "ppo", "--etas", "0", "16", "2", "--seeds", "2",
                   "--out", str(tmp_path)]) == 0
   md = (tmp_path / "staleness_ablation.md").read_text()
-  assert "| 0 | 41.0 |" in md and "| 16 | 37.0 |" in md and "| 2 | - |" in md
-  assert "Not run yet (1 of 3 cells):** ppo_eta2_seed0" in md
+  assert "| 0 | 43.0 +- 2.8 |" in md and "| 16 | 37.0 |" in md and "| 2 | - |" in md
+  assert "| warm start (before RL) | 31.5 +- 2.1 |" in md  # each seed's own sample of it
+  assert "Not run yet (3 of 6 cells):** ppo_eta2_seed0" in md
   result = json.loads((tmp_path / "staleness_ablation.json").read_text())
-  assert result["missing"] == ["ppo_eta2_seed0"] and len(result["runs"]) == 2
+  assert result["missing"] == ["ppo_eta2_seed0", "ppo_eta16_seed1", "ppo_eta2_seed1"]
+  assert len(result["runs"]) == 3
 
 
 def test_results_assembly_keeps_hand_written_sections(tmp_path, monkeypatch):
