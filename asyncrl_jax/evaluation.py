@@ -14,9 +14,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from asyncrl_jax import sharding
+from asyncrl_jax import models, sharding
 from asyncrl_jax.models.generate import generate
 from asyncrl_jax.models.sampling import SamplingSettings
+from asyncrl_jax.rl import batching
+from asyncrl_jax.transfer import local_transfer
 
 
 class Evaluator:
@@ -122,6 +124,44 @@ def _host(x: jax.Array) -> np.ndarray:
   if x.is_fully_addressable:
     return np.asarray(x)
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+class RunEvaluation:
+  """The main job's held-out evaluation, on the rollout mesh (or the learner's when decode servers are
+  remote), of the learner's parameters, with the critic's held-out figures in value mode.
+
+  In learner processes other than 0 it is built from process 0's prompt ids (``prompt_ids``) and
+  scores nothing (``Evaluator``); every process runs ``run`` together."""
+
+  def __init__(self, config, model_config, meshes, tokenizer, *, problems=None,
+               reward=None, prompt_ids=None):
+    mesh = meshes.rollout or meshes.learner
+    self.shardings = models.param_shardings(model_config, mesh)
+    self.evaluator = Evaluator.from_config(config, model_config, mesh, tokenizer, problems,
+                                           prompt_ids=prompt_ids)
+    self.reward = reward
+    self.kind = eval_kind(self.evaluator)
+
+  def __call__(self, learner_params, rollout_params=None) -> tuple[float, float]:
+    """(primary accuracy, greedy accuracy) of the params (the decode server's copy when given)."""
+    params = rollout_params if rollout_params is not None else local_transfer(learner_params,
+                                                                              self.shardings)[0]
+    result = self.evaluator.evaluate(params, self.reward)
+    return primary(result), result["greedy"]
+
+  def run(self, learner, rollout_params=None) -> tuple[tuple[float, float], dict]:
+    """The accuracies and, with a critic, the value model's ``value_figures``."""
+    accuracy = self(learner.params, rollout_params)
+    return accuracy, self.value_figures(learner.critic) if learner.critic is not None else {}
+
+  def value_figures(self, critic) -> dict:
+    """The value model's explained variance (and means) on the last evaluation's held-out
+    completions, as ``eval_value_*`` metrics."""
+    sequences = [batching.make_sequence(p, c, token_reward=r)
+                 for p, c, r in self.evaluator.last_samples if len(c)]
+    if not sequences:
+      return {}
+    return {f"eval_{k}": v for k, v in critic.explained_variance(sequences).items()}
 
 
 def eval_kind(evaluator: Evaluator) -> str:

@@ -40,10 +40,9 @@ from asyncrl_jax.checkpoint import RunCheckpointer
 from asyncrl_jax.controller import Controller, SamplingMismatch
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
-from asyncrl_jax.evaluation import Evaluator, eval_kind, primary
+from asyncrl_jax.evaluation import RunEvaluation
 from asyncrl_jax.learner import Learner, NonFiniteError
 from asyncrl_jax.learner_group import LearnerGroup
-from asyncrl_jax.rl import batching
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
@@ -52,7 +51,6 @@ from asyncrl_jax.rollout.service import RolloutClient
 from asyncrl_jax.runlog import RunLog, say
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
-from asyncrl_jax.transfer import local_transfer
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
@@ -77,44 +75,7 @@ class _Data:
                                      shard_index=0, shard_count=1), workdir)
 
 
-class _Evaluation:
-  """Held-out evaluation on the rollout mesh (or the learner's when decode servers are remote).
-
-  In learner processes other than 0 it is built from process 0's prompt ids (``prompt_ids``) and
-  scores nothing (``evaluation.Evaluator``); every process runs ``run`` together."""
-
-  def __init__(self, config, model_config, meshes: sharding.RoleMeshes, tokenizer, *, problems=None,
-               reward=None, prompt_ids=None):
-    mesh = meshes.rollout or meshes.learner
-    self.shardings = models.param_shardings(model_config, mesh)
-    self.evaluator = Evaluator.from_config(config, model_config, mesh, tokenizer, problems,
-                                           prompt_ids=prompt_ids)
-    self.reward = reward
-    self.kind = eval_kind(self.evaluator)
-
-  def __call__(self, learner_params, rollout_params=None) -> tuple[float, float]:
-    """(primary accuracy, greedy accuracy) of the params (the decode server's copy when given)."""
-    params = rollout_params if rollout_params is not None else local_transfer(learner_params,
-                                                                              self.shardings)[0]
-    result = self.evaluator.evaluate(params, self.reward)
-    return primary(result), result["greedy"]
-
-  def run(self, learner: Learner, rollout_params=None) -> tuple[tuple[float, float], dict]:
-    """The accuracies and, with a critic, the value model's ``value_figures``."""
-    accuracy = self(learner.params, rollout_params)
-    return accuracy, self.value_figures(learner.critic) if learner.critic is not None else {}
-
-  def value_figures(self, critic) -> dict:
-    """The value model's explained variance (and means) on the last evaluation's held-out
-    completions, as ``eval_value_*`` metrics."""
-    sequences = [batching.make_sequence(p, c, token_reward=r)
-                 for p, c, r in self.evaluator.last_samples if len(c)]
-    if not sequences:
-      return {}
-    return {f"eval_{k}": v for k, v in critic.explained_variance(sequences).items()}
-
-
-def _warm_start(config, learner: Learner, data: _Data, evaluate: _Evaluation) -> dict:
+def _warm_start(config, learner: Learner, data: _Data, evaluate: RunEvaluation) -> dict:
   """Supervised warm start of a randomly initialised policy; returns its meta figures."""
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   meta = {"untrained_eval_accuracy": evaluate(learner.params)[0] if evaluate else None}
@@ -146,7 +107,7 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   engine = engine_from_config(config, meshes.rollout, model_config) if meshes.rollout else None
   if engine is not None and config.rollout.warm_up:
     engine.warm_up()  # in the background, during evaluation and warm start
-  evaluate = _Evaluation(config, model_config, meshes, data.tokenizer, problems=data.eval_problems,
+  evaluate = RunEvaluation(config, model_config, meshes, data.tokenizer, problems=data.eval_problems,
                          reward=data.reward) if config.learner.eval_every else None
   meta = ckpt.restore_run(learner, data.prompts)
   if meta is not None:
@@ -162,7 +123,7 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   return learner, evaluate, engine, meta
 
 
-def _initial_evaluation(config, group: LearnerGroup, evaluate: Optional[_Evaluation], meta: dict) -> None:
+def _initial_evaluation(config, group: LearnerGroup, evaluate: Optional[RunEvaluation], meta: dict) -> None:
   """The held-out accuracy RL starts from (every learner process evaluates together), unless the
   checkpoint resumed from holds it."""
   learner = group.learner
@@ -344,7 +305,7 @@ def _follow(config, workdir: str) -> dict:
   ckpt.restore_run(learner, None)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)
   if config.learner.eval_every:  # process 0's held-out prompts; only it holds their answers
-    evaluate = _Evaluation(config, model_config, meshes, load_tokenizer(config.data.tokenizer_path),
+    evaluate = RunEvaluation(config, model_config, meshes, load_tokenizer(config.data.tokenizer_path),
                            prompt_ids=group.share_token_lists(None))
     group.on_evaluate = lambda: evaluate.run(learner)
   _warm_up(config, learner)

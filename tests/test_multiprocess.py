@@ -73,11 +73,11 @@ def value_learner(mesh) -> Learner:
 def value_evaluation(mesh, prompt_ids=None):
   """The main job's held-out evaluation on ``mesh`` (the learner's): ``PROBLEMS`` scored by the
   parity of the completion's length, or, in processes other than 0, ``prompt_ids`` and no answers."""
-  from asyncrl_jax import train  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.evaluation import RunEvaluation  # pylint: disable=import-outside-toplevel
   meshes = sharding.RoleMeshes(learner=mesh, rollout=None, remote=1, colocated=False)
   if prompt_ids is not None:
-    return train._Evaluation(value_config(), VALUE_CFG, meshes, TOK, prompt_ids=prompt_ids)  # pylint: disable=protected-access
-  return train._Evaluation(value_config(), VALUE_CFG, meshes, TOK, problems=PROBLEMS,  # pylint: disable=protected-access
+    return RunEvaluation(value_config(), VALUE_CFG, meshes, TOK, prompt_ids=prompt_ids)
+  return RunEvaluation(value_config(), VALUE_CFG, meshes, TOK, problems=PROBLEMS,
                            reward=lambda text, answer: float(len(text) % 2 == 0))
 
 
