@@ -22,7 +22,8 @@ from asyncrl_jax.transfer import local_transfer
 
 
 class Evaluator:
-  """Held-out accuracy, decoded on the rollout mesh: greedy, and pass@1 over sampled completions.
+  """Held-out accuracy, decoded on the mesh it is given (the main job's: the rollout mesh, or the
+  learner's when the decode servers are other processes): greedy, and pass@1 over sampled completions.
 
   The sampled accuracy is the mean reward of ``samples`` completions per problem drawn as the decode
   servers draw them (``sampling``: temperature, top-k, top-p), i.e. the quantity RL maximises. The PRNG
@@ -128,7 +129,8 @@ def _host(x: jax.Array) -> np.ndarray:
 
 class RunEvaluation:
   """The main job's held-out evaluation, on the rollout mesh (or the learner's when decode servers are
-  remote), of the learner's parameters, with the critic's held-out figures in value mode.
+  remote), of the learner's parameters (or of the in-process decode server's copy of them, when the
+  caller passes it), with the critic's held-out figures in value mode.
 
   In learner processes other than 0 it is built from process 0's prompt ids (``prompt_ids``) and
   scores nothing (``Evaluator``); every process runs ``run`` together."""

@@ -36,6 +36,10 @@ def memory_report(config, accelerator: str, rollout_accelerator: str = "", margi
   if config.learner.eval_every:  # (on a pod the decode servers are other hosts: it runs on the learner's)
     roles.insert(1, (memory.evaluation(config, m, learner_chips), accelerator))
   lines, ok = [f"model parameters: {m.num_params:,}"], True
+  if not config.rollout.servers:
+    lines.append("(the tables assume the pod's layout: decode servers on hosts of their own, so "
+                 "held-out evaluation on the learner's chips; with rollout.servers=0 decoding and "
+                 "evaluation share one host's devices with the learner, which they do not estimate)")
   for role, acc in roles:
     fits, share = memory.fits(role, acc, margin)
     ok &= fits

@@ -96,6 +96,36 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
     assert max_abs_diff(wrong, want) > 10 * tolerance
 
 
+def test_selection_monitor_buckets_tokens_by_their_staleness():
+  """Trained at version 3 on tokens sampled at versions 3, 2 and 1. The behaviour log-probs equal the
+  current policy's except on the version-1 tokens, where they are 1 nat too high (ratio e^-1, below
+  DIS's 1 - eps_low = 0.7), so DIS masks exactly the tokens of staleness 2. Raw versions, or a
+  staleness of the wrong sign, would put the masked tokens in another bucket."""
+  config = _config("dis", 1)
+  params = sharp_params(CFG, 4, scale=2.0)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  sequences = []
+  for i, s in enumerate(_sequences(7, n=12)):
+    n = len(s.tokens)
+    current = np.asarray(compute_logprobs(CFG, params, s.tokens[None], np.arange(n)[None],
+                                          np.ones((1, n), np.int32)))[0]
+    sampled_at = 3 - i % 3  # staleness 0, 1, 2 in turn
+    behav = current + (1.0 if sampled_at == 1 else 0.0)
+    sequences.append(s._replace(behav_logp=np.where(s.mask > 0, behav, 0).astype(np.float32),
+                                versions=np.where(s.mask > 0, sampled_at, -1).astype(np.int32)))
+  learner = Learner(CFG, params, mesh, config, total_steps=config.steps)
+  learner.version = 3
+  metrics = learner.train(sequences, version=3)
+  stale = {k: v for k, v in metrics.items() if k.startswith("masked_frac_stale")}
+  assert stale == {"masked_frac_stale_0": pytest.approx(0.0, abs=1e-6),
+                   "masked_frac_stale_1": pytest.approx(0.0, abs=1e-6),
+                   "masked_frac_stale_2": pytest.approx(1.0)}
+  policy = np.array([float(np.sum(s.mask)) for s in sequences])
+  want_dropped = policy[2::3].sum() / policy.sum()  # the version-1 tokens' share of all policy tokens
+  assert metrics["dropped_frac"] == pytest.approx(want_dropped, abs=1e-5)
+  assert metrics["effective_batch"] == pytest.approx(1 - want_dropped, abs=1e-5)
+
+
 def test_prox_is_current_refuses_a_prox_argument():
   b = jax.tree.map(jnp.asarray, batching.pack_sequences(_sequences(1, 2), TOKEN_BUDGET)[0])
   params = sharp_params(CFG, 0)

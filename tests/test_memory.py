@@ -183,6 +183,11 @@ def test_info_reports_each_role_and_whether_it_fits():
   # held-out evaluation runs on the learner's chips (the decode servers are other hosts): its own table
   assert any(l.startswith("held-out evaluation (on the learner's devices) memory per device (4 devices)")
              for l in lines)
+  # a run that decodes in its own process is told the tables do not describe it
+  assert any("with rollout.servers=0" in l for l in lines)
+  remote = _small("wide")
+  remote.rollout.servers = 2
+  assert not any("rollout.servers=0" in l for l in info.memory_report(remote, "v5p-8")[0])
   quiet = _small("wide")
   quiet.learner.eval_every = 0
   lines, ok = info.memory_report(quiet, "v5p-8")

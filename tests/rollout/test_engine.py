@@ -318,6 +318,11 @@ def test_prefills_split_their_rows_over_the_data_axis(params, name):
   four, four_flops, layer = compiled(4)
   assert four_flops < 0.35 * one_flops
   assert four.memory_analysis().temp_size_in_bytes < one.memory_analysis().temp_size_in_bytes
-  moved = re.findall(r"\w+\[([\d,]+)\][^ ]* (?:all-gather|all-to-all|collective-permute)\(", four.as_text())
+  # the result shapes of every collective that moves or combines data across devices, synchronous or
+  # started asynchronously (whose result is a tuple of shapes)
+  collective = re.compile(r"= (.*?) (?:all-gather|all-to-all|all-reduce|reduce-scatter|"
+                          r"collective-permute)(?:-start)?\(")
+  moved = [shape for result in collective.findall(four.as_text())
+           for shape in re.findall(r"\[([\d,]+)\]", result)]
   assert moved  # (the control: the new keys and values do cross devices)
   assert ",".join(map(str, layer)) not in moved, (layer, moved)
