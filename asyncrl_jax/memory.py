@@ -10,7 +10,9 @@ terms in bytes:
   ``[tokens, V]`` (or one ``learner.vocab_chunk`` of them). With ``learner.remat`` a block keeps only
   its input, and one block at a time is live in full; with ``learner.attention_chunk`` the scores of
   one block of queries are live at a time, and none are kept. With ``rl.advantage="value"`` the
-  critic's parameters and AdamW moments too (its updates take turns with the policy's).
+  critic's parameters and AdamW moments too (its updates take turns with the policy's). And the
+  version's batch: all its packed micro-batches are placed before its first update, counted at the
+  most a version can hold (``learner.batch_size`` trajectories, every one full length).
 * decode server (per device of one server's mesh): parameters, the KV cache (``2 x layers x slots x
   (prompt + completion) x kv_heads x head_dim``), the decode state's next-token logits, one decode
   step's intermediates, and the largest prefill call's (a re-prefill after a weight update may refill
@@ -123,7 +125,29 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   if config.rl.advantage == "value":  # the critic: a second trunk (and a scalar head) with its own
     # AdamW, resident beside the policy; its updates take turns with the policy's (same activations)
     terms["value model (parameters, AdamW)"] = 3 * (shard + m.hidden_size + 1) * p
+  terms["version batch (every trajectory full length)"] = _version_batch(config, data * fsdp)
   return RoleMemory("learner", devices, terms)
+
+
+def _version_batch(config, row_shards: int) -> float:
+  """Bytes per device of one version's packed micro-batches, all on device while the version trains:
+  ``learner.batch_size`` trajectories of prompt + completion length each (the most a version can hold),
+  in ``learner.ppo_minibatches`` parts packed as the learner packs them (``batching``), rows padded to
+  a multiple of ``row_shards`` and split over them. Per token slot: the ``TokenBatch``'s nine 4-byte
+  fields; the prox log-probs of every minibatch after the first; in value mode the critic's returns
+  and values (its advantages replace the batch's)."""
+  from asyncrl_jax.rl import batching, losses  # pylint: disable=import-outside-toplevel
+  length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
+  q, r = divmod(int(config.learner.batch_size), int(config.learner.ppo_minibatches))
+  sizes = [q + (i < r) for i in range(int(config.learner.ppo_minibatches))]  # np.array_split's
+  total = 0.0
+  for i, n in enumerate(sizes):
+    plan = batching.plan_micro_batches([length] * n, int(config.learner.token_budget))
+    rows = -(-plan.rows // row_shards) * row_shards
+    per_slot = (9 * 4 + (4 if i and losses.needs_prox(config.rl.loss) else 0)
+                + (8 if config.rl.advantage == "value" else 0))
+    total += len(plan.micro_batches) * rows / row_shards * plan.row_len * per_slot
+  return total
 
 
 def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:

@@ -85,7 +85,9 @@ def test_the_learner_estimate_is_within_20_percent_of_xla(name, vocab_chunk, att
   config = _small(name, vocab_chunk, attention_chunk)
   m = config_lib.model_config(config)
   estimate = memory.learner(config, m, devices=1)
-  assert 0.8 <= estimate.total / _xla_learner(config, m) <= 1.2
+  # (one step's program: the version's other micro-batches are arguments it does not see)
+  step = estimate.total - estimate.terms["version batch (every trajectory full length)"]
+  assert 0.8 <= step / _xla_learner(config, m) <= 1.2
   assert estimate.terms["activations"] > 0.3 * estimate.total  # not a comparison of parameter counts
 
 
@@ -152,6 +154,26 @@ def test_terms_split_over_the_mesh_by_hand():
   assert server.terms["KV cache"] == 2 * 4 * 32 * 256 * 2 * 16 * 4
 
 
+def test_the_version_batch_by_hand():
+  """10 trajectories of 64 + 192 = 256 tokens in 2 minibatches of 5, under a 1024-token budget: rows
+  of 256, 4 rows per micro-batch, so each minibatch is 2 micro-batches of 4 rows (the second padded),
+  split over fsdp=2: 2 x 2 x 256 = 1024 token slots per device each. A slot holds the batch's nine
+  4-byte fields, the second minibatch's also a prox log-prob (decoupled PPO only), and in value mode
+  the critic's returns and values."""
+  config = _small("narrow")
+  config.data.update(max_prompt_len=64, max_completion_len=192)
+  config.learner.update(batch_size=10, ppo_minibatches=2, token_budget=1024)
+  config.rl.group_size = 2
+  config.mesh.learner.update(data=1, fsdp=2, tensor=1)
+  m = config_lib.model_config(config)
+  batch = "version batch (every trajectory full length)"
+  assert memory.learner(config, m, 2).terms[batch] == 1024 * 36 + 1024 * (36 + 4)
+  config.rl.loss = "ppo"  # no prox pass
+  assert memory.learner(config, m, 2).terms[batch] == 2 * 1024 * 36
+  config.rl.update(loss="dis", advantage="value", group_size=1)
+  assert memory.learner(config, m, 2).terms[batch] == 2 * 1024 * (36 + 8)
+
+
 def test_the_critic_is_counted_in_value_mode():
   config = _small("wide")
   m = config_lib.model_config(config)
@@ -161,7 +183,8 @@ def test_the_critic_is_counted_in_value_mode():
   value, value_evaluation = memory.learner(config, m, 4), memory.evaluation(config, m, 4)
   # a second trunk (split 4 ways) and a replicated head of hidden + 1, with AdamW's two moments, float32
   by_hand = 3 * (m.num_params / 4 + 128 + 1) * 4
-  assert value.total - group.total == pytest.approx(by_hand)
+  batch = "version batch (every trajectory full length)"
+  assert (value.total - value.terms[batch]) - (group.total - group.terms[batch]) == pytest.approx(by_hand)
   assert value_evaluation.total - evaluation.total == pytest.approx(3 * m.num_params / 4 * 4)
 
 
