@@ -76,6 +76,15 @@ BENCHMARKS = {
         "The default learning rate (1e-4, one update per batch), where the policy moves little per "
         "version: nothing can fail here. The supervised-control row comes from the run recorded below "
         "(an earlier version of the script); rl_vs_rft holds the controls now."),
+    "staleness_ablation_dis_interval": (
+        "staleness_ablation.py", ["--name", "staleness_ablation_dis_interval", "--arms", "dis", "--etas",
+                                  "0", "4", "--seeds", "1", "--override=--config.rl.eps_high=0.2",
+                                  "--override=--config.rl.eps_low=0.2"],
+        ["--name", "staleness_ablation_dis_interval", "--arms", "dis", "--etas", "0", "4", "--seeds", "1",
+         "--override=--config.rl.eps_high=0.2", "--override=--config.rl.eps_low=0.2"],
+        "A diagnosis of the grid's DIS arm, not a grid: DIS with PPO's interval (0.8, 1.2) instead of "
+        "SAO's (0.7, 6), same regime and warm start. Compare with the grid's dis row at eta 0 and 4 "
+        "(seed 0: 36.7 and 24.2)."),
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),
