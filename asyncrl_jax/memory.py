@@ -133,7 +133,7 @@ def _version_batch(config, row_shards: int) -> float:
   """Bytes per device of one version's packed micro-batches, all on device while the version trains:
   ``learner.batch_size`` trajectories of prompt + completion length each (the most a version can hold),
   in ``learner.ppo_minibatches`` parts packed as the learner packs them (``batching``), rows padded to
-  a multiple of ``row_shards`` and split over them. Per token slot: the ``TokenBatch``'s nine 4-byte
+  a multiple of ``row_shards`` and split over them. Per token slot: the ``TokenBatch``'s 4-byte
   fields; the prox log-probs of every minibatch after the first; in value mode the critic's returns
   and values (its advantages replace the batch's)."""
   from asyncrl_jax.rl import batching, losses  # pylint: disable=import-outside-toplevel
@@ -144,7 +144,7 @@ def _version_batch(config, row_shards: int) -> float:
   for i, n in enumerate(sizes):
     plan = batching.plan_micro_batches([length] * n, int(config.learner.token_budget))
     rows = -(-plan.rows // row_shards) * row_shards
-    per_slot = (9 * 4 + (4 if i and losses.needs_prox(config.rl.loss) else 0)
+    per_slot = (len(batching.TokenBatch._fields) * 4 + (4 if i and losses.needs_prox(config.rl.loss) else 0)
                 + (8 if config.rl.advantage == "value" else 0))
     total += len(plan.micro_batches) * rows / row_shards * plan.row_len * per_slot
   return total
