@@ -85,6 +85,29 @@ BENCHMARKS = {
         "A diagnosis of the grid's DIS arm, not a grid: DIS with PPO's interval (0.8, 1.2) instead of "
         "SAO's (0.7, 6), same regime and warm start. Compare with the grid's dis row at eta 0 and 4 "
         "(seed 0: 36.7 and 24.2)."),
+    "staleness_ablation_ppo_noclip": (
+        "staleness_ablation.py", ["--name", "staleness_ablation_ppo_noclip", "--arms", "ppo", "--etas", "0",
+                                  "--seeds", "1", "--override=--config.rl.eps_clip=0.999"],
+        ["--name", "staleness_ablation_ppo_noclip", "--arms", "ppo", "--etas", "0", "--seeds", "1",
+         "--override=--config.rl.eps_clip=0.999"],
+        "A diagnosis of DIS's deficit at eta 0, not a grid: naive PPO with its clip opened to (0.001, 1.999), "
+        "so that nearly no token is clipped. Compare with the grid's ppo at eta 0 (seed 0: 43.0; repeated: "
+        "44.7) and with staleness_ablation_dis_nomask."),
+    "staleness_ablation_dis_nomask": (
+        "staleness_ablation.py", ["--name", "staleness_ablation_dis_nomask", "--arms", "dis", "--etas", "0",
+                                  "--seeds", "1", "--override=--config.rl.eps_low=0.999",
+                                  "--override=--config.rl.eps_high=1e9"],
+        ["--name", "staleness_ablation_dis_nomask", "--arms", "dis", "--etas", "0", "--seeds", "1",
+         "--override=--config.rl.eps_low=0.999", "--override=--config.rl.eps_high=1e9"],
+        "A diagnosis, not a grid: DIS with its interval opened to (0.001, 1e9), so that it masks nothing: "
+        "the same gradient as unclipped PPO. Compare with the grid's dis at eta 0 (seed 0: 36.7) and "
+        "with staleness_ablation_ppo_noclip."),
+    "staleness_ablation_repeat": (
+        "staleness_ablation.py", ["--name", "staleness_ablation_repeat", "--arms", "ppo", "--etas", "0",
+                                  "--seeds", "1"],
+        ["--name", "staleness_ablation_repeat", "--arms", "ppo", "--etas", "0", "--seeds", "1"],
+        "The grid's ppo eta-0 seed-0 arm run again, same config, seed and warm start, to see how far one "
+        "run of an arm is from another (the grid's record: 43.0)."),
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),
