@@ -232,6 +232,7 @@ def test_ablation_arm_records_are_reused_checked_and_assembled(tmp_path):
   assert "| 0 | 43.0 +- 2.8 |" in md and "| 16 | 37.0 |" in md and "| 2 | - |" in md
   assert "| warm start (before RL) | 31.5 +- 2.1 |" in md  # each seed's own sample of it
   assert "Not run yet (3 of 6 cells):** ppo_eta2_seed0" in md
+  assert "negative: no fall): ppo 6.0 at eta 16." in md  # (41 + 45) / 2 - 37; eta 2 has no cell
   result = json.loads((tmp_path / "staleness_ablation.json").read_text())
   assert result["missing"] == ["ppo_eta2_seed0", "ppo_eta16_seed1", "ppo_eta2_seed1"]
   assert len(result["runs"]) == 3
