@@ -156,6 +156,14 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
               selection=_selection(history))
 
 
+def paired_differences(runs: list, arm: str, reference: str = "ppo") -> list:
+  """``arm``'s final pass@1 minus ``reference``'s, one per (eta > 0, seed) where both ran (the two
+  runs share the warm start, the seed and the eta; only the objective differs)."""
+  finals = {(r["arm"], r["eta"], r["seed"]): r["final"] for r in runs if r["final"] is not None}
+  return [v - finals[(reference, eta, seed)] for (a, eta, seed), v in sorted(finals.items(), key=str)
+          if a == arm and eta != 0 and (reference, eta, seed) in finals]
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--regime", choices=("default", "probe"), default="default",
@@ -278,6 +286,19 @@ def main(argv=None) -> int:
     notes = notes.replace("\n\nMechanism, per arm", (
         "\n\nLargest fall from eta 0, in points of mean pass@1 (each arm against its own eta-0 cell; "
         "where an arm has none, against naive PPO's; negative: no fall): " + "; ".join(drops)
+        + ".\n\nMechanism, per arm"), 1)
+  paired = []
+  for arm in arms:
+    diffs = paired_differences(runs, arm)
+    if arm != "ppo" and diffs:
+      sd = f" +- {100 * np.std(diffs, ddof=1):.1f}" if len(diffs) > 1 else ""
+      paired.append(f"{arm} {100 * np.mean(diffs):+.1f}{sd} (n={len(diffs)}, above in "
+                    f"{sum(d > 0 for d in diffs)})")
+      result[f"{arm}_minus_ppo_stale"] = [float(d) for d in diffs]
+  if paired:
+    notes = notes.replace("\n\nMechanism, per arm", (
+        "\n\nAgainst naive PPO, run by run: each arm's pass@1 minus naive PPO's at the same eta and seed, "
+        "over the stale cells (eta > 0), in points, mean +- sd: " + "; ".join(paired)
         + ".\n\nMechanism, per arm"), 1)
   name = args.name
   md = write_result(name, result, header, rows, notes, out_dir=out_dir)

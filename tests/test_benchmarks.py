@@ -238,6 +238,30 @@ def test_ablation_arm_records_are_reused_checked_and_assembled(tmp_path):
   assert len(result["runs"]) == 3
 
 
+def test_ablation_pairs_each_arm_with_naive_ppo_run_by_run(tmp_path):
+  """The table states each arm against naive PPO at the same eta and seed, over the stale cells only."""
+  from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
+  grid = dict(steps=80, overrides=ab.GRID["overrides"])
+  records = ab.ArmRecords(str(tmp_path / "staleness_ablation_arms"), grid)
+  base = dict(arm="ppo", loss="ppo", eta=0, seed=0, initial=0.3, initial_greedy=0.6, final=0.41, final_greedy=0.5,
+              evals={80: 0.41}, kl_behav=0.001, clipped_frac=0.002, dropped_frac=0.0, mean_staleness=0.0,
+              max_staleness_seen=0, rl_seconds=100.0, value_explained_variance=None, selection={})
+  finals = {("ppo", 0, 0): 0.41, ("ppo", 0, 1): 0.45, ("ppo", 4, 0): 0.40, ("ppo", 4, 1): 0.44,
+            ("decoupled_ppo", 0, 0): 0.50, ("decoupled_ppo", 4, 0): 0.37, ("decoupled_ppo", 4, 1): 0.45,
+            ("dis", 4, 1): 0.30}  # dis has no eta-0 cell and no seed-0 run: one pair
+  for (arm, eta, seed), final in finals.items():
+    records.put(f"{arm}_eta{eta}_seed{seed}", dict(base, arm=arm, loss=arm, eta=eta, seed=seed, final=final,
+                                                   initial=0.3 + 0.01 * seed))
+  assert ab.main(["--assemble-only", "--arms", "ppo", "decoupled_ppo", "dis", "--etas", "0", "4", "--seeds",
+                  "2", "--out", str(tmp_path)]) == 0
+  md = (tmp_path / "staleness_ablation.md").read_text()
+  # eta 4: 0.37 - 0.40 = -3, 0.45 - 0.44 = +1 -> mean -1.0, sd 2.8; the eta-0 pair (+9) is left out
+  assert "mean +- sd: decoupled_ppo -1.0 +- 2.8 (n=2, above in 1); dis -14.0 (n=1, above in 0)." in md
+  result = json.loads((tmp_path / "staleness_ablation.json").read_text())
+  assert result["decoupled_ppo_minus_ppo_stale"] == pytest.approx([-0.03, 0.01])
+  assert "ppo_minus_ppo_stale" not in result
+
+
 def test_results_assembly_keeps_hand_written_sections(tmp_path, monkeypatch):
   from benchmarks import run_all  # pylint: disable=import-outside-toplevel
   results = tmp_path / "results"
