@@ -62,8 +62,9 @@ BENCHMARKS = {
                            "objective (KL(behaviour, current) >= 1e-2 at eta 16). Met for the KL (0.02-0.63 "
                            "at eta 16 and beyond), **not for the objective**: here naive PPO is the arm "
                            "staleness hurts least (largest fall 2.4 points), decoupled PPO ends 2.4 +- 3.1 "
-                           "points below it run by run, DIS and SAO collapse. Above eta 4 read the "
-                           "staleness reached, not eta. The full grid took about 7 hours of both cores "
+                           "points below it run by run but level with it at equal staleness reached "
+                           "(its data was staler at equal eta), DIS and SAO collapse. Above eta 4 read "
+                           "the staleness reached, not eta. The full grid took about 7 hours of both cores "
                            "over several sittings (each arm's record is kept); `--quick` assembles the "
                            "table from the records."),
     "staleness_ablation_quick": ("staleness_ablation.py", ["--quick"], ["--quick", "--seeds", "3"],

@@ -164,6 +164,26 @@ def paired_differences(runs: list, arm: str, reference: str = "ppo") -> list:
           if a == arm and eta != 0 and (reference, eta, seed) in finals]
 
 
+def staleness_fit(runs: list, arm: str):
+  """Least-squares line of ``arm``'s final pass@1 on each run's mean staleness reached, or None when
+  the runs do not span two staleness values: a comparison of objectives at the staleness their data
+  had, which eta only bounds."""
+  pts = [(r["mean_staleness"], r["final"]) for r in runs
+         if r["arm"] == arm and r["final"] is not None and r.get("mean_staleness") is not None]
+  x = np.array([p[0] for p in pts], float)
+  y = np.array([p[1] for p in pts], float)
+  if len(pts) < 2 or np.ptp(x) == 0:
+    return None
+  design = np.stack([np.ones_like(x), x], axis=1)
+  coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+  se = None
+  if len(pts) > 2:
+    resid = y - design @ coef
+    se = float(np.sqrt(resid @ resid / (len(pts) - 2) * np.linalg.inv(design.T @ design)[1, 1]))
+  return dict(intercept=float(coef[0]), slope=float(coef[1]), slope_se=se, n=len(pts),
+              staleness=[float(x.min()), float(x.max())])
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--regime", choices=("default", "probe"), default="default",
@@ -299,6 +319,19 @@ def main(argv=None) -> int:
     notes = notes.replace("\n\nMechanism, per arm", (
         "\n\nAgainst naive PPO, run by run: each arm's pass@1 minus naive PPO's at the same eta and seed, "
         "over the stale cells (eta > 0), in points, mean +- sd: " + "; ".join(paired)
+        + ".\n\nMechanism, per arm"), 1)
+  slopes = []
+  for arm in arms:
+    fit = staleness_fit(runs, arm)
+    if fit is not None:
+      result[f"{arm}_vs_staleness_reached"] = fit
+      se = f" +- {100 * fit['slope_se']:.2f}" if fit["slope_se"] is not None else ""
+      slopes.append(f"{arm} {100 * fit['intercept']:.1f} at 0, {100 * fit['slope']:+.2f}{se} per version (n={fit['n']}, "
+                    f"mean staleness {fit['staleness'][0]:.1f}-{fit['staleness'][1]:.1f})")
+  if slopes:
+    notes = notes.replace("\n\nMechanism, per arm", (
+        "\n\nAgainst the staleness each run reached (eta bounds it; the roles' speeds set it): final pass@1 "
+        "on the run's mean staleness, least squares over every run of the arm, in points: " + "; ".join(slopes)
         + ".\n\nMechanism, per arm"), 1)
   name = args.name
   md = write_result(name, result, header, rows, notes, out_dir=out_dir)

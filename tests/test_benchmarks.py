@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks.async_vs_sync import window_metrics
@@ -260,6 +261,26 @@ def test_ablation_pairs_each_arm_with_naive_ppo_run_by_run(tmp_path):
   result = json.loads((tmp_path / "staleness_ablation.json").read_text())
   assert result["decoupled_ppo_minus_ppo_stale"] == pytest.approx([-0.03, 0.01])
   assert "ppo_minus_ppo_stale" not in result
+
+
+def test_ablation_fits_accuracy_against_the_staleness_reached():
+  """Final pass@1 on mean staleness reached, by least squares: checked against numpy's polyfit and a
+  hand-computed exact line."""
+  from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
+  run = lambda arm, s, f: dict(arm=arm, mean_staleness=s, final=f)
+  exact = [run("ppo", 0.0, 0.44), run("ppo", 2.0, 0.43), run("ppo", 4.0, 0.42), run("dis", 1.0, 0.2)]
+  fit = ab.staleness_fit(exact, "ppo")  # 0.44 - 0.005 s exactly: no residual
+  assert fit["intercept"] == pytest.approx(0.44) and fit["slope"] == pytest.approx(-0.005)
+  assert fit["slope_se"] == pytest.approx(0.0, abs=1e-9) and fit["n"] == 3 and fit["staleness"] == [0.0, 4.0]
+  noisy = [run("dec", s, f) for s, f in [(0, .44), (1.9, .42), (3.3, .38), (4.3, .41), (7.1, .385)]]
+  fit = ab.staleness_fit(noisy, "dec")
+  slope, intercept = np.polyfit([0, 1.9, 3.3, 4.3, 7.1], [.44, .42, .38, .41, .385], 1)
+  assert fit["slope"] == pytest.approx(slope) and fit["intercept"] == pytest.approx(intercept)
+  x, y = np.array([0, 1.9, 3.3, 4.3, 7.1]), np.array([.44, .42, .38, .41, .385])
+  resid = y - (intercept + slope * x)  # the textbook standard error of a slope: s / sqrt(Sxx), s on n - 2
+  assert fit["slope_se"] == pytest.approx(np.sqrt(resid @ resid / 3 / ((x - x.mean()) ** 2).sum()))
+  assert ab.staleness_fit(exact, "dis") is None  # one run: no line
+  assert ab.staleness_fit([run("a", 2.0, .4), run("a", 2.0, .5)], "a") is None  # no spread in staleness
 
 
 def test_results_assembly_keeps_hand_written_sections(tmp_path, monkeypatch):
