@@ -292,7 +292,7 @@ def main(argv=None) -> int:
                 runs=runs, missing=missing, warm_start_accuracy=initial,
                 commits=sorted({r["commit"] for r in runs if "commit" in r}),
                 seconds=time.time() - t0)
-  drops = []
+  summaries, drops = [], []  # paragraphs that go before the mechanism table
   for arm in arms:
     base = np.mean(cell(arm, 0)) if cell(arm, 0) else (np.mean(cell("ppo", 0)) if cell("ppo", 0) else None)
     stale = [e for e in etas if e != 0 and cell(arm, e)]
@@ -303,11 +303,9 @@ def main(argv=None) -> int:
       worst = max(stale, key=lambda e: base - np.mean(cell(arm, e)))
       drops.append(f"{arm} {100 * (base - np.mean(cell(arm, worst))):.1f} at eta {worst}")
   if drops:
-    notes = notes.replace("\n\nMechanism, per arm", (
-        "\n\nLargest fall from eta 0, in points of mean pass@1 (each arm against its own eta-0 cell; "
-        "where an arm has none, against naive PPO's; negative: no fall): " + "; ".join(drops)
-        + ".\n\nMechanism, per arm"), 1)
-  paired = []
+    summaries.append("Largest fall from eta 0, in points of mean pass@1 (each arm against its own eta-0 cell; "
+                     "where an arm has none, against naive PPO's; negative: no fall): " + "; ".join(drops))
+  paired, slopes = [], []
   for arm in arms:
     diffs = paired_differences(runs, arm)
     if arm != "ppo" and diffs:
@@ -315,24 +313,21 @@ def main(argv=None) -> int:
       paired.append(f"{arm} {100 * np.mean(diffs):+.1f}{sd} (n={len(diffs)}, above in "
                     f"{sum(d > 0 for d in diffs)})")
       result[f"{arm}_minus_ppo_stale"] = [float(d) for d in diffs]
-  if paired:
-    notes = notes.replace("\n\nMechanism, per arm", (
-        "\n\nAgainst naive PPO, run by run: each arm's pass@1 minus naive PPO's at the same eta and seed, "
-        "over the stale cells (eta > 0), in points, mean +- sd: " + "; ".join(paired)
-        + ".\n\nMechanism, per arm"), 1)
-  slopes = []
-  for arm in arms:
     fit = staleness_fit(runs, arm)
     if fit is not None:
       result[f"{arm}_vs_staleness_reached"] = fit
       se = f" +- {100 * fit['slope_se']:.2f}" if fit["slope_se"] is not None else ""
-      slopes.append(f"{arm} {100 * fit['intercept']:.1f} at 0, {100 * fit['slope']:+.2f}{se} per version (n={fit['n']}, "
-                    f"mean staleness {fit['staleness'][0]:.1f}-{fit['staleness'][1]:.1f})")
+      slopes.append(f"{arm} {100 * fit['intercept']:.1f} at 0, {100 * fit['slope']:+.2f}{se} per version "
+                    f"(n={fit['n']}, mean staleness {fit['staleness'][0]:.1f}-{fit['staleness'][1]:.1f})")
+  if paired:
+    summaries.append("Against naive PPO, run by run: each arm's pass@1 minus naive PPO's at the same eta and "
+                     "seed, over the stale cells (eta > 0), in points, mean +- sd: " + "; ".join(paired))
   if slopes:
-    notes = notes.replace("\n\nMechanism, per arm", (
-        "\n\nAgainst the staleness each run reached (eta bounds it; the roles' speeds set it): final pass@1 "
-        "on the run's mean staleness, least squares over every run of the arm, in points: " + "; ".join(slopes)
-        + ".\n\nMechanism, per arm"), 1)
+    summaries.append("Against the staleness each run reached (eta bounds it; the roles' speeds set it): final "
+                     "pass@1 on the run's mean staleness, least squares over every run of the arm, in points: "
+                     + "; ".join(slopes))
+  notes = notes.replace("\n\nMechanism, per arm", "".join(f"\n\n{p}." for p in summaries)
+                        + "\n\nMechanism, per arm", 1)
   name = args.name
   md = write_result(name, result, header, rows, notes, out_dir=out_dir)
   _plot(runs, initial, etas, arms, os.path.join(os.path.dirname(md), f"{name}.png"))
