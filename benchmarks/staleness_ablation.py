@@ -159,9 +159,9 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
 def paired_differences(runs: list, arm: str, reference: str = "ppo") -> list:
   """``arm``'s final pass@1 minus ``reference``'s, one per (eta > 0, seed) where both ran (the two
   runs share the warm start, the seed and the eta; only the objective differs)."""
-  finals = {(r["arm"], r["eta"], r["seed"]): r["final"] for r in runs if r["final"] is not None}
-  return [v - finals[(reference, eta, seed)] for (a, eta, seed), v in sorted(finals.items(), key=str)
-          if a == arm and eta != 0 and (reference, eta, seed) in finals]
+  ref = {(r["eta"], r["seed"]): r["final"] for r in runs if r["arm"] == reference and r["final"] is not None}
+  return [r["final"] - ref[(r["eta"], r["seed"])] for r in runs
+          if r["arm"] == arm and r["eta"] != 0 and r["final"] is not None and (r["eta"], r["seed"]) in ref]
 
 
 def staleness_fit(runs: list, arm: str):
@@ -170,17 +170,16 @@ def staleness_fit(runs: list, arm: str):
   had, which eta only bounds."""
   pts = [(r["mean_staleness"], r["final"]) for r in runs
          if r["arm"] == arm and r["final"] is not None and r.get("mean_staleness") is not None]
-  x = np.array([p[0] for p in pts], float)
-  y = np.array([p[1] for p in pts], float)
+  x, y = np.array(pts, float).reshape(-1, 2).T
   if len(pts) < 2 or np.ptp(x) == 0:
     return None
-  design = np.stack([np.ones_like(x), x], axis=1)
-  coef, *_ = np.linalg.lstsq(design, y, rcond=None)
   se = None
-  if len(pts) > 2:
-    resid = y - design @ coef
-    se = float(np.sqrt(resid @ resid / (len(pts) - 2) * np.linalg.inv(design.T @ design)[1, 1]))
-  return dict(intercept=float(coef[0]), slope=float(coef[1]), slope_se=se, n=len(pts),
+  if len(pts) > 2:  # the covariance is scaled by the residuals on n - 2 degrees of freedom
+    (slope, intercept), cov = np.polyfit(x, y, 1, cov=True)
+    se = float(np.sqrt(cov[0, 0]))
+  else:
+    slope, intercept = np.polyfit(x, y, 1)
+  return dict(intercept=float(intercept), slope=float(slope), slope_se=se, n=len(pts),
               staleness=[float(x.min()), float(x.max())])
 
 
@@ -309,9 +308,7 @@ def main(argv=None) -> int:
   for arm in arms:
     diffs = paired_differences(runs, arm)
     if arm != "ppo" and diffs:
-      sd = f" +- {100 * np.std(diffs, ddof=1):.1f}" if len(diffs) > 1 else ""
-      paired.append(f"{arm} {100 * np.mean(diffs):+.1f}{sd} (n={len(diffs)}, above in "
-                    f"{sum(d > 0 for d in diffs)})")
+      paired.append(f"{arm} {percent_cell(diffs)} (n={len(diffs)}, above in {sum(d > 0 for d in diffs)})")
       result[f"{arm}_minus_ppo_stale"] = [float(d) for d in diffs]
     fit = staleness_fit(runs, arm)
     if fit is not None:

@@ -264,8 +264,8 @@ def test_ablation_pairs_each_arm_with_naive_ppo_run_by_run(tmp_path):
 
 
 def test_ablation_fits_accuracy_against_the_staleness_reached():
-  """Final pass@1 on mean staleness reached, by least squares: checked against numpy's polyfit and a
-  hand-computed exact line."""
+  """Final pass@1 on mean staleness reached, by least squares: checked against a hand-computed exact
+  line and the textbook closed forms."""
   from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
   run = lambda arm, s, f: dict(arm=arm, mean_staleness=s, final=f)
   exact = [run("ppo", 0.0, 0.44), run("ppo", 2.0, 0.43), run("ppo", 4.0, 0.42), run("dis", 1.0, 0.2)]
@@ -274,9 +274,10 @@ def test_ablation_fits_accuracy_against_the_staleness_reached():
   assert fit["slope_se"] == pytest.approx(0.0, abs=1e-9) and fit["n"] == 3 and fit["staleness"] == [0.0, 4.0]
   noisy = [run("dec", s, f) for s, f in [(0, .44), (1.9, .42), (3.3, .38), (4.3, .41), (7.1, .385)]]
   fit = ab.staleness_fit(noisy, "dec")
-  slope, intercept = np.polyfit([0, 1.9, 3.3, 4.3, 7.1], [.44, .42, .38, .41, .385], 1)
-  assert fit["slope"] == pytest.approx(slope) and fit["intercept"] == pytest.approx(intercept)
   x, y = np.array([0, 1.9, 3.3, 4.3, 7.1]), np.array([.44, .42, .38, .41, .385])
+  slope = ((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum()  # Sxy / Sxx
+  intercept = y.mean() - slope * x.mean()
+  assert fit["slope"] == pytest.approx(slope) and fit["intercept"] == pytest.approx(intercept)
   resid = y - (intercept + slope * x)  # the textbook standard error of a slope: s / sqrt(Sxx), s on n - 2
   assert fit["slope_se"] == pytest.approx(np.sqrt(resid @ resid / 3 / ((x - x.mean()) ** 2).sum()))
   assert ab.staleness_fit(exact, "dis") is None  # one run: no line
