@@ -100,12 +100,12 @@ class Critic:
     policy_params: the policy the value model starts from (its trunk is a copy; the head is zero).
     mesh: the learner mesh.
     config: the run config (``rl.gamma``, ``rl.gae_lambda``, ``rl.value_*``, ``learner.*``).
-    total_steps: optimizer steps the run may take (for the optimizer's schedule).
+    versions: the policy versions the run trains (``rl.value_updates`` optimizer steps each).
     remat, attention_chunk: the learner's memory options for the forward pass.
   """
 
   def __init__(self, model_config: ModelConfig, policy_params, mesh: Mesh, config, *,
-               total_steps: int, remat: bool = False, attention_chunk: int = 0):
+               versions: int, remat: bool = False, attention_chunk: int = 0):
     rl = config.rl
     self.model_config, self.mesh = model_config, mesh
     self.gamma, self.lam = float(rl.gamma), float(rl.gae_lambda)
@@ -114,7 +114,7 @@ class Critic:
     self._forward = dict(mesh=mesh, remat=remat, attention_chunk=attention_chunk)
     params = value_lib.init_value_params(policy_params)
     base = update_lib.make_optimizer(
-        learning_rate=rl.value_learning_rate, total_steps=total_steps * self.updates,
+        learning_rate=rl.value_learning_rate, total_steps=versions * self.updates,
         grad_clip=config.learner.grad_clip, schedule="constant", b1=config.learner.b1,
         b2=config.learner.b2, weight_decay=config.learner.weight_decay)
     optimizer = value_lib.value_optimizer(base, params, freeze_attention=bool(rl.value_freeze_attention))

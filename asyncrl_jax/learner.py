@@ -46,10 +46,30 @@ def idle_fraction(learner_seconds: float, seconds: float) -> float:
   return max(0.0, 1.0 - learner_seconds / max(seconds, 1e-9))
 
 
-def make_optimizer(learner_config, total_steps: int):
-  """The RL optimizer from the ``learner`` config section (``update.make_optimizer``)."""
-  c = learner_config
-  return update_lib.make_optimizer(learning_rate=c.learning_rate, total_steps=total_steps,
+def policy_updates(config, versions: int) -> int:
+  """The optimizer updates the policy takes over a run of ``versions`` policy versions:
+  ``learner.ppo_minibatches`` per version, except the first ``rl.value_pretrain_versions`` in value
+  mode (they train the value model alone). The learning-rate schedule runs over exactly these."""
+  trained = versions
+  if config.rl.advantage == "value":
+    trained = versions - min(int(config.rl.value_pretrain_versions), versions)
+  return max(1, trained * int(config.learner.ppo_minibatches))
+
+
+def learning_rate_schedule(config, versions: int):
+  """The policy's learning rate against its optimizer step count (``update.learning_rate_schedule``
+  over ``policy_updates``)."""
+  c = config.learner
+  return update_lib.learning_rate_schedule(learning_rate=c.learning_rate,
+                                           total_steps=policy_updates(config, versions),
+                                           warmup_steps=c.warmup_steps)
+
+
+def make_optimizer(config, versions: int):
+  """The RL optimizer from the ``learner`` config section, its schedule over ``policy_updates``."""
+  c = config.learner
+  return update_lib.make_optimizer(learning_rate=c.learning_rate,
+                                   total_steps=policy_updates(config, versions),
                                    grad_clip=c.grad_clip, warmup_steps=c.warmup_steps, b1=c.b1, b2=c.b2,
                                    weight_decay=c.weight_decay)
 
@@ -80,15 +100,18 @@ class NonFiniteError(FloatingPointError):
 class Learner:
   """The policy's params and optimizer state on the learner mesh, and the count of trained versions."""
 
-  def __init__(self, model_config: ModelConfig, params, mesh: Mesh, config, *, total_steps: int,
+  def __init__(self, model_config: ModelConfig, params, mesh: Mesh, config, *, versions: int,
                opt_state=None, version: int = 0):
+    """``versions``: the policy versions the run trains (``config.steps``), for the optimizer's
+    learning-rate schedule (which counts optimizer updates: ``policy_updates``)."""
     self.model_config = model_config
     self.mesh = mesh
     self.settings = LossSettings.from_config(config)
     self.minibatches = config.learner.ppo_minibatches
     self.aggregation = config.rl.aggregation
     self.version = version
-    self.optimizer = make_optimizer(config.learner, total_steps)
+    self.optimizer = make_optimizer(config, versions)
+    self._schedule = learning_rate_schedule(config, versions)
     loss = functools.partial(micro_batch_loss, model=model_config, settings=self.settings, mesh=mesh)
     self.updater = update_lib.Updater(
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,
@@ -100,7 +123,7 @@ class Learner:
     self._prox = self.updater.jit_forward(self._prox_impl, "prox_logprobs")
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
     self.critic = critic_lib.Critic(
-        model_config, params, mesh, config, total_steps=total_steps, remat=self.settings.remat,
+        model_config, params, mesh, config, versions=versions, remat=self.settings.remat,
         attention_chunk=self.settings.attention_chunk) if config.rl.advantage == "value" else None
 
   # The state lives in the update loop; these are the names the rest of the system uses.
@@ -156,6 +179,13 @@ class Learner:
       jax.block_until_ready(health)
     return len(shapes)
 
+  def schedule_position(self) -> dict:
+    """``optimizer_steps``: the policy's applied optimizer updates so far (read back);
+    ``learning_rate``: the rate the latest of them ran at (the peak before any)."""
+    steps = update_lib.optimizer_steps(self.opt_state)
+    rate = self._schedule(max(steps - 1, 0)) if callable(self._schedule) else self._schedule
+    return {"optimizer_steps": steps, "learning_rate": float(rate)}
+
   def check_version(self, version: int, what: str) -> None:
     if version != self.version:
       raise VersionMismatch(f"{what} is for policy version {version}, but the learner is at version "
@@ -203,7 +233,8 @@ class Learner:
       out = _combine(per_mb, len(placed))
       self._check_finite(out, health, version)
       out.update(selection.selection_metrics(counts),
-                 grad_norm=float(np.mean([h["grad_norm"] for h in health])))
+                 grad_norm=float(np.mean([h["grad_norm"] for h in health])),
+                 **self.schedule_position())
     if value is not None:
       out.update(self._value_metrics(value, version), policy_trained=float(trains_policy))
     self.version += 1

@@ -102,7 +102,7 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
   """The learner, restored from the last checkpoint or initialised (and warm-started), and its
   held-out evaluation; returns (learner, evaluation or None, engine or None, meta)."""
   model_config, params = models.from_config(config, meshes.learner)
-  learner = Learner(model_config, params, meshes.learner, config, total_steps=config.steps)
+  learner = Learner(model_config, params, meshes.learner, config, versions=config.steps)
   del params
   engine = engine_from_config(config, meshes.rollout, model_config) if meshes.rollout else None
   if engine is not None and config.rollout.warm_up:
@@ -300,7 +300,7 @@ def _follow(config, workdir: str) -> dict:
   meshes = sharding.role_meshes(config)
   ckpt = _checkpointer(config, workdir)
   model_config, params = models.from_config(config, meshes.learner)
-  learner = Learner(model_config, params, meshes.learner, config, total_steps=config.steps)
+  learner = Learner(model_config, params, meshes.learner, config, versions=config.steps)
   del params
   ckpt.restore_run(learner, None)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)

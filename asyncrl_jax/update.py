@@ -32,24 +32,47 @@ from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching
 
 
+def learning_rate_schedule(*, learning_rate: float, total_steps: int, warmup_steps: int = 0,
+                           schedule: str = "cosine"):
+  """The learning rate as a function of the optimizer's step count (``optax.Schedule``), or a float.
+
+  ``schedule="cosine"``: linear warmup over ``warmup_steps``, then cosine decay to 10% of
+  ``learning_rate`` over a run of ``total_steps`` *optimizer updates* (not policy versions: a version
+  of ``learner.ppo_minibatches`` minibatches is that many updates): the first update after warmup
+  runs at the peak, the last (step ``total_steps - 1``) at the floor; ``"constant"``:
+  ``learning_rate``."""
+  if schedule == "constant":
+    return learning_rate
+  if schedule != "cosine":
+    raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
+  if warmup_steps:
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps,
+                                              max(total_steps - 1, warmup_steps + 1), learning_rate * 0.1)
+  return optax.cosine_decay_schedule(learning_rate, max(total_steps - 1, 1), alpha=0.1)
+
+
 def make_optimizer(*, learning_rate: float, total_steps: int, grad_clip: float, warmup_steps: int = 0,
                    schedule: str = "cosine", b1: float = 0.9, b2: float = 0.999,
                    weight_decay: float = 1e-4) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping at ``grad_clip``. ``schedule="cosine"``: linear warmup over
-  ``warmup_steps``, then cosine decay to 10% at ``total_steps``; ``"constant"``: ``learning_rate``."""
+  """AdamW after global-norm clipping at ``grad_clip``, at ``learning_rate_schedule``'s rate over
+  ``total_steps`` optimizer updates."""
   if not grad_clip > 0:
     raise ValueError(f"grad_clip={grad_clip} must be > 0")
-  if schedule == "constant":
-    lr = learning_rate
-  elif schedule != "cosine":
-    raise ValueError(f"schedule={schedule!r} must be 'cosine' or 'constant'")
-  elif warmup_steps:
-    lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps,
-                                            max(total_steps, warmup_steps + 1), learning_rate * 0.1)
-  else:
-    lr = optax.cosine_decay_schedule(learning_rate, max(total_steps, 1), alpha=0.1)
+  lr = learning_rate_schedule(learning_rate=learning_rate, total_steps=total_steps,
+                              warmup_steps=warmup_steps, schedule=schedule)
   return optax.chain(optax.clip_by_global_norm(grad_clip),
                      optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def optimizer_steps(opt_state) -> int:
+  """How many updates an optimizer from ``make_optimizer`` has applied (its Adam step count; an
+  update that was not applied, e.g. a non-finite one, does not count). Reads one scalar back."""
+  counts = [s.count for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+  if not counts:
+    raise ValueError("the optimizer state holds no Adam step count (not from make_optimizer?)")
+  return int(np.asarray(counts[0].addressable_shards[0].data))  # (replicated: any process's copy)
 
 
 def micro_batch_shapes(token_budget: int, max_seq_len: int) -> int:

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                         ppo_minibatches=args.minibatches)
   params = models.init_params(mc, jax.random.key(0), mesh=mesh)
   n_params = models.count_params(params)
-  learner = Learner(mc, params, mesh, config, total_steps=args.repeats + 1)
+  learner = Learner(mc, params, mesh, config, versions=args.repeats + 1)
   del params
   rng = np.random.default_rng(0)
   batches = [make_sequences(rng, 32 + heavy_tailed_lengths(rng, args.batch, args.median, args.sigma,

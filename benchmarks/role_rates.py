@@ -83,7 +83,7 @@ def decode_rate(config, model_config, params, mesh, slots: int, workload: Length
 
 def learner_rate(config, model_config, params, mesh, workload: LengthWorkload, repeats: int) -> dict:
   """Policy tokens per second of ``Learner.train`` on batches of the workload's lengths."""
-  learner = Learner(model_config, params, mesh, config, total_steps=repeats + 1)
+  learner = Learner(model_config, params, mesh, config, versions=repeats + 1)
   rng = np.random.default_rng(0)
   batch = config.learner.batch_size
 

@@ -107,7 +107,7 @@ def main(pid: int, n: int, port: int, out: str, *args: str) -> None:
   jax.config.update("jax_default_matmul_precision", "highest")
   mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})
   config = t.config()
-  learner = Learner(t.CFG, t.params(), mesh, config, total_steps=config.steps)
+  learner = Learner(t.CFG, t.params(), mesh, config, versions=config.steps)
   leaves = jax.tree.leaves(learner.params)
   whole_here = [x.is_fully_addressable for x in leaves]  # all on this process's devices
   split = [x.ndim > 1 and all(s.data.shape != x.shape for s in x.addressable_shards) for x in leaves]

@@ -43,7 +43,7 @@ def _mesh():
 
 
 def _learner(config, seed=4):
-  learner = Learner(CFG, sharp_params(CFG, seed, scale=2.0), _mesh(), config, total_steps=config.steps)
+  learner = Learner(CFG, sharp_params(CFG, seed, scale=2.0), _mesh(), config, versions=config.steps)
   # a non-zero head, so that the values (and the test) are not trivially 0
   rng = np.random.default_rng(seed)
   params = jax.device_get(learner.critic.params)
@@ -168,7 +168,7 @@ def test_exact_resume_of_the_value_model(tmp_path):
   # a run with group advantages has no value model to restore into, and is told so
   group = config_lib.base_config()
   group.learner.token_budget = 128
-  plain = Learner(CFG, sharp_params(CFG, 4), _mesh(), group, total_steps=10)
+  plain = Learner(CFG, sharp_params(CFG, 4), _mesh(), group, versions=10)
   with pytest.raises(ValueError, match="value_params"):
     ckpt.restore(2, state_like=plain.checkpoint_state())
   ckpt.close()

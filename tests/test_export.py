@@ -28,7 +28,7 @@ def run(tmp_path_factory):
   ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
   saved = {}
   for step, seed in ((2, 4), (3, 5)):
-    learner = Learner(model_config, sharp_params(model_config, seed, mesh=mesh), mesh, config, total_steps=10)
+    learner = Learner(model_config, sharp_params(model_config, seed, mesh=mesh), mesh, config, versions=10)
     ckpt.save(step, state=learner.checkpoint_state(), meta={"version": step})
     saved[step] = jax.device_get(learner.params)
   ckpt.close()

@@ -41,7 +41,7 @@ def _reference(params, sequences, config, prox_after_update=False):
   """One policy version written out by hand. ``prox_after_update`` is a deliberately wrong variant
   (each minibatch's prox pass under the weights it is updated from) used to show the test can tell."""
   settings = LossSettings.from_config(config)
-  optimizer = make_optimizer(config.learner, config.steps)
+  optimizer = make_optimizer(config, config.steps)
   opt_state = optimizer.init(params)
   chunks = np.array_split(np.arange(len(sequences)), config.learner.ppo_minibatches)
   plans = [batching.pack_sequences([sequences[i] for i in idx], TOKEN_BUDGET) for idx in chunks]
@@ -74,7 +74,7 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
   params = sharp_params(CFG, 4, scale=2.0)
   sequences = _sequences(5)
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
-  learner = Learner(CFG, params, mesh, config, total_steps=config.steps)
+  learner = Learner(CFG, params, mesh, config, versions=config.steps)
   metrics = learner.train(sequences, version=0)
   assert metrics["micro_batches"] > minibatches  # several micro-batches per update are summed
   # the selection monitor counts the same zeroed tokens as the loss's token-weighted dropped_frac
@@ -113,7 +113,7 @@ def test_selection_monitor_buckets_tokens_by_their_staleness():
     behav = current + (1.0 if sampled_at == 1 else 0.0)
     sequences.append(s._replace(behav_logp=np.where(s.mask > 0, behav, 0).astype(np.float32),
                                 versions=np.where(s.mask > 0, sampled_at, -1).astype(np.int32)))
-  learner = Learner(CFG, params, mesh, config, total_steps=config.steps)
+  learner = Learner(CFG, params, mesh, config, versions=config.steps)
   learner.version = 3
   metrics = learner.train(sequences, version=3)
   stale = {k: v for k, v in metrics.items() if k.startswith("masked_frac_stale")}
@@ -142,7 +142,7 @@ def test_update_steps_trace_once_per_micro_batch_shape():
   config.learner.token_budget = 64
   cfg = CFG.replace(max_seq_len=64)
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
-  learner = Learner(cfg, sharp_params(cfg, 0), mesh, config, total_steps=4)
+  learner = Learner(cfg, sharp_params(cfg, 0), mesh, config, versions=4)
   assert update.micro_batch_shapes(64, 64) == 2
   short = [s for s in _sequences(1, 24) if len(s.tokens) <= 32][:4]
   long = [s for s in _sequences(2, 24) if 32 < len(s.tokens) <= 64][:2]
@@ -164,7 +164,7 @@ def test_warm_up_compiles_every_micro_batch_shape_and_changes_nothing():
   config.learner.token_budget = 64
   cfg = CFG.replace(max_seq_len=64)
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
-  learner = Learner(cfg, sharp_params(cfg, 0), mesh, config, total_steps=4)
+  learner = Learner(cfg, sharp_params(cfg, 0), mesh, config, versions=4)
   before = jax.device_get((learner.params, learner.opt_state))
   runlog.process_memory()  # (starts counting compilations)
   assert learner.warm_up(64) == 2
@@ -189,7 +189,7 @@ def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure
   from asyncrl_jax.learner import NonFiniteError  # pylint: disable=import-outside-toplevel
   config = _config("decoupled_ppo", 2)
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
-  learner = Learner(CFG, sharp_params(CFG, 4, scale=2.0), mesh, config, total_steps=4)
+  learner = Learner(CFG, sharp_params(CFG, 4, scale=2.0), mesh, config, versions=4)
   learner.train(_sequences(1), version=0)
   before = jax.device_get((learner.params, learner.opt_state))
   bad = _sequences(2)  # (the first minibatch holds sequence 0: its step and the next are refused)
@@ -207,3 +207,27 @@ def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure
   metrics = learner.train(_sequences(3), version=1)
   assert learner.version == 2 and np.isfinite(metrics["loss"])
   assert max_abs_diff(learner.params, before[0]) > 0
+
+
+def test_the_learning_rate_schedule_counts_optimizer_updates_not_versions():
+  """8 versions of 4 minibatches are 32 optimizer updates: the cosine runs over all of them, from the
+  peak at update 0 to the floor (10%) at update 31, the last update of the last version. Counting
+  versions instead (the schedule over 8 steps) would reach the floor after version 2."""
+  config = _config("decoupled_ppo", 4)
+  config.learner.learning_rate = 1e-3
+  versions, minibatches = 8, 4
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  learner = Learner(CFG, sharp_params(CFG, 4, scale=2.0), mesh, config, versions=versions)
+  updates = versions * minibatches
+  peak, floor = 1e-3, 1e-4
+  for v in range(versions):
+    m = learner.train(_sequences(v), version=v)
+    last = (v + 1) * minibatches - 1  # the version's last update, by hand
+    want = floor + (peak - floor) * 0.5 * (1 + np.cos(np.pi * last / (updates - 1)))
+    assert m["optimizer_steps"] == last + 1
+    assert m["learning_rate"] == pytest.approx(want, rel=1e-5), v
+    if v + 1 == versions // 2:  # half way through the run: above half the peak
+      assert m["learning_rate"] > peak / 2
+    if v + 1 < versions:  # not at the floor before the last version
+      assert m["learning_rate"] > floor * 1.05
+  assert m["learning_rate"] == pytest.approx(floor, rel=1e-6)

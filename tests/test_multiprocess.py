@@ -62,7 +62,7 @@ def value_learner(mesh) -> Learner:
   """A value-mode learner whose value head is not zero (so the values, and the test, are not 0)."""
   c = value_config()
   policy = jax.device_get(sharp_params(VALUE_CFG, 4, scale=2.0))
-  learner = Learner(VALUE_CFG, policy, mesh, c, total_steps=c.steps)
+  learner = Learner(VALUE_CFG, policy, mesh, c, versions=c.steps)
   value = jax.device_get(value_lib.init_value_params(policy))  # the trunk a copy of the policy's
   rng = np.random.default_rng(4)
   value["head"] = {"w": rng.normal(0, 0.3, CFG.hidden_size).astype(np.float32), "b": np.float32(0.2)}
@@ -122,7 +122,7 @@ def _two_processes(out: str, *args: str) -> None:
 def _one_process_learner():
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
   c = config()
-  return Learner(CFG, params(), mesh, c, total_steps=c.steps)
+  return Learner(CFG, params(), mesh, c, versions=c.steps)
 
 
 @pytest.mark.slow(50)
