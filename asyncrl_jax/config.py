@@ -27,7 +27,8 @@ from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 from asyncrl_jax.workloads import LengthWorkload
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
-LOSSES = ("ppo", "decoupled_ppo", "dis")
+LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
+STALENESS_MODES = ("bounded", "pinned")
 ADVANTAGES = ("group", "value")
 DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("arithmetic", "jsonl", "tfds")
@@ -138,9 +139,33 @@ def _learner_section() -> ml_collections.ConfigDict:
   ))
 
 
+def _correction_section() -> ml_collections.ConfigDict:
+  """Off-policy corrections on top of any rl.loss (``rl.losses.Corrections``); all off by default."""
+  return ml_collections.ConfigDict(dict(
+      # the importance ratio the corrections read: "current" pi_theta / pi_behav, "prox" pi_prox / pi_behav
+      ratio="current",
+      tis_cap=float("inf"),  # truncated IS: each token's loss times min(ratio, cap) (inf: off)
+      icepop_low=0.0, icepop_high=float("inf"),  # IcePop: tokens with a ratio outside [low, high] weigh 0
+      # sequences whose geometric-mean ratio is outside [low, high] weigh 0 (0, inf: off)
+      seq_mask_low=0.0, seq_mask_high=float("inf"),
+      dual_clip=float("inf"),  # PPO's dual clip c > 1 for negative advantages (inf: off)
+  ))
+
+
 def _rl_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
+      # ppo: PPO on the behaviour ratio; ppo_recompute: PPO with the old log-probs recomputed under the
+      # weights before the update (ignores the behaviour policy: the seeds' naive baseline);
+      # decoupled_ppo: AReaL; dis: SAO's masked importance sampling
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
+      # bounded: tokens are at most max_staleness versions old (AReaL's bound; how old they are depends
+      # on the roles' speeds); pinned: every token trained at version v was sampled by version
+      # exactly max(0, v - max_staleness) (for ablations: no interrupted generations, weights reach
+      # the decode servers only between batches)
+      staleness_mode="bounded",
+      # DIS masks only the tokens whose drift agrees with their advantage (rl.losses.dis_loss)
+      dis_sign_aware=False,
+      correction=_correction_section(),
       # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
       # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
       # 1, no cap: in the eta 8 probe the cap alone (AReaL's 5) removed the stale tokens that correct the
@@ -392,6 +417,10 @@ def _validate_rl(config) -> None:
   _one_of(config, "rl.loss", LOSSES)
   _number(config, "rl.max_staleness", lambda v: v >= 0, "an integer >= 0 (eta; 0 = synchronous)",
           integer=True)
+  _one_of(config, "rl.staleness_mode", STALENESS_MODES)
+  _check(isinstance(config.rl.dis_sign_aware, bool), "rl.dis_sign_aware", config.rl.dis_sign_aware,
+         "True or False")
+  _validate_correction(config)
   _number(config, "rl.eps_clip", lambda v: 0 < v < 1, "a number in (0, 1)")
   _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
           "1 - eps_low > 0")
@@ -419,6 +448,19 @@ def _validate_rl(config) -> None:
     _check(config.rl.value_pretrain_versions < config.steps, "rl.value_pretrain_versions",
            config.rl.value_pretrain_versions,
            f"must be < steps ({config.steps}): those versions train the value model only")
+
+
+def _validate_correction(config) -> None:
+  c = config.rl.correction
+  _one_of(config, "rl.correction.ratio", ("current", "prox"))
+  _number(config, "rl.correction.tis_cap", lambda v: v > 0, "a number > 0 (inf: off)", allow_inf=True)
+  _number(config, "rl.correction.dual_clip", lambda v: v > 1, "a number > 1 (inf: off)", allow_inf=True)
+  _check(not (math.isfinite(c.dual_clip) and config.rl.loss == "dis"), "rl.correction.dual_clip",
+         c.dual_clip, "bounds PPO's clipped objective; rl.loss='dis' has none (inf: off)")
+  for name in ("icepop", "seq_mask"):
+    _number(config, f"rl.correction.{name}_low", lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)")
+    _number(config, f"rl.correction.{name}_high", lambda v: v > 1, "a number > 1 (inf: off)",
+            allow_inf=True)
 
 
 def _validate_mesh(config) -> None:

@@ -34,7 +34,7 @@ from asyncrl_jax import bucketing
 from asyncrl_jax import critic as critic_lib
 from asyncrl_jax import update as update_lib
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.rl import batching, losses, selection
+from asyncrl_jax.rl import batching, selection
 from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 from asyncrl_jax.rl.staleness import VersionMismatch
@@ -76,7 +76,8 @@ def make_optimizer(config, versions: int):
 
 def _combine(per_mb: list, num_updates: int) -> dict:
   """Host metrics of one version from its micro-batches': the loss (already globally normalised per
-  micro-batch) summed and averaged over updates, ``iw_max`` the max, the rest token-weighted means."""
+  micro-batch) summed and averaged over updates, ``iw_max`` and ``ratio_max`` the max, the rest
+  token-weighted means."""
   totals = {}
   for metrics in per_mb:
     weight = float(metrics.pop("policy_tokens"))
@@ -86,7 +87,7 @@ def _combine(per_mb: list, num_updates: int) -> dict:
   for k, vals in totals.items():
     if k == "loss":
       out[k] = sum(v for v, _ in vals) / num_updates
-    elif k == "iw_max":
+    elif k in ("iw_max", "ratio_max"):
       out[k] = max(v for v, _ in vals)
     else:
       out[k] = sum(v * x for v, x in vals) / max(sum(x for _, x in vals), 1.0)
@@ -117,8 +118,8 @@ class Learner:
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,
         opt_state=opt_state, losses={
             # the version's first update: its own forward pass gives the prox log-probs
-            "first": lambda p, b, _, n: loss(p, b, None, n, prox_is_current=losses.needs_prox(
-                self.settings.loss)),
+            "first": lambda p, b, _, n: loss(p, b, None, n,
+                                             prox_is_current=self.settings.needs_prox),
             "later": lambda p, b, prox, n: loss(p, b, prox, n)})
     self._prox = self.updater.jit_forward(self._prox_impl, "prox_logprobs")
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
@@ -162,7 +163,7 @@ class Learner:
     cap = batching.bucket(min(longest, self.model_config.max_seq_len))
     shapes = [b for b in bucketing.ROW_BUCKETS if b <= min(self.updater.token_budget, cap)]
     skip = jax.device_put(np.bool_(False), self.updater.replicated)
-    later = losses.needs_prox(self.settings.loss) and self.minibatches > 1
+    later = self.settings.needs_prox and self.minibatches > 1
     for width in shapes:
       seq = batching.make_sequence(np.zeros(width - 1, np.int32), np.zeros(1, np.int32),
                                    logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32))
@@ -214,7 +215,7 @@ class Learner:
     # the first rl.value_pretrain_versions versions train the value model only
     trains_policy = self.critic is None or version >= self.critic.pretrain_versions
     # Prox log-probs for later minibatches, under the weights before this version's first update.
-    needs_prox = losses.needs_prox(self.settings.loss) and trains_policy
+    needs_prox = self.settings.needs_prox and trains_policy
     prox = [[self._prox(self.params, b) for b in mbs] if needs_prox and i else None
             for i, (mbs, _) in enumerate(placed)]
     per_mb, health = [], []

@@ -84,7 +84,7 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
 
 
 @pytest.mark.parametrize("field,value,pattern", [
-    ("rl.loss", "grpo", r"rl.loss='grpo' is not allowed: must be one of \('ppo', 'decoupled_ppo', 'dis'\)"),
+    ("rl.loss", "grpo", r"rl.loss='grpo' is not allowed: must be one of \('ppo', 'ppo_recompute', 'decoupled_ppo', 'dis'\)"),
     ("rl.max_staleness", -1, r"rl.max_staleness=-1 is not allowed"),
     ("rl.eps_clip", 1.5, r"rl.eps_clip=1.5 is not allowed"),
     ("rl.eps_low", 1.0, r"rl.eps_low=1.0 is not allowed"),

@@ -1,4 +1,10 @@
-"""Policy objectives under staleness: naive PPO, decoupled PPO (AReaL), DIS (SAO).
+"""Policy objectives under staleness, and the off-policy corrections that compose with them.
+
+Objectives (``rl.loss``): PPO on the behaviour ratio (``ppo``), standard PPO with the old log-probs
+recomputed before the update (``ppo_recompute``: the seeds' naive baseline, which ignores the
+behaviour policy), decoupled PPO (AReaL), DIS (SAO; optionally sign-aware). Corrections
+(``Corrections``, all off by default): truncated importance sampling (TIS), IcePop's two-sided token
+mask, a sequence-level geometric-mean mask, and PPO's dual clip.
 
 All arrays are ``[B, T]`` (any shape works, as long as all agree). ``mask`` is 1 on policy tokens (sampled
 actions) and 0 elsewhere (prompt, tool output, padding). ``advantages`` are already per token.
@@ -25,12 +31,14 @@ Every function returns ``(loss, metrics)``; metrics are computed without gradien
 ``clipped_frac``, ``dropped_frac``, ``iw_mean``, ``iw_max`` (importance weight over policy tokens),
 ``kl_behav`` / ``kl_prox`` (k3 estimate of KL(pi_ref || pi_theta) from the ref's samples:
 E[(r - 1) - log r], r = pi_theta / pi_ref), and ``entropy`` when per-token entropies are given; and
-one per-token array, ``dropped`` (``[B, T]``, 1 on the policy tokens counted by ``dropped_frac``),
-which ``rl.selection`` breaks down by completion length and staleness.
+two per-token arrays, ``dropped`` and ``clipped`` (``[B, T]``, 1 on the policy tokens counted by
+``dropped_frac`` / ``clipped_frac``), which ``rl.selection`` breaks down by completion length,
+staleness, the side of the behaviour ratio and the sign of the advantage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import jax
@@ -73,11 +81,36 @@ def _k3(mask, log_ratio):
   return _mean(mask, jnp.expm1(log_ratio) - log_ratio)
 
 
-def _clipped_surrogate(ratio, advantages, eps_clip):
-  """PPO's ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` per token, and where the clip is active."""
+def _clipped_surrogate(ratio, advantages, eps_clip, dual_clip=None):
+  """PPO's ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` per token, and where a clip is active
+  (no gradient flows through the token). ``dual_clip`` (``c > 1``): for ``A < 0`` the objective is
+  also bounded below by ``c * A``, i.e. the loss is at most ``-c * A`` (``dual_clip_surrogate``)."""
   unclipped = ratio * advantages
   clipped = jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
-  return -jnp.minimum(unclipped, clipped), clipped < unclipped
+  objective = jnp.minimum(unclipped, clipped)
+  active = clipped < unclipped
+  if dual_clip is not None:
+    objective, dual = dual_clip_surrogate(objective, advantages, dual_clip)
+    active = active | dual
+  return -objective, active
+
+
+def dual_clip_surrogate(objective, advantages, c: float):
+  """PPO's dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"; verl's
+  ``clip_ratio_c``): for tokens with ``A < 0``, ``max(objective, c * A)``; others unchanged.
+
+  With ``A < 0`` PPO's clip bounds the ratio only from below, so a stale token whose probability has
+  since grown a lot (ratio >> 1) pushes with weight ``r * |A|``, unbounded; the dual clip caps that
+  push at ``c * |A|``. Returns the new objective and where the bound is active (no gradient there).
+
+  Args:
+    objective: [B, T] PPO's per-token objective ``min(r * A, clip(r) * A)`` (to maximise).
+    advantages: [B, T].
+    c: the bound, > 1 (verl's default 3).
+  """
+  bound = c * advantages
+  active = (advantages < 0) & (objective < bound)
+  return jnp.where(active, bound, objective), active
 
 
 def _common_metrics(mask, weight, log_ratio_behav, entropy) -> Metrics:
@@ -93,9 +126,10 @@ def _common_metrics(mask, weight, log_ratio_behav, entropy) -> Metrics:
   return metrics
 
 
-def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
+def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2, dual_clip=None,
                    normalizer=None, entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
-  """PPO with a single ``pi_old`` (here the behaviour policy): the baseline that breaks under staleness.
+  """PPO with a single ``pi_old``: the behaviour policy (``rl.loss=ppo``) or the weights before the
+  update (``rl.loss=ppo_recompute``, the seeds' naive baseline, which ignores the behaviour policy).
 
   ``r = exp(logp - old_logp)``, ``L_t = -min(r * A, clip(r, 1 - eps, 1 + eps) * A)``.
 
@@ -108,14 +142,16 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
     normalizer: optional denominator (see module docstring).
     entropy: optional [B, T] per-token entropy, for metrics only.
     loss_weight: optional [B, T] per-token weight ``c_t >= 0`` of the loss (see module docstring).
+    dual_clip: optional bound ``c > 1`` for negative advantages (``dual_clip_surrogate``).
   """
   mask = mask.astype(jnp.float32)
   log_ratio = _safe_log_ratio(mask, logp, jax.lax.stop_gradient(old_logp))
   ratio = jnp.exp(log_ratio)
-  per_token, clipped = _clipped_surrogate(ratio, advantages, eps_clip)
+  per_token, clipped = _clipped_surrogate(ratio, advantages, eps_clip, dual_clip)
   loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, ratio, log_ratio, entropy)
-  metrics.update(clipped_frac=_mean(mask, clipped.astype(jnp.float32)),
+  clipped = (clipped & (mask > 0)).astype(jnp.float32)
+  metrics.update(clipped_frac=_mean(mask, clipped), clipped=clipped,
                  dropped_frac=jnp.zeros((), jnp.float32), dropped=jnp.zeros_like(mask))
   return loss, metrics
 
@@ -123,7 +159,7 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2,
 def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_clip: float = 0.2,
                        behav_weight_cap: Optional[float] = None,
                        behav_weight_floor: Optional[float] = None,
-                       behav_weight_clip: Optional[float] = None, normalizer=None,
+                       behav_weight_clip: Optional[float] = None, dual_clip=None, normalizer=None,
                        entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
   """AReaL's decoupled PPO: importance-correct to the behaviour policy, trust region around prox.
 
@@ -148,6 +184,7 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
     behav_weight_cap: optional cap on ``w`` (tokens above it are dropped).
     behav_weight_floor: optional floor on ``w`` (tokens below it are dropped).
     behav_weight_clip: optional truncation of ``w`` (kept tokens weigh ``min(w, clip)``).
+    dual_clip: optional dual-clip bound on ``u`` for negative advantages (``dual_clip_surrogate``).
   """
   mask = mask.astype(jnp.float32)
   prox_logp = jax.lax.stop_gradient(prox_logp)
@@ -164,23 +201,32 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   if behav_weight_clip is not None:
     weight = jnp.minimum(weight, behav_weight_clip)
   log_u = _safe_log_ratio(mask, logp, prox_logp)
-  per_token, clipped = _clipped_surrogate(jnp.exp(log_u), advantages, eps_clip)
+  per_token, clipped = _clipped_surrogate(jnp.exp(log_u), advantages, eps_clip, dual_clip)
   loss = _weighted_sum(mask, loss_weight, weight * per_token) / _normalizer(mask, normalizer)
   log_ratio_behav = _safe_log_ratio(mask, logp, behav_logp)
   metrics = _common_metrics(mask, weight, log_ratio_behav, entropy)
-  metrics.update(clipped_frac=_mean(mask, (clipped & ~dropped).astype(jnp.float32)),
+  clipped = (clipped & ~dropped & (mask > 0)).astype(jnp.float32)
+  metrics.update(clipped_frac=_mean(mask, clipped), clipped=clipped,
                  dropped_frac=_mean(mask, dropped.astype(jnp.float32)),
                  dropped=dropped.astype(jnp.float32), kl_prox=_k3(mask, jax.lax.stop_gradient(log_u)))
   return loss, metrics
 
 
 def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: float,
-             normalizer=None, entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
+             sign_aware: bool = False, normalizer=None, entropy=None,
+             loss_weight=None) -> tuple[jax.Array, Metrics]:
   """SAO's DIS: keep a token's importance weight only strictly inside ``(1 - eps_low, 1 + eps_high)``.
 
   ``rho = exp(logp - behav_logp)``, ``keep = (1 - eps_low < rho < 1 + eps_high)`` (decided without
   gradient), ``L_t = -keep * rho * A``. Tokens outside the interval, boundaries included, contribute
   exactly 0 to the loss and its gradient, and stay in the normalizer. No prox pass is needed.
+
+  ``sign_aware=True`` masks only the tokens whose drift *agrees* with their advantage: ``rho`` at or
+  above ``1 + eps_high`` with ``A > 0`` (already pushed up) and ``rho`` at or below ``1 - eps_low``
+  with ``A < 0`` (already pushed down). A token that drifted against its advantage (a stale mistake
+  the policy has come to prefer, ``rho`` high and ``A < 0``) keeps its weight ``rho``: the restoring
+  gradient that the plain mask drops and PPO keeps (the mechanism behind DIS's collapse under
+  staleness in the built-in task's grid; PPO's ``min`` keeps exactly these tokens too).
 
   Args:
     logp: [B, T] log pi_theta, differentiable.
@@ -193,46 +239,196 @@ def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: fl
   behav_logp = jax.lax.stop_gradient(behav_logp)
   log_rho = _safe_log_ratio(mask, logp, behav_logp)
   rho_sg = jnp.exp(jax.lax.stop_gradient(log_rho))
-  keep = (rho_sg > 1.0 - eps_low) & (rho_sg < 1.0 + eps_high) & (mask > 0)
+  if sign_aware:
+    agrees = ((rho_sg >= 1.0 + eps_high) & (advantages > 0)) | ((rho_sg <= 1.0 - eps_low) & (advantages < 0))
+    keep = ~agrees & (mask > 0)
+  else:
+    keep = (rho_sg > 1.0 - eps_low) & (rho_sg < 1.0 + eps_high) & (mask > 0)
   rho = jnp.exp(jnp.where(keep, log_rho, 0.0))  # no exp of dropped tokens' values in the gradient path
   per_token = jnp.where(keep, -rho * advantages, 0.0)
   loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, rho_sg, log_rho, entropy)
   dropped = ((~keep) & (mask > 0)).astype(jnp.float32)
-  metrics.update(clipped_frac=jnp.zeros((), jnp.float32), dropped_frac=_mean(mask, dropped),
-                 dropped=dropped)
+  metrics.update(clipped_frac=jnp.zeros((), jnp.float32), clipped=jnp.zeros_like(mask),
+                 dropped_frac=_mean(mask, dropped), dropped=dropped)
   return loss, metrics
 
 
+# ---------------------------------------------------------------------------------- corrections
+
+
+@dataclasses.dataclass(frozen=True)
+class Corrections:
+  """Off-policy corrections that compose with any objective (config ``rl.correction``; all off by
+  default). Each reads the importance ratio ``ratio``: ``"current"`` is ``pi_theta / pi_behav`` (the
+  drift since sampling, under the weights being trained), ``"prox"`` is ``pi_prox / pi_behav`` (under
+  the weights before the update: needs the prox pass, so only with ``ppo_recompute`` and
+  ``decoupled_ppo``). Both are constants here (no gradient flows through a correction).
+
+  * ``tis_cap``: truncated importance sampling, every token's loss times ``min(ratio, cap)``.
+  * ``icepop``: ``(low, high)``, a token whose ratio is outside ``[low, high]`` gets weight 0.
+  * ``seq_mask``: ``(low, high)``, a whole sequence gets weight 0 when the geometric mean of its
+    tokens' ratios is outside ``[low, high]``.
+  * ``dual_clip``: ``c > 1``, PPO's dual clip (PPO-family objectives only).
+
+  Tokens given weight 0 stay in the normaliser, as every dropped token here does.
+  """
+  ratio: str = "current"
+  tis_cap: Optional[float] = None
+  icepop: Optional[tuple] = None
+  seq_mask: Optional[tuple] = None
+  dual_clip: Optional[float] = None
+
+  @property
+  def reads_ratio(self) -> bool:
+    return self.tis_cap is not None or self.icepop is not None or self.seq_mask is not None
+
+  @property
+  def needs_prox(self) -> bool:
+    return self.reads_ratio and self.ratio == "prox"
+
+
+def truncated_is_weight(log_ratio, mask, cap: float):
+  """Truncated importance sampling (TIS; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+  You Off-Policy RL Training", as verl, slime and SkyRL ship it): ``min(exp(log_ratio), cap)`` on
+  policy tokens, 0 elsewhere, no gradient. Unlike a mask, no token is lost; unlike an unbounded weight,
+  none weighs more than ``cap``.
+
+  Args:
+    log_ratio: [B, T] log of the importance ratio (e.g. ``log pi_prox - log pi_behav``).
+    mask: [B, T] 1 on policy tokens.
+    cap: C > 0.
+  """
+  mask = jnp.asarray(mask, jnp.float32)
+  log_ratio = jnp.minimum(_masked(mask, jax.lax.stop_gradient(log_ratio)), MAX_LOG_RATIO)
+  return _masked(mask, jnp.minimum(jnp.exp(log_ratio), cap))
+
+
+def icepop_keep(log_ratio, mask, low: float, high: float):
+  """IcePop's two-sided token mask (the Ling team's Ring-1T report, 2025; "masked importance
+  sampling" in slime and verl): keep a policy token only while ``low <= ratio <= high``. Returns a
+  [B, T] bool, False on padding.
+
+  Args:
+    log_ratio: [B, T] log of the importance ratio.
+    mask: [B, T] 1 on policy tokens.
+    low, high: ``0 <= low < 1 < high``.
+  """
+  log_ratio = jax.lax.stop_gradient(log_ratio)
+  r = jnp.exp(jnp.minimum(_masked(mask, log_ratio), MAX_LOG_RATIO))
+  return (r >= low) & (r <= high) & (jnp.asarray(mask) > 0)
+
+
+def sequence_log_ratio(log_ratio, mask, segment_ids):
+  """Per token, the mean of ``log_ratio`` over the policy tokens of its sequence: the log of the
+  sequence's geometric-mean ratio (GSPO's length-normalised sequence ratio). Packed rows hold several
+  sequences (``segment_ids``, 0 = padding); a row's sequences are its own. [B, T] -> [B, T], 0 where
+  ``mask`` is 0."""
+  mask = jnp.asarray(mask, jnp.float32)
+  log_ratio = _masked(mask, jax.lax.stop_gradient(log_ratio))
+  width = segment_ids.shape[1]
+
+  def row(lr, m, seg):
+    total = jax.ops.segment_sum(lr, seg, num_segments=width + 1)
+    count = jax.ops.segment_sum(m, seg, num_segments=width + 1)
+    return (total / jnp.maximum(count, 1.0))[seg]
+
+  return _masked(mask, jax.vmap(row)(log_ratio, mask, jnp.asarray(segment_ids)))
+
+
+def sequence_mask_keep(log_ratio, mask, segment_ids, low: float, high: float):
+  """The sequence-level geometric-mean mask (verl's sequence-level "geometric" rollout rejection;
+  Liu et al. 2025, "When Speed Kills Stability"): every token of a sequence whose geometric-mean
+  ratio ``exp(mean_t log_ratio)`` is outside ``[low, high]`` gets weight 0. Length-normalised, so a
+  long sequence is not rejected for its length alone. Returns [B, T] bool, False on padding."""
+  seq = sequence_log_ratio(log_ratio, mask, segment_ids)
+  return (seq >= jnp.log(low)) & (seq <= jnp.log(high)) & (jnp.asarray(mask) > 0)
+
+
+def correction_weights(corrections: Corrections, *, logp, prox_logp, behav_logp, mask, segment_ids):
+  """The per-token weight (``[B, T]``, no gradient) and the tokens zeroed by ``corrections``'s TIS,
+  IcePop and sequence mask: ``(weight, zeroed)``; weight 1 and nothing zeroed when none is set."""
+  mask = jnp.asarray(mask, jnp.float32)
+  weight = jnp.ones_like(mask)
+  zeroed = jnp.zeros_like(mask, dtype=bool)
+  if not corrections.reads_ratio:
+    return weight, zeroed
+  if corrections.ratio == "prox":
+    if prox_logp is None:
+      raise ValueError("rl.correction.ratio='prox' needs the prox log-probs (rl.loss ppo_recompute or "
+                       "decoupled_ppo)")
+    num = prox_logp
+  else:
+    num = logp
+  log_ratio = _safe_log_ratio(mask, jax.lax.stop_gradient(num), jax.lax.stop_gradient(behav_logp))
+  if corrections.tis_cap is not None:
+    weight = truncated_is_weight(log_ratio, mask, corrections.tis_cap)
+  if corrections.icepop is not None:
+    zeroed |= ~icepop_keep(log_ratio, mask, *corrections.icepop)
+  if corrections.seq_mask is not None:
+    zeroed |= ~sequence_mask_keep(log_ratio, mask, segment_ids, *corrections.seq_mask)
+  zeroed &= mask > 0
+  return jnp.where(zeroed, 0.0, weight), zeroed
+
+
+LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
 
 
 def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps_clip: float,
                 eps_low: float, eps_high: float, behav_weight_cap: Optional[float] = None,
                 behav_weight_floor: Optional[float] = None,
-                behav_weight_clip: Optional[float] = None, normalizer=None,
+                behav_weight_clip: Optional[float] = None, dis_sign_aware: bool = False,
+                corrections: Corrections = Corrections(), segment_ids=None, normalizer=None,
                 entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
-  """Dispatches on ``rl.loss`` (a Python string, so no traced branching).
+  """Dispatches on ``rl.loss`` (a Python string, so no traced branching), then ``corrections``.
 
-  ``ppo`` uses ``behav_logp`` as pi_old; ``decoupled_ppo`` needs ``prox_logp``; ``dis`` ignores it.
+  ``ppo`` uses ``behav_logp`` as pi_old; ``ppo_recompute`` uses ``prox_logp`` (the weights before the
+  update: the behaviour policy is ignored); ``decoupled_ppo`` needs both; ``dis`` ignores
+  ``prox_logp``. The corrections' weights multiply each token's loss (as ``loss_weight`` does), and
+  the tokens they zero join the objective's ``dropped``. ``segment_ids`` ([B, T]) is needed by the
+  sequence mask only.
   """
-  if name == "ppo":
-    return naive_ppo_loss(logp, behav_logp, advantages, mask, eps_clip=eps_clip,
-                          normalizer=normalizer, entropy=entropy, loss_weight=loss_weight)
-  if name == "decoupled_ppo":
+  if corrections.dual_clip is not None and name == "dis":
+    raise ValueError("rl.correction.dual_clip bounds PPO's clipped objective; rl.loss='dis' has none")
+  mask = jnp.asarray(mask, jnp.float32)
+  weight, zeroed = correction_weights(corrections, logp=logp, prox_logp=prox_logp,
+                                      behav_logp=behav_logp, mask=mask, segment_ids=segment_ids)
+  if corrections.reads_ratio:
+    loss_weight = weight if loss_weight is None else loss_weight * weight
+  common = dict(normalizer=normalizer, entropy=entropy, loss_weight=loss_weight)
+  if name in ("ppo", "ppo_recompute"):
+    old = behav_logp if name == "ppo" else prox_logp
+    if old is None:
+      raise ValueError("ppo_recompute needs prox_logp (the prox log-prob pass)")
+    loss, metrics = naive_ppo_loss(logp, old, advantages, mask, eps_clip=eps_clip,
+                                   dual_clip=corrections.dual_clip, **common)
+    if name == "ppo_recompute":  # (the KL the staleness metrics mean: to the behaviour policy)
+      log_prox = _safe_log_ratio(mask, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(prox_logp))
+      metrics.update(kl_prox=_k3(mask, log_prox), kl_behav=_k3(
+          mask, _safe_log_ratio(mask, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(behav_logp))))
+  elif name == "decoupled_ppo":
     if prox_logp is None:
       raise ValueError("decoupled_ppo needs prox_logp (the prox log-prob pass)")
-    return decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_clip=eps_clip,
-                              behav_weight_cap=behav_weight_cap,
-                              behav_weight_floor=behav_weight_floor,
-                              behav_weight_clip=behav_weight_clip, normalizer=normalizer,
-                              entropy=entropy, loss_weight=loss_weight)
-  if name == "dis":
-    return dis_loss(logp, behav_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
-                    normalizer=normalizer, entropy=entropy, loss_weight=loss_weight)
-  raise ValueError(f"rl.loss={name!r}: must be one of ('ppo', 'decoupled_ppo', 'dis')")
+    loss, metrics = decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_clip=eps_clip,
+                                       behav_weight_cap=behav_weight_cap,
+                                       behav_weight_floor=behav_weight_floor,
+                                       behav_weight_clip=behav_weight_clip,
+                                       dual_clip=corrections.dual_clip, **common)
+  elif name == "dis":
+    loss, metrics = dis_loss(logp, behav_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
+                             sign_aware=dis_sign_aware, **common)
+  else:
+    raise ValueError(f"rl.loss={name!r}: must be one of {LOSSES}")
+  if corrections.reads_ratio:
+    dropped = jnp.maximum(metrics["dropped"], zeroed.astype(jnp.float32))
+    clipped = metrics["clipped"] * (1.0 - dropped)
+    metrics.update(dropped=dropped, dropped_frac=_mean(mask, dropped), clipped=clipped,
+                   clipped_frac=_mean(mask, clipped))
+  return loss, metrics
 
 
-def needs_prox(name: str) -> bool:
-  """Whether the loss needs the prox log-prob pass (only decoupled PPO)."""
-  return name == "decoupled_ppo"
+def needs_prox(name: str, corrections: Corrections = Corrections()) -> bool:
+  """Whether the loss needs the prox log-probs (``decoupled_ppo``, ``ppo_recompute``, or a
+  correction that reads ``pi_prox / pi_behav``)."""
+  return name in ("decoupled_ppo", "ppo_recompute") or corrections.needs_prox

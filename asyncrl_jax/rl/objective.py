@@ -34,6 +34,8 @@ class LossSettings:
   behav_weight_cap: Optional[float] = None
   behav_weight_floor: Optional[float] = None
   behav_weight_clip: Optional[float] = None
+  dis_sign_aware: bool = False
+  corrections: losses.Corrections = losses.Corrections()
   # the distribution the behaviour log-probs were recorded in (SamplingSettings.recorded)
   temperature: float = 1.0
   top_k: int = 0
@@ -53,10 +55,32 @@ class LossSettings:
                behav_weight_cap=_finite_or_none(config.rl.behav_weight_cap),
                behav_weight_floor=config.rl.behav_weight_floor or None,
                behav_weight_clip=_finite_or_none(config.rl.behav_weight_clip),
+               dis_sign_aware=bool(config.rl.dis_sign_aware),
+               corrections=corrections_from_config(config),
                temperature=temperature, top_k=top_k, top_p=top_p,
                remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
                attention_chunk=int(config.learner.attention_chunk),
                eos_ban_ids=eos_ban_ids(config))
+
+
+  @property
+  def needs_prox(self) -> bool:
+    """Whether the objective or a correction reads the prox log-probs."""
+    return losses.needs_prox(self.loss, self.corrections)
+
+
+def _interval(low: float, high: float) -> Optional[tuple]:
+  """``(low, high)``, or None when it excludes nothing (0, inf)."""
+  return None if low <= 0 and not math.isfinite(high) else (float(low), float(high))
+
+
+def corrections_from_config(config) -> losses.Corrections:
+  """``rl.correction`` as the loss's ``Corrections`` (inf / 0 bounds are off)."""
+  c = config.rl.correction
+  return losses.Corrections(ratio=c.ratio, tis_cap=_finite_or_none(c.tis_cap),
+                            icepop=_interval(c.icepop_low, c.icepop_high),
+                            seq_mask=_interval(c.seq_mask_low, c.seq_mask_high),
+                            dual_clip=_finite_or_none(c.dual_clip))
 
 
 def eos_ban_ids(config) -> tuple:
@@ -88,7 +112,7 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
                                  attention_chunk=settings.attention_chunk,
                                  eos_banned_bt=batch.eos_banned, eos_ban_ids=settings.eos_ban_ids)
   if prox_is_current:
-    prox_logp = jax.lax.stop_gradient(logp) if losses.needs_prox(settings.loss) else None
+    prox_logp = jax.lax.stop_gradient(logp) if settings.needs_prox else None
   # A sampled token outside the truncated (top-k / top-p) set of the current or the prox weights
   # has probability 0 there: weight 0, kept in the normaliser like any dropped token.
   supported = in_support(logp) if prox_logp is None else in_support(logp) & in_support(prox_logp)
@@ -98,7 +122,8 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       advantages=batch.advantages, mask=mask, eps_clip=settings.eps_clip,
       eps_low=settings.eps_low, eps_high=settings.eps_high,
       behav_weight_cap=settings.behav_weight_cap, behav_weight_floor=settings.behav_weight_floor,
-      behav_weight_clip=settings.behav_weight_clip,
+      behav_weight_clip=settings.behav_weight_clip, dis_sign_aware=settings.dis_sign_aware,
+      corrections=settings.corrections, segment_ids=batch.segment_ids,
       normalizer=normalizer, loss_weight=batch.loss_weight,
       entropy=jax.lax.stop_gradient(entropy))
   policy_tokens = jnp.sum(batch.mask)
@@ -106,7 +131,14 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
   # rl.selection: every policy token given weight 0, counted by its sequence's length and its
   # staleness (the learner places each token's staleness in ``versions``: ``batching.with_staleness``)
   zeroed = jnp.maximum(metrics.pop("dropped"), outside)
+  clipped = metrics.pop("clipped")
+  log_ratio_behav = jax.lax.stop_gradient(
+      jnp.where(batch.mask > 0, logp, 0.0) - jnp.where(batch.mask > 0, batch.behav_logp, 0.0))
   metrics.update(policy_tokens=policy_tokens,
+                 ratio_max=jnp.exp(jnp.minimum(jnp.max(jnp.where(batch.mask > 0, log_ratio_behav, -jnp.inf)),
+                                               losses.MAX_LOG_RATIO)),
                  outside_support_frac=jnp.sum(outside) / jnp.maximum(policy_tokens, 1.0),
-                 selection=selection.device_counts(zeroed, batch.mask, batch.versions, batch.segment_ids))
+                 selection=selection.device_counts(zeroed, batch.mask, batch.versions, batch.segment_ids,
+                                                   log_ratio=log_ratio_behav,
+                                                   advantages=batch.advantages, clipped=clipped))
   return loss, metrics

@@ -12,6 +12,14 @@ per-token view that every process would bring back whole); the host turns them i
 (``counts_of``), sums them over the version's micro-batches and updates (``Counter.update``), and
 makes metrics (``selection_metrics``), only for buckets that hold tokens. ``selection_counts`` is the
 same count in numpy, from the per-token view (the reference the tests hold the jitted one to).
+
+The same counts give the ratio's picture per version (when the step passes the behaviour log-ratio
+and the advantages): a histogram of ``log(pi_theta / pi_behav)`` over the policy tokens in bins of
+``RATIO_BIN`` nats (quantiles ``ratio_p50`` / ``p90`` / ``p99`` are read off it, to within a bin:
+~5% relative), and the zeroed and clipped tokens by the side of the ratio (``hi``: > 1, ``lo``: <= 1)
+and the sign of the advantage (``pos`` / ``neg``; 0 counts as ``pos``): ``masked_frac_hi_neg`` is
+the share of all policy tokens that drifted up since sampling, scored below their group, and were
+given weight 0, the restoring signal that a sign-blind mask drops.
 """
 
 from __future__ import annotations
@@ -26,6 +34,11 @@ import numpy as np
 LENGTH_BOUNDS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # staleness buckets (versions between the token's policy and the one being trained), inclusive
 STALENESS_BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 16))
+# the behaviour log-ratio histogram: bins of RATIO_BIN nats over [-RATIO_RANGE, RATIO_RANGE], plus one
+# bin each side for everything beyond
+RATIO_BIN, RATIO_RANGE = 0.05, 8.0
+RATIO_EDGES = np.arange(-RATIO_RANGE, RATIO_RANGE + RATIO_BIN / 2, RATIO_BIN)
+SIDES = ("hi_pos", "hi_neg", "lo_pos", "lo_neg")
 
 
 def _length_key(n: np.ndarray) -> np.ndarray:
@@ -79,11 +92,19 @@ def selection_counts(zeroed, mask, versions, segment_ids, *, version: int) -> co
   return out
 
 
-def device_counts(zeroed, mask, staleness, segment_ids) -> dict:
+def side_index(log_ratio, advantages):
+  """Index into ``SIDES`` per token: ratio above 1 or not, advantage negative or not."""
+  return 2 * (log_ratio <= 0).astype(jnp.int32) + (advantages < 0).astype(jnp.int32)
+
+
+def device_counts(zeroed, mask, staleness, segment_ids, *, log_ratio=None, advantages=None,
+                  clipped=None) -> dict:
   """Traceable ``selection_counts`` of one micro-batch (all ``[R, L]``; ``staleness``: the version
   trained minus the token's version): ``tokens_len`` / ``zeroed_len`` (float32 ``[len(LENGTH_BOUNDS)
   + 1]``), ``tokens_stale`` / ``zeroed_stale`` (``[len(STALENESS_BUCKETS) + 1]``). Exact while a
-  micro-batch holds fewer than 2**24 tokens."""
+  micro-batch holds fewer than 2**24 tokens. With ``log_ratio`` (``log pi_theta - log pi_behav``) and
+  ``advantages``: ``ratio_hist`` (``[len(RATIO_EDGES) + 1]``), ``tokens_side`` / ``zeroed_side`` /
+  ``clipped_side`` (``[4]``, ``SIDES``; ``clipped``: 1 where PPO's clip stopped the gradient)."""
   mask = jnp.asarray(mask) > 0
   zeroed = (jnp.asarray(zeroed) > 0) & mask
   segment_ids = jnp.asarray(segment_ids)
@@ -100,20 +121,46 @@ def device_counts(zeroed, mask, staleness, segment_ids) -> dict:
     return jax.ops.segment_sum(which.ravel().astype(jnp.float32), bucket.ravel(), num_segments=n)
 
   n_len, n_stale = len(LENGTH_BOUNDS) + 1, len(STALENESS_BUCKETS) + 1
-  return dict(tokens_len=count(length_bucket, mask, n_len), zeroed_len=count(length_bucket, zeroed, n_len),
-              tokens_stale=count(stale_bucket, mask, n_stale),
-              zeroed_stale=count(stale_bucket, zeroed, n_stale))
+  out = dict(tokens_len=count(length_bucket, mask, n_len), zeroed_len=count(length_bucket, zeroed, n_len),
+             tokens_stale=count(stale_bucket, mask, n_stale),
+             zeroed_stale=count(stale_bucket, zeroed, n_stale))
+  if log_ratio is not None:
+    log_ratio = jnp.where(mask, log_ratio, 0.0)
+    ratio_bin = jnp.searchsorted(jnp.asarray(RATIO_EDGES, jnp.float32), log_ratio, side="left")
+    side = side_index(log_ratio, jnp.asarray(advantages))
+    clipped = jnp.zeros_like(mask) if clipped is None else (jnp.asarray(clipped) > 0) & mask
+    out.update(ratio_hist=count(ratio_bin, mask, len(RATIO_EDGES) + 1),
+               tokens_side=count(side, mask, 4), zeroed_side=count(side, zeroed, 4),
+               clipped_side=count(side, clipped, 4))
+  return out
 
 
 def counts_of(device: dict) -> collections.Counter:
-  """``device_counts``' arrays (read back) as ``selection_counts``' ``Counter``."""
+  """``device_counts``' arrays (read back) as ``selection_counts``' ``Counter`` (and, when present,
+  the ratio histogram as ``("ratio", ("bin", i))`` and the side counts as ``(what, ("side", i))``)."""
   out = collections.Counter()
-  for kind in ("len", "stale"):
-    for what in ("tokens", "zeroed"):
-      for b, n in enumerate(np.asarray(device[f"{what}_{kind}"])):
+  for kind in ("len", "stale", "side"):
+    for what in ("tokens", "zeroed", "clipped"):
+      for b, n in enumerate(np.asarray(device.get(f"{what}_{kind}", ()))):
         if n:
           out[(what, (kind, b))] += int(round(float(n)))
+  for b, n in enumerate(np.asarray(device.get("ratio_hist", ()))):
+    if n:
+      out[("ratio", ("bin", b))] += int(round(float(n)))
   return out
+
+
+def ratio_quantile(counts: collections.Counter, q: float) -> float:
+  """The ``q`` quantile of the behaviour ratio from ``counts``' histogram: the upper edge of the bin
+  that holds it (exp of it; the last bin's lower edge for everything beyond the range)."""
+  hist = np.zeros(len(RATIO_EDGES) + 1)
+  for (what, (_, b)), n in counts.items():
+    if what == "ratio":
+      hist[b] = n
+  if not hist.sum():
+    return float("nan")
+  b = int(np.searchsorted(np.cumsum(hist), q * hist.sum(), side="left"))
+  return float(np.exp(RATIO_EDGES[min(b, len(RATIO_EDGES) - 1)]))
 
 
 def selection_metrics(counts: collections.Counter) -> dict:
@@ -121,7 +168,7 @@ def selection_metrics(counts: collections.Counter) -> dict:
   with a weight, over all policy tokens)."""
   out = {}
   for (what, bucket), n in sorted(counts.items(), key=str):
-    if what != "tokens" or not n:
+    if what != "tokens" or not n or bucket[0] == "side":
       continue
     kind, i = bucket
     name = length_bucket_name(i) if kind == "len" else staleness_bucket_name(i)
@@ -130,4 +177,11 @@ def selection_metrics(counts: collections.Counter) -> dict:
   total = sum(n for (what, (kind, _)), n in counts.items() if what == "tokens" and kind == "len")
   zeroed = sum(n for (what, (kind, _)), n in counts.items() if what == "zeroed" and kind == "len")
   out["effective_batch"] = 1.0 - zeroed / total if total else 1.0
+  side_total = sum(counts[("tokens", ("side", i))] for i in range(len(SIDES)))
+  if side_total:  # shares of all policy tokens, so the four sides of each add up to the whole
+    for i, name in enumerate(SIDES):
+      out[f"masked_frac_{name}"] = counts[("zeroed", ("side", i))] / side_total
+      out[f"clipped_frac_{name}"] = counts[("clipped", ("side", i))] / side_total
+    for q in (50, 90, 99):
+      out[f"ratio_p{q}"] = ratio_quantile(counts, q / 100)
   return out
