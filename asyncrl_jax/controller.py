@@ -85,8 +85,9 @@ class TrainingBatch:
   rewards: np.ndarray
   prompt_indices: list
   prompt_digests: list  # Prompt.digest of each group's question, in the order of prompt_indices
-  max_staleness_seen: int
-  mean_staleness: float
+  max_staleness_seen: int  # version minus the oldest token's version, over the batch
+  mean_staleness: float  # of that per trajectory
+  min_staleness_seen: int  # version minus the newest token's version (= max with pinned staleness)
   failed: int
 
 
@@ -357,6 +358,14 @@ class Controller:
       self._batch_states.pop(version, None)
     return self._assemble(groups, version)
 
+  def wait(self, timeout: float) -> None:
+    """Blocks until a trajectory is scored (or ``timeout`` seconds pass); raises a run-stopping
+    fault (``error``) as ``next_batch`` does."""
+    with self._cond:
+      if self.error is not None:
+        raise self.error
+      self._cond.wait(timeout=timeout)
+
   def missing(self, version: int) -> list[str]:
     """The request ids the batch of ``version`` still waits for (admitted, not yet scored)."""
     first = version * self.prompts_per_batch
@@ -386,7 +395,7 @@ class Controller:
                                            scale_by_std=self.scale_by_std)
     else:
       adv = np.zeros_like(rewards)
-    sequences, staleness, failed = [], [], 0
+    sequences, staleness, newest_seen, failed = [], [], [], 0
     for (g, rid), t, a, r in zip(ids, trajectories, np.asarray(adv), rewards):
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
@@ -404,6 +413,7 @@ class Controller:
                              f"token versions {oldest}..{newest}, {t.num_interruptions} "
                              "interruptions)")
       staleness.append(version - oldest)
+      newest_seen.append(version - newest)
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
                                               versions=t.versions, advantage=float(a),
                                               token_reward=float(r) if self.advantage == "value"
@@ -414,7 +424,8 @@ class Controller:
                          rewards=rewards,
                          prompt_indices=[g.prompt.index for g in groups],
                          prompt_digests=[g.prompt.digest for g in groups], max_staleness_seen=max_seen,
-                         mean_staleness=float(np.mean(staleness)) if staleness else 0.0, failed=failed)
+                         mean_staleness=float(np.mean(staleness)) if staleness else 0.0,
+                         min_staleness_seen=min(newest_seen, default=0), failed=failed)
 
   def close(self) -> None:
     self._rewards.close()

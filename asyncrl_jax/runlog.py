@@ -200,6 +200,7 @@ class RunLog:
         version=update["version"], time=time.time() - self.t_start, reward=float(batch.rewards.mean()),
         accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
         max_staleness_seen=batch.max_staleness_seen, mean_staleness=batch.mean_staleness,
+        min_staleness_seen=batch.min_staleness_seen,
         failed_rollouts=batch.failed, publish_blocked_seconds=transfer.seconds,
         transfer_seconds=transfer_seconds,
         tokens_per_s=self.rl_tokens / max(self.decode_seconds, 1e-9),

@@ -51,6 +51,7 @@ from asyncrl_jax.rollout.service import RolloutClient
 from asyncrl_jax.runlog import RunLog, say
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
+from asyncrl_jax.transfer import TransferStats
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
@@ -217,9 +218,43 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
     profile.close()
 
 
+class _Publisher:
+  """Hands the learner's weights to the decode servers after each version: at once
+  (``rl.staleness_mode="bounded"``), or, pinned, only once every rollout admitted under the weights
+  they hold has finished (``rl.staleness``'s module docstring); the learner then trains no version
+  that is not published yet."""
+
+  def __init__(self, config, backend, controller, learner: Learner):
+    self.pinned = config.rl.staleness_mode == "pinned"
+    self.backend, self.controller, self.learner = backend, controller, learner
+    self.published = learner.version  # (the backend starts with the learner's weights)
+
+  @property
+  def behind(self) -> bool:
+    """The learner holds weights the decode servers were not sent yet (pinned only)."""
+    return self.published < self.learner.version
+
+  def publish(self):
+    """Publishes the learner's version if the mode allows it now; returns its ``TransferStats``
+    (zero seconds and bytes when it waits)."""
+    if self.pinned and not self.controller.manager.exhausted(self.published):
+      return TransferStats(0.0, 0)
+    self.published = self.learner.version
+    return self.backend.update_weights(self.learner.params, self.learner.version)
+
+  def rollout_params(self):
+    """The decode servers' copy of the learner's current weights, when they hold them (else None)."""
+    return None if self.behind else getattr(self.backend, "rollout_params", None)
+
+
 def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, log: RunLog, ckpt,
                     meta: dict, profile: _Profile):
   learner = group.learner
+  publisher = _Publisher(config, backend, controller, learner)
+  if publisher.pinned and learner.version:
+    logging.warning("rl.staleness_mode=pinned resumed at version %d: the next %d batches are decoded "
+                    "under version %d (staleness below %d); from then on it is pinned again",
+                    learner.version, config.rl.max_staleness, learner.version, config.rl.max_staleness)
   accuracy = (meta.get("last_eval_accuracy", meta["initial_eval_accuracy"]),
               meta.get("last_eval_greedy_accuracy", meta["initial_eval_greedy_accuracy"]))
   log.start_rl(learner.version, backend.decode_stats())
@@ -235,6 +270,11 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
     # admission counts with the decode servers' version, which also moves when a pull lands or a
     # lagging server is dropped: admit whatever that freed, not only on arrivals and new versions
     controller.pump()
+    if publisher.behind:  # pinned: publish once the held weights' rollouts are all in, then train
+      publisher.publish()
+      if publisher.behind:
+        controller.wait(timeout=0.2)
+      continue
     batch = controller.next_batch(learner.version, timeout=1.0)
     if batch is None:
       if time.time() - waiting_since > 60:  # say what a long wait waits for
@@ -250,14 +290,14 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
       batch.sequences[0].advantages[:] = float("nan")
     profile.before(batch.version)
     update = group.train(batch.sequences, version=batch.version)
-    transfer = backend.update_weights(learner.params, learner.version)
+    transfer = publisher.publish()
     faults.at("push", learner.version)
     controller.pump()
     record = log.version_record(batch, update, transfer, backend.decode_stats(),
                                 transfer_seconds=backend.transfer_seconds)
     last = learner.version == config.steps
     if evaluate is not None and (learner.version % config.learner.eval_every == 0 or last):
-      rollout_params = getattr(backend, "rollout_params", None)
+      rollout_params = publisher.rollout_params()
       accuracy, figures = group.evaluate(lambda: evaluate.run(learner, rollout_params))
       record.update(eval_accuracy=accuracy[0], eval_greedy_accuracy=accuracy[1], **figures)
     log.append(record, batch)

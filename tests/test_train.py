@@ -92,6 +92,38 @@ def test_async_run_end_to_end(tmp_path):
   assert all(a["decode_slot_steps"] <= b["decode_slot_steps"] for a, b in zip(metrics, metrics[1:]))
 
 
+def _check_pinned(metrics, eta: int) -> None:
+  """Every token of the batch trained at version v (record ``version`` v + 1) was sampled by version
+  exactly max(0, v - eta): its oldest and newest tokens, over the whole batch, are min(v, eta) old."""
+  for m in metrics:
+    v = m["version"] - 1
+    want = min(v, eta)
+    assert m["max_staleness_seen"] == m["min_staleness_seen"] == want, (v, m["max_staleness_seen"],
+                                                                        m["min_staleness_seen"])
+    assert m["mean_staleness"] == want
+
+
+@pytest.mark.slow(62)
+def test_pinned_staleness_trains_every_batch_on_tokens_exactly_eta_versions_old(tmp_path):
+  """rl.staleness_mode=pinned, eta 3, the seeds' naive baseline: the batch of version v holds only
+  tokens of version v - 3 (version 0 for the first three), through the real decode server and
+  weight transfer. The control: with 3 decode slots decoding is the slower role, and the bounded
+  mode, on the same run, trains batches that mix versions (what pinning changes)."""
+  eta, steps = 3, 7
+  slow_decode = ["--config.rollout.num_slots=3", "--config.learner.eval_every=0"]
+  _run(tmp_path / "pinned", f"--config.steps={steps}", "--config.rl.staleness_mode=pinned",
+       f"--config.rl.max_staleness={eta}", "--config.rl.loss=ppo_recompute", *slow_decode)
+  metrics = [json.loads(l) for l in (tmp_path / "pinned" / "metrics.jsonl").read_text().splitlines()]
+  assert [m["version"] for m in metrics] == list(range(1, steps + 1))
+  _check_pinned(metrics, eta)
+  assert all("learning_rate" in m and m["kl_behav"] >= 0 for m in metrics)
+  _run(tmp_path / "bounded", f"--config.steps={steps}", f"--config.rl.max_staleness={eta}",
+       "--config.rl.loss=ppo_recompute", *slow_decode)
+  bounded = [json.loads(l) for l in (tmp_path / "bounded" / "metrics.jsonl").read_text().splitlines()]
+  assert any(m["max_staleness_seen"] != min(m["version"] - 1, eta) or
+             m["min_staleness_seen"] != m["max_staleness_seen"] for m in bounded)
+
+
 def _latest_checkpoint(workdir):
   root = workdir / "checkpoints"
   steps = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.exists() else []
@@ -436,6 +468,20 @@ def test_the_pods_twin_runs_single_rollout_value_mode_with_evaluation_and_resume
   assert summary["steps"] == 6 and [m["version"] for m in metrics] == [1, 2, 3, 4, 5, 6]
   assert [m["version"] for m in metrics if "eval_value_explained_variance" in m] == [2, 4, 6]
   assert not (run / "learners" / "learner-1.log").read_text().count("Traceback")
+
+
+@pytest.mark.slow(27)
+def test_the_pods_twin_pins_staleness_with_a_decode_server_process(tmp_path):
+  """Pinned staleness across processes (launch/local.sh: a learner and a decode-server process,
+  weights pulled over the transfer server): every batch's tokens are exactly eta versions old."""
+  run = tmp_path / "run"
+  run.mkdir()
+  eta, steps = 2, 6
+  out = _twin_wait(_twin_start(run, 1, 1, steps, "--config.rl.staleness_mode=pinned",
+                               f"--config.rl.max_staleness={eta}", "--config.rl.loss=ppo_recompute"))
+  summary, metrics, _ = _twin_results(run)
+  assert summary["steps"] == steps and summary["decode_servers"] == 1, out[-3000:]
+  _check_pinned(metrics, eta)
 
 
 @pytest.mark.slow(17)

@@ -18,6 +18,15 @@ policy at most ``eta`` versions old. The count bound keeps such drops rare.
 
 ``eta = 0`` is synchronous RL: a whole batch is generated under version ``i`` before any rollout for
 version ``i + 1`` may start, and nothing is ever dropped.
+
+Pinned staleness (``rl.staleness_mode="pinned"``, for ablations): the bound says how old data *may*
+be; how old it *is* then depends on how fast decoding runs against the learner, which differs
+between objectives and machines. Pinned, the decode servers receive version ``p + 1`` only once
+every rollout the bound admits under ``p`` has finished (``StalenessManager.exhausted``), and the
+learner trains version ``p + 1`` only once it is published. Batches are formed in admission order,
+so batch ``k`` is admitted while the servers hold exactly ``max(0, k - eta)`` and decoded under it
+alone (nothing is in flight when weights change, so nothing is interrupted): every token trained
+at version ``v`` is exactly ``min(v, eta)`` versions old.
 """
 
 from __future__ import annotations
@@ -120,6 +129,13 @@ class StalenessManager:
     if n > self._state.running:
       raise ValueError(f"{n} rollouts finished but only {self._state.running} were running")
     self._state.running -= n
+
+  def exhausted(self, version: int) -> bool:
+    """Whether every rollout the bound admits at ``version`` was admitted and has finished (none
+    running): the moment pinned staleness may hand the decode servers ``version + 1``."""
+    with self._lock:
+      s = self._state
+      return s.running == 0 and s.accepted >= (self.max_staleness + version + 1) * self.batch_size
 
   def restore(self, version: int) -> None:
     with self._lock:

@@ -84,3 +84,26 @@ def test_within_bound_by_hand():
   assert within_bound(version=5, oldest_token_version=3, max_staleness=2)
   assert not within_bound(version=5, oldest_token_version=3, max_staleness=1)
   assert within_bound(version=0, oldest_token_version=0, max_staleness=0)  # synchronous: on-policy
+
+
+def test_exhausted_only_once_every_rollout_the_bound_admits_has_finished():
+  """Pinned staleness publishes version p + 1 at this moment: with B = 4 and eta = 1, version 0
+  admits 8 rollouts (batches 0 and 1); exhausted only when all 8 are admitted and finished."""
+  m = StalenessManager(batch_size=4, max_staleness=1, max_concurrent=3)
+  assert not m.exhausted(0)
+  finished = 0
+  while finished < 8:
+    assert not m.exhausted(0)
+    n = m.try_submit(3, 0)
+    assert not m.exhausted(0)  # (running: in flight)
+    m.accept(n)
+    finished += n
+    assert m.exhausted(0) == (finished == 8)
+  assert m.try_submit(1, 0) == 0  # nothing more under version 0
+  assert not m.exhausted(1) and m.try_submit(4, 1) == 3  # version 1 admits batch 2
+  m.accept(3)
+  assert not m.exhausted(1)  # (one more of batch 2 to go)
+  m.reject(m.try_submit(1, 1))  # a rejected rollout does not count as finished work
+  assert not m.exhausted(1)
+  m.accept(m.try_submit(1, 1))
+  assert m.exhausted(1)
