@@ -13,6 +13,7 @@ Sections:
   rl          objective (``loss``), clipping, staleness bound ``max_staleness`` (eta), advantages
   mesh        device split between rollout and learner, and each role's mesh shape
   checkpoint  Orbax checkpointing cadence
+  monitor     the health monitor's thresholds (signatures of collapse, ``rl.health``)
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ def _learner_section() -> ml_collections.ConfigDict:
       # compile every micro-batch shape (one per row-length bucket up to the longest sequence) at
       # start, applying nothing, so that no version stalls on a compilation mid-run
       warm_up=True,
+      # stop (with a checkpoint, exit 1, naming the signal) at the first alarm of the health monitor
+      stop_on_alarm=False,
       # a jax profiler trace of the whole process (decode, learner, host) over profile_versions
       # policy versions from profile_start, in WORKDIR/profile (-1: none)
       profile_start=-1, profile_versions=3,
@@ -165,6 +168,10 @@ def _rl_section() -> ml_collections.ConfigDict:
       staleness_mode="bounded",
       # DIS masks only the tokens whose drift agrees with their advantage (rl.losses.dis_loss)
       dis_sign_aware=False,
+      # data shaping (DAPO; controller): drop groups whose rewards are all equal and fill the batch
+      # from the next groups; give completions cut by the length budget loss weight 0; a soft
+      # penalty on the reward over the last overlong_penalty_len tokens of the budget (0: none)
+      filter_uniform_groups=False, overlong_filter=False, overlong_penalty_len=0,
       correction=_correction_section(),
       # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
       # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
@@ -195,6 +202,20 @@ def _mesh_section() -> ml_collections.ConfigDict:
   ))
 
 
+def _monitor_section() -> ml_collections.ConfigDict:
+  """The health monitor's thresholds (``rl.health``): each signature of collapse alarms past its
+  bound (0 or inf: off); averages over the last ``window`` versions."""
+  return ml_collections.ConfigDict(dict(
+      window=5,
+      reward_drop=0.15,  # batch reward below its best window average by this much
+      eval_drop=0.10,  # held-out accuracy below its best evaluation by this much
+      entropy_floor=0.2,  # mean token entropy below this fraction of its first window's
+      truncated_max=0.5,  # share of completions cut by the length budget above this
+      ratio_p99_max=10.0,  # 99th percentile of pi_theta / pi_behav above this
+      masked_max=0.5,  # share of policy tokens given weight 0 above this
+  ))
+
+
 def _checkpoint_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       every_steps=20, max_to_keep=3, async_save=True,
@@ -213,6 +234,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.rl = _rl_section()
   c.mesh = _mesh_section()
   c.checkpoint = _checkpoint_section()
+  c.monitor = _monitor_section()
   return c
 
 
@@ -270,6 +292,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_rl(config)
   _validate_mesh(config)
   _validate_checkpoint(config)
+  _validate_monitor(config)
   return config
 
 
@@ -399,6 +422,8 @@ def _validate_learner(config) -> None:
   _check(isinstance(config.learner.remat, bool), "learner.remat", config.learner.remat, "True or False")
   _check(isinstance(config.learner.warm_up, bool), "learner.warm_up", config.learner.warm_up,
          "True or False")
+  _check(isinstance(config.learner.stop_on_alarm, bool), "learner.stop_on_alarm",
+         config.learner.stop_on_alarm, "True or False")
   _number(config, "learner.vocab_chunk", lambda v: v >= 0, "an integer >= 0 (0: no chunking)",
           integer=True)
   _number(config, "learner.profile_start", lambda v: v >= -1, "a policy version >= 0, or -1 (no trace)",
@@ -421,6 +446,13 @@ def _validate_rl(config) -> None:
   _check(isinstance(config.rl.dis_sign_aware, bool), "rl.dis_sign_aware", config.rl.dis_sign_aware,
          "True or False")
   _validate_correction(config)
+  for flag in ("filter_uniform_groups", "overlong_filter"):
+    _check(isinstance(config.rl[flag], bool), f"rl.{flag}", config.rl[flag], "True or False")
+  _check(not (config.rl.filter_uniform_groups and config.rl.advantage != "group"),
+         "rl.filter_uniform_groups", True, "needs rl.advantage='group' (a group of rewards to compare)")
+  _number(config, "rl.overlong_penalty_len", lambda v: 0 <= v < config.data.max_completion_len,
+          f"an integer in [0, data.max_completion_len={config.data.max_completion_len}) (0: none)",
+          integer=True)
   _number(config, "rl.eps_clip", lambda v: 0 < v < 1, "a number in (0, 1)")
   _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
           "1 - eps_low > 0")
@@ -482,6 +514,15 @@ def _validate_mesh(config) -> None:
 def _validate_checkpoint(config) -> None:
   _number(config, "checkpoint.every_steps", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "checkpoint.max_to_keep", lambda v: v >= 1, "an integer >= 1", integer=True)
+
+
+def _validate_monitor(config) -> None:
+  _number(config, "monitor.window", lambda v: v >= 1, "an integer >= 1", integer=True)
+  for f in ("reward_drop", "eval_drop", "truncated_max", "masked_max"):
+    _number(config, f"monitor.{f}", lambda v: v >= 0, "a number >= 0 (0 or inf: off)", allow_inf=True)
+  _number(config, "monitor.entropy_floor", lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)")
+  _number(config, "monitor.ratio_p99_max", lambda v: v == 0 or v > 1, "a number > 1 (0 or inf: off)",
+          allow_inf=True)
 
 
 def _check_same_fields(config, expected, prefix: str) -> None:

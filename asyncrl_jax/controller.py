@@ -11,6 +11,16 @@ makes the set of trained prompts a function of the seed and the number of steps 
 makes resuming exact: a checkpoint at version ``k`` resumes the prompt stream at batch ``k``'s first
 prompt.
 
+Data shaping (DAPO, Yu et al. 2025), each off by default: ``rl.filter_uniform_groups`` drops a group
+whose rewards are all equal (no advantage signal) as soon as it is scored, gives its places back to
+admission (``StalenessManager.drop_accepted``) and forms each batch from the next ``P`` informative
+groups in admission order instead, so a batch still holds ``P`` groups; the staleness bound still
+holds (every admitted group counts until it is dropped, and batches consume groups at least as fast
+as before) and resuming stays exact (a checkpoint records where its next batch starts).
+``rl.overlong_filter`` gives completions cut by the length budget loss weight 0 (they stay in the
+normaliser); ``rl.overlong_penalty_len`` (``L``) adds DAPO's soft overlong penalty to the reward of
+a completion longer than ``max_new_tokens - L``: ``-(n - (max_new_tokens - L)) / L``.
+
 Duplicate deliveries are dropped by trajectory id. A rollout that comes back aborted, failed
 (``finish_reason == "error"``) or malformed (``check_trajectory``: a prompt other than the request's,
 tokens outside the vocabulary, versions that decrease or come from the future, log-probs that are not
@@ -71,6 +81,7 @@ class _Group:
   trajectories: dict = dataclasses.field(default_factory=dict)  # id -> Trajectory
   rewards: dict = dataclasses.field(default_factory=dict)  # id -> float
   admitted_at: int = -1  # the version admission counted with
+  filtered: bool = False  # dropped by rl.filter_uniform_groups (all rewards equal)
 
   @property
   def complete(self) -> bool:
@@ -89,6 +100,25 @@ class TrainingBatch:
   mean_staleness: float  # of that per trajectory
   min_staleness_seen: int  # version minus the newest token's version (= max with pinned staleness)
   failed: int
+  filtered_groups: int = 0  # groups skipped to form this batch (rl.filter_uniform_groups)
+  overlong_filtered: int = 0  # trajectories given loss weight 0 (rl.overlong_filter)
+  overlong_penalty: float = 0.0  # mean soft overlong penalty added to the rewards (rl.overlong_penalty_len)
+
+
+def uniform(rewards) -> bool:
+  """Whether a group's rewards are all equal (its group-relative advantages are all 0)."""
+  values = list(rewards)
+  return max(values) - min(values) == 0.0 if values else True
+
+
+def overlong_penalty(length: int, max_new_tokens: int, cache: int) -> float:
+  """DAPO's soft overlong penalty: 0 up to ``max_new_tokens - cache`` tokens, then falling linearly
+  to -1 at ``max_new_tokens`` (``cache`` = 0: none). Completions never exceed ``max_new_tokens``
+  here (the decode server stops them), so DAPO's -1 beyond it does not arise."""
+  if cache <= 0:
+    return 0.0
+  start = max_new_tokens - cache
+  return -min(max(length - start, 0), cache) / cache
 
 
 def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int
@@ -132,7 +162,9 @@ class Controller:
                reward_source: str = "exact_answer", max_retries: int = 2,
                newest_version: Optional[Callable[[], int]] = None,
                max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None,
-               min_new_tokens: int = 0, lengths: Optional[LengthWorkload] = None, seed: int = 0):
+               min_new_tokens: int = 0, lengths: Optional[LengthWorkload] = None, seed: int = 0,
+               filter_uniform_groups: bool = False, overlong_filter: bool = False,
+               overlong_penalty_len: int = 0):
     if advantage not in ("group", "value"):
       raise ValueError(f"advantage={advantage!r} must be 'group' or 'value'")
     if batch_size % group_size:
@@ -163,9 +195,20 @@ class Controller:
     # token, for the learner's critic (asyncrl_jax.critic), so no trajectory waits for another's
     self.advantage = advantage
     self.reward_source = reward_source
+    if filter_uniform_groups and advantage != "group":
+      raise ValueError("filter_uniform_groups needs group advantages (a group of rewards to compare)")
+    if not 0 <= overlong_penalty_len < max_new_tokens:
+      raise ValueError(f"overlong_penalty_len={overlong_penalty_len} must be in [0, max_new_tokens="
+                       f"{max_new_tokens})")
+    self.filter_uniform_groups, self.overlong_filter = filter_uniform_groups, overlong_filter
+    self.overlong_penalty_len = overlong_penalty_len
     self._groups: dict[int, _Group] = {}
     self._seen: set[str] = set()
-    self._batch_states: dict[int, dict] = {}
+    # prompt-stream state at each admitted group not yet trained (a batch may start at any of them)
+    self._states: dict[int, dict] = {}
+    # the first group of the next batch, and that batch's version (batches are consumed in order)
+    self._next_group, self._next_version = prompts.next_index, manager.trained_versions
+    self.filtered_groups = 0
     self._cond = threading.Condition()
     self.newest_version = newest_version or version  # no token may be newer than this
     self.max_retries = max_retries
@@ -197,7 +240,10 @@ class Controller:
                newest_version=newest_version, max_prompt_len=config.data.max_prompt_len,
                sampling=SamplingSettings.from_config(config).record(),
                min_new_tokens=config.rollout.min_new_tokens,
-               lengths=LengthWorkload.parse(config.rollout.length_workload), seed=config.seed)
+               lengths=LengthWorkload.parse(config.rollout.length_workload), seed=config.seed,
+               filter_uniform_groups=config.rl.filter_uniform_groups,
+               overlong_filter=config.rl.overlong_filter,
+               overlong_penalty_len=config.rl.overlong_penalty_len)
 
   # ------------------------------------------------------------------ admission
 
@@ -217,8 +263,7 @@ class Controller:
         if self.manager.capacity(version) < self.group_size:
           return started
         index = self.prompts.next_index
-        if index % self.prompts_per_batch == 0:
-          self._batch_states[index // self.prompts_per_batch] = self.prompts.get_state()
+        self._states[index] = self.prompts.get_state()
         admitted = self.manager.try_submit(self.group_size, version)
         if admitted < self.group_size:  # lost a race with another pump: give the places back
           self.manager.reject(admitted)
@@ -254,12 +299,13 @@ class Controller:
       self._on_reward(t, 0.0)
 
   def data_state_for(self, batch_index: int) -> dict:
-    """Prompt-stream state at the first prompt of ``batch_index`` (for checkpoints)."""
+    """Prompt-stream state at the first prompt of ``batch_index``, the next batch (for checkpoints)."""
     with self._cond:
-      if batch_index in self._batch_states:
-        return self._batch_states[batch_index]
-      if self.prompts.next_index == batch_index * self.prompts_per_batch:
-        return self.prompts.get_state()
+      if batch_index == self._next_version:
+        if self._next_group in self._states:
+          return self._states[self._next_group]
+        if self.prompts.next_index == self._next_group:
+          return self.prompts.get_state()
     raise KeyError(f"no prompt-stream state recorded for batch {batch_index}")
 
   # ------------------------------------------------------------------ arrivals
@@ -330,33 +376,60 @@ class Controller:
     return ("malformed", problem) if problem else ("", "")
 
   def _on_reward(self, t: Trajectory, reward: float) -> None:
+    dropped = 0
     with self._cond:
       t.reward = reward
       t.reward_source = self.reward_source if t.finish_reason != "error" else "failed_rollout"
-      self._groups[t.group_id].rewards[t.trajectory_id] = reward
+      group = self._groups[t.group_id]
+      group.rewards[t.trajectory_id] = reward
+      if self.filter_uniform_groups and group.complete and uniform(group.rewards.values()):
+        group.filtered = True  # no signal: its places go back to admission, the batch takes the next
+        self.filtered_groups += 1
+        dropped = len(group.requests)
+        self.manager.drop_accepted(dropped)
       self._cond.notify_all()
+    if dropped:
+      self.pump()
 
   # ------------------------------------------------------------------ batches
 
+  def _scan(self) -> tuple[list, int, bool]:
+    """From the next batch's first group, in admission order: (the informative groups' indices, up
+    to ``P``; the index after the last group looked at; whether they are all complete)."""
+    taken, index = [], self._next_group
+    while len(taken) < self.prompts_per_batch:
+      group = self._groups.get(index)
+      if group is None or not group.complete:
+        return taken, index, False
+      if not group.filtered:
+        taken.append(index)
+      index += 1
+    return taken, index, True
+
   def next_batch(self, version: int, timeout: Optional[float] = None) -> Optional[TrainingBatch]:
-    """Blocks until the batch that trains ``version`` (batch index == version) is complete; ``None``
-    on timeout. Raises ``VersionMismatch`` if an older batch was never handed out or this one already
-    was: batches are consumed one per version, in order."""
-    first = version * self.prompts_per_batch
-    indices = list(range(first, first + self.prompts_per_batch))
+    """Blocks until the batch that trains ``version`` is complete; ``None`` on timeout. Raises
+    ``VersionMismatch`` unless ``version`` is the next batch's: batches are consumed one per version,
+    in order. A batch is the next ``P`` groups in admission order (the next ``P`` informative ones
+    with ``rl.filter_uniform_groups``)."""
     deadline = None if timeout is None else time.time() + timeout
     with self._cond:
       self._check_batch_index(version)
-      while not all(i in self._groups and self._groups[i].complete for i in indices):
+      while True:
+        taken, end, ready = self._scan()
+        if ready:
+          break
         if self.error is not None:
           raise self.error
         remaining = None if deadline is None else deadline - time.time()
         if remaining is not None and remaining <= 0:
           return None
         self._cond.wait(timeout=remaining if remaining is not None else 1.0)
-      groups = [self._groups.pop(i) for i in indices]
-      self._batch_states.pop(version, None)
-    return self._assemble(groups, version)
+      skipped = [self._groups.pop(i) for i in range(self._next_group, end) if i not in taken]
+      groups = [self._groups.pop(i) for i in taken]
+      for i in range(self._next_group, end):
+        self._states.pop(i, None)
+      self._next_group, self._next_version = end, version + 1
+    return self._assemble(groups, version, filtered=len(skipped))
 
   def wait(self, timeout: float) -> None:
     """Blocks until a trajectory is scored (or ``timeout`` seconds pass); raises a run-stopping
@@ -367,36 +440,41 @@ class Controller:
       self._cond.wait(timeout=timeout)
 
   def missing(self, version: int) -> list[str]:
-    """The request ids the batch of ``version`` still waits for (admitted, not yet scored)."""
-    first = version * self.prompts_per_batch
+    """The request ids the batch of ``version`` still waits for (admitted, not yet scored), as far as
+    its groups are known (with group filtering, later groups may still join it)."""
     with self._cond:
-      return [i for p in range(first, first + self.prompts_per_batch) if p in self._groups
-              for i in sorted(self._groups[p].requests) if i not in self._groups[p].rewards]
+      if version != self._next_version:
+        return []
+      _, end, _ = self._scan()
+      groups = [self._groups[i] for i in range(self._next_group, end + 1) if i in self._groups]
+      return [i for g in groups for i in sorted(g.requests) if i not in g.rewards]
 
   def _check_batch_index(self, version: int) -> None:
-    """The oldest batch this controller still holds must be the one for ``version``."""
-    first = version * self.prompts_per_batch
-    oldest = min(self._groups, default=None)
-    if oldest is not None and oldest < first:
-      raise VersionMismatch(f"the controller's oldest untrained batch is {oldest // self.prompts_per_batch}"
-                            f", but the learner asks for the batch of version {version}")
-    if first not in self._groups and self.prompts.next_index > first:
+    """The next batch this controller forms must be the one for ``version``."""
+    if version < self._next_version:
       raise VersionMismatch(f"the batch of version {version} was already handed out (the controller has "
                             f"admitted prompts up to {self.prompts.next_index - 1}); the learner's "
                             "version fell behind its batches")
+    if version > self._next_version:
+      raise VersionMismatch(f"the controller's oldest untrained batch is {self._next_version}, but the "
+                            f"learner asks for the batch of version {version}")
 
-  def _assemble(self, groups, version: int) -> TrainingBatch:
+  def _assemble(self, groups, version: int, filtered: int = 0) -> TrainingBatch:
     ids = [(g, i) for g in groups for i in sorted(g.requests)]
     trajectories = [g.trajectories[i] for g, i in ids]
     rewards = np.array([g.rewards[i] for g, i in ids], np.float32)
+    penalty = np.array([overlong_penalty(len(t.completion_tokens), g.requests[i].max_new_tokens,
+                                         self.overlong_penalty_len) for (g, i), t in zip(ids, trajectories)],
+                       np.float32)
+    shaped = rewards + penalty  # (the batch reports the task's rewards; advantages see the penalty)
     group_ids = np.repeat(np.arange(len(groups)), self.group_size)
     if self.advantage == "group":
-      adv, _ = advantages.group_advantages(rewards, group_ids, num_groups=len(groups),
+      adv, _ = advantages.group_advantages(shaped, group_ids, num_groups=len(groups),
                                            scale_by_std=self.scale_by_std)
     else:
       adv = np.zeros_like(rewards)
-    sequences, staleness, newest_seen, failed = [], [], [], 0
-    for (g, rid), t, a, r in zip(ids, trajectories, np.asarray(adv), rewards):
+    sequences, staleness, newest_seen, failed, overlong = [], [], [], 0, 0
+    for (g, rid), t, a, r in zip(ids, trajectories, np.asarray(adv), shaped):
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
         continue
@@ -414,18 +492,23 @@ class Controller:
                              "interruptions)")
       staleness.append(version - oldest)
       newest_seen.append(version - newest)
+      cut = self.overlong_filter and t.finish_reason == "length"
+      overlong += cut
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
                                               versions=t.versions, advantage=float(a),
                                               token_reward=float(r) if self.advantage == "value"
                                               else None,
-                                              min_new_tokens=g.requests[rid].min_new_tokens))
+                                              min_new_tokens=g.requests[rid].min_new_tokens,
+                                              weight=0.0 if cut else 1.0))
     max_seen = max(staleness, default=0)
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
                          rewards=rewards,
                          prompt_indices=[g.prompt.index for g in groups],
                          prompt_digests=[g.prompt.digest for g in groups], max_staleness_seen=max_seen,
                          mean_staleness=float(np.mean(staleness)) if staleness else 0.0,
-                         min_staleness_seen=min(newest_seen, default=0), failed=failed)
+                         min_staleness_seen=min(newest_seen, default=0), failed=failed,
+                         filtered_groups=filtered, overlong_filtered=overlong,
+                         overlong_penalty=float(penalty.mean()) if len(penalty) else 0.0)
 
   def close(self) -> None:
     self._rewards.close()

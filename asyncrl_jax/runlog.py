@@ -199,8 +199,11 @@ class RunLog:
     return dict(
         version=update["version"], time=time.time() - self.t_start, reward=float(batch.rewards.mean()),
         accuracy=float((batch.rewards == 1.0).mean()), trained_tokens=tokens,
+        truncated_frac=float(np.mean([t.finish_reason == "length" for t in batch.trajectories]))
+        if batch.trajectories else 0.0,
         max_staleness_seen=batch.max_staleness_seen, mean_staleness=batch.mean_staleness,
-        min_staleness_seen=batch.min_staleness_seen,
+        min_staleness_seen=batch.min_staleness_seen, filtered_groups=batch.filtered_groups,
+        overlong_filtered=batch.overlong_filtered, overlong_penalty=batch.overlong_penalty,
         failed_rollouts=batch.failed, publish_blocked_seconds=transfer.seconds,
         transfer_seconds=transfer_seconds,
         tokens_per_s=self.rl_tokens / max(self.decode_seconds, 1e-9),
@@ -210,8 +213,12 @@ class RunLog:
         **process_memory(),  # (learner process 0, and the decode server when it runs here)
         **{k: v for k, v in update.items() if k != "version"})
 
-  def append(self, record: dict, batch) -> None:
-    """Writes a version's record (metrics.jsonl, TensorBoard, progress bar) and its trained prompts."""
+  def append(self, record: dict, batch, alarms: tuple = ()) -> None:
+    """Writes a version's record (metrics.jsonl, TensorBoard, progress bar) and its trained prompts;
+    ``alarms``: the health monitor's signals active at this version (shown on the progress bar, and
+    as ``alarm_<signal>`` = 1 in TensorBoard)."""
+    if alarms:
+      record = dict(record, alarms=list(alarms))
     _append_jsonl(self.metrics_path, record)
     self.history.append(record)
     _append_jsonl(self.prompts_path, {"version": batch.version, "prompts": batch.prompt_indices,
@@ -222,11 +229,14 @@ class RunLog:
     for k, v in record.items():
       if isinstance(v, (int, float)):
         self._writer.add_scalar(k, v, record["version"])
+    for signal in alarms:
+      self._writer.add_scalar(f"alarm_{signal}", 1.0, record["version"])
     self._last_eval = record.get("eval_accuracy", self._last_eval)
     self._bar.update(1)
     self._bar.set_postfix(reward=f"{record['reward']:.2f}", v=record["version"],
                           stale=batch.max_staleness_seen, tok_s=f"{record['tokens_per_s']:.0f}",
-                          **({"eval": f"{self._last_eval:.2f}"} if self._last_eval is not None else {}))
+                          **({"eval": f"{self._last_eval:.2f}"} if self._last_eval is not None else {}),
+                          **({"ALARM": ",".join(alarms)} if alarms else {}))
 
   def close(self) -> None:
     if self._bar is not None:

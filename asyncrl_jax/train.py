@@ -44,6 +44,7 @@ from asyncrl_jax.evaluation import RunEvaluation
 from asyncrl_jax.learner import Learner, NonFiniteError
 from asyncrl_jax.learner_group import LearnerGroup
 from asyncrl_jax.rewards import reward_fn
+from asyncrl_jax.rl.health import HealthMonitor, Thresholds
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.registry import Registry
@@ -251,6 +252,7 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
                     meta: dict, profile: _Profile):
   learner = group.learner
   publisher = _Publisher(config, backend, controller, learner)
+  monitor = HealthMonitor(Thresholds.from_config(config), log.history)  # (replayed on resume)
   if publisher.pinned and learner.version:
     logging.warning("rl.staleness_mode=pinned resumed at version %d: the next %d batches are decoded "
                     "under version %d (staleness below %d); from then on it is pinned again",
@@ -300,12 +302,27 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
       rollout_params = publisher.rollout_params()
       accuracy, figures = group.evaluate(lambda: evaluate.run(learner, rollout_params))
       record.update(eval_accuracy=accuracy[0], eval_greedy_accuracy=accuracy[1], **figures)
-    log.append(record, batch)
+    alarms = monitor.observe(record)
+    for alarm in alarms:
+      say(f"ALARM (health monitor): {alarm}")
+    log.append(record, batch, alarms=tuple(monitor.active))
     profile.after(learner.version)
-    if learner.version % config.checkpoint.every_steps == 0 or last:
+    stop = alarms and config.learner.stop_on_alarm
+    if learner.version % config.checkpoint.every_steps == 0 or last or stop:
       meta.update(last_eval_accuracy=accuracy[0], last_eval_greedy_accuracy=accuracy[1])
       group.save(ckpt.run_meta(learner, controller, meta))
+    if stop:
+      say(f"learner.stop_on_alarm: stopped at policy version {learner.version} of {config.steps} with "
+          f"a checkpoint ({'; '.join(map(str, alarms))})")
+      return _AlarmStop(accuracy, alarms)
   return accuracy
+
+
+@dataclasses.dataclass
+class _AlarmStop:
+  """``_train_versions``' outcome when ``learner.stop_on_alarm`` stopped the run."""
+  accuracy: tuple
+  alarms: list
 
 
 def _preempted(config, group: LearnerGroup, controller, ckpt, meta: dict, accuracy) -> None:
@@ -449,6 +466,9 @@ def run(config, workdir: str) -> dict:
     ckpt.close()  # (waits for the last write)
   if final is None:  # preempted: the checkpoint is written, the summary is the resumed run's
     return {"preempted_at_version": learner.version}
+  alarms = []
+  if isinstance(final, _AlarmStop):
+    final, alarms = final.accuracy, [str(a) for a in final.alarms]
   summary = log.summary(
       meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
@@ -460,6 +480,7 @@ def run(config, workdir: str) -> dict:
       decode_server_faults=dict(getattr(backend, "faults", {})),
       decode_server_events=list(getattr(backend, "events", [])),
       learner_processes=jax.process_count(), decode_servers=backend.num_servers,
+      stopped_on_alarm=alarms,
       transfer_bytes_sent=list(getattr(backend, "bytes_by_source", [])),
       devices={"rollout": dict(meshes.rollout.shape) if meshes.rollout else meshes.remote,
                "learner": dict(meshes.learner.shape)})
@@ -502,6 +523,12 @@ def main(argv=None) -> None:
       os._exit(0)  # pylint: disable=protected-access
     if multi:
       jax.distributed.shutdown()
+    if result.get("stopped_on_alarm"):  # (process 0's summary; the others return {})
+      print(f"error: the health monitor stopped the run (learner.stop_on_alarm): "
+            f"{'; '.join(result['stopped_on_alarm'])}; the checkpoint of version {result['steps']} is "
+            "written (raise the monitor.* threshold or set learner.stop_on_alarm=False to go on)",
+            file=sys.stderr)
+      sys.exit(1)
 
   app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 

@@ -64,9 +64,26 @@ ARMS = {
     "dis": ("dis", []),
     "sao": ("dis", ["--config.rl.advantage=value", "--config.rl.group_size=1",
                     "--config.rl.value_pretrain_versions=5"]),
+    # the seeds' naive baseline: PPO with the old log-probs recomputed before the update
+    "ppo_recompute": ("ppo_recompute", []),
+    # AReaL's shipped guard: drop tokens whose behaviour weight exceeds 5, no truncation
+    "decoupled_ppo_cap5": ("decoupled_ppo", ["--config.rl.behav_weight_cap=5",
+                                             "--config.rl.behav_weight_clip=inf"]),
+    # corrections on the naive baseline: truncated IS of pi_prox / pi_behav at 2 (TIS), and
+    # IcePop's token mask [0.5, 2] on the same ratio
+    "ppo_recompute_tis2": ("ppo_recompute", ["--config.rl.correction.ratio=prox",
+                                             "--config.rl.correction.tis_cap=2"]),
+    "ppo_recompute_icepop": ("ppo_recompute", ["--config.rl.correction.ratio=prox",
+                                               "--config.rl.correction.icepop_low=0.5",
+                                               "--config.rl.correction.icepop_high=2"]),
+    "dis_sign_aware": ("dis", ["--config.rl.dis_sign_aware=True"]),
 }
 UNBOUNDED = "unbounded"
 ETAS = [0, 2, 4, 8, 16, UNBOUNDED]
+# rl.staleness_mode=pinned: eta is the staleness of every token (no "unbounded": pinned to the run's
+# length, every batch would be decoded by version 0)
+PINNED_ETAS = [0, 4, 8, 16]
+PINNED_ARMS = ["ppo_recompute", "ppo", "decoupled_ppo", "decoupled_ppo_cap5", "dis", "ppo_recompute_tis2"]
 # The regime where staleness can hurt (the search is in RESULTS.md): the probe's learning rate and
 # optimizer updates per batch, where KL(behaviour || current) at eta 8 is already 0.1-0.3.
 GRID = dict(overrides=["--config.learner.learning_rate=3e-4", "--config.learner.ppo_minibatches=2"],
@@ -151,6 +168,13 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
               evals={h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h},
               kl_behav=mean("kl_behav"), clipped_frac=mean("clipped_frac"),
               dropped_frac=mean("dropped_frac"), mean_staleness=mean("mean_staleness"),
+              ratio_p50=mean("ratio_p50"), ratio_p90=mean("ratio_p90"), ratio_p99=mean("ratio_p99"),
+              ratio_max=max((h["ratio_max"] for h in history if "ratio_max" in h), default=None),
+              sides={k: mean(k) for k in (f"{w}_frac_{side}" for w in ("masked", "clipped")
+                                          for side in ("hi_pos", "hi_neg", "lo_pos", "lo_neg"))
+                     if mean(k) is not None},
+              curves={k: [h.get(k) for h in history] for k in ("reward", "entropy", "ratio_p99",
+                                                               "learning_rate", "dropped_frac")},
               max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"],
               value_explained_variance=mean("eval_value_explained_variance"),
               selection=_selection(history))
@@ -162,6 +186,14 @@ def paired_differences(runs: list, arm: str, reference: str = "ppo") -> list:
   ref = {(r["eta"], r["seed"]): r["final"] for r in runs if r["arm"] == reference and r["final"] is not None}
   return [r["final"] - ref[(r["eta"], r["seed"])] for r in runs
           if r["arm"] == arm and r["eta"] != 0 and r["final"] is not None and (r["eta"], r["seed"]) in ref]
+
+
+def against_eta0(runs: list, arm: str, eta) -> list:
+  """``arm``'s final pass@1 at ``eta`` minus its own at eta 0, one per seed where both ran (paired:
+  same warm start, seed and objective; only the staleness differs)."""
+  base = {r["seed"]: r["final"] for r in runs if r["arm"] == arm and r["eta"] == 0 and r["final"] is not None}
+  return [r["final"] - base[r["seed"]] for r in runs
+          if r["arm"] == arm and r["eta"] == eta and r["final"] is not None and r["seed"] in base]
 
 
 def staleness_fit(runs: list, arm: str):
@@ -189,9 +221,15 @@ def main(argv=None) -> int:
                  help="probe: the eta-8 regime of the decoupled-vs-naive diagnosis (module docstring)")
   p.add_argument("--quick", action="store_true",
                  help=f"eta {QUICK['etas']}, arms {QUICK['arms']}, one seed, {QUICK['steps']} versions")
+  p.add_argument("--staleness-mode", choices=("bounded", "pinned"), default="bounded",
+                 help="rl.staleness_mode of every arm; pinned: every token trained at version v was "
+                 "sampled by version max(0, v - eta), so eta is the staleness itself (result name "
+                 "NAME_pinned, etas {PINNED_ETAS}, arms {PINNED_ARMS} by default)")
   p.add_argument("--etas", type=_parse_eta, nargs="*", default=None,
-                 help=f"integers >= 0 or {UNBOUNDED!r} (default {' '.join(map(str, ETAS))})")
-  p.add_argument("--arms", nargs="*", default=None, choices=list(ARMS), help="default: all")
+                 help=f"integers >= 0 or {UNBOUNDED!r} (default {' '.join(map(str, ETAS))}; pinned "
+                 f"{' '.join(map(str, PINNED_ETAS))})")
+  p.add_argument("--arms", nargs="*", default=None, choices=list(ARMS),
+                 help=f"default: {list(ARMS)[:4]}; pinned {PINNED_ARMS}")
   p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3; quick 1)")
   p.add_argument("--steps", type=int, default=None, help=f"policy versions per arm (default {GRID['steps']})")
   p.add_argument("--workdir", default="", help="keep the runs here; a rerun reuses finished arms "
@@ -207,9 +245,17 @@ def main(argv=None) -> int:
   if args.regime == "probe":
     return probe(args)
   quick = args.quick
-  args.name = args.name or ("staleness_ablation_quick" if quick else "staleness_ablation")
-  etas = args.etas if args.etas is not None else (QUICK["etas"] if quick else ETAS)
-  arms = args.arms or (QUICK["arms"] if quick else list(ARMS))
+  pinned = args.staleness_mode == "pinned"
+  if pinned and UNBOUNDED in (args.etas or []):
+    raise SystemExit(f"--staleness-mode=pinned has no eta {UNBOUNDED!r}: every token would be "
+                     "decoded by version 0")
+  args.name = args.name or ("staleness_ablation_quick" if quick else "staleness_ablation") + (
+      "_pinned" if pinned else "")
+  if pinned:
+    args.override = ["--config.rl.staleness_mode=pinned", *args.override]
+  etas = args.etas if args.etas is not None else (QUICK["etas"] if quick else PINNED_ETAS if pinned
+                                                  else ETAS)
+  arms = args.arms or (QUICK["arms"] if quick else PINNED_ARMS if pinned else list(ARMS)[:4])
   seeds = list(range(args.seeds or (1 if quick else 3)))
   steps = args.steps or (QUICK["steps"] if quick else GRID["steps"])
   eval_every = max(1, steps // 4)
@@ -301,6 +347,17 @@ def main(argv=None) -> int:
     if base is not None and stale:
       worst = max(stale, key=lambda e: base - np.mean(cell(arm, e)))
       drops.append(f"{arm} {100 * (base - np.mean(cell(arm, worst))):.1f} at eta {worst}")
+  paired0 = []
+  for arm in arms:
+    cells = [(eta, against_eta0(runs, arm, eta)) for eta in etas if eta != 0]
+    cells = [(eta, d) for eta, d in cells if d]
+    for eta, d in cells:
+      result.setdefault(f"{arm}_minus_eta0", {})[str(eta)] = [float(x) for x in d]
+    if cells:
+      paired0.append(f"{arm}: " + ", ".join(f"eta {eta} {percent_cell(d)} (n={len(d)})" for eta, d in cells))
+  if paired0:
+    summaries.append("Against eta 0, seed by seed (each arm's pass@1 at eta minus its own at eta 0 with the "
+                     "same seed), in points, mean +- sd: " + "; ".join(paired0))
   if drops:
     summaries.append("Largest fall from eta 0, in points of mean pass@1 (each arm against its own eta-0 cell; "
                      "where an arm has none, against naive PPO's; negative: no fall): " + "; ".join(drops))

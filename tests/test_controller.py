@@ -353,3 +353,112 @@ def test_an_over_long_prompt_is_skipped_and_counted_and_drained_rollouts_are_pla
   assert ctl.rejected == {"drained": 1} and ctl.retried == 0  # placed again, not a retry
   assert [r.request_id for r in submitted].count("p0-s0") == 2
   ctl.close()
+
+
+# ----------------------------------------------------------------------------- data shaping (DAPO)
+
+
+def _shaping(eta=1, batch=4, group=2, **kw):
+  submitted, learner = [], _Learner()
+  mgr = StalenessManager(batch_size=batch, max_staleness=eta, max_concurrent=100)
+  prompts = PromptStream(_source(), seed=0, shard_index=0, shard_count=1)
+  ctl = Controller(prompts=prompts, tokenizer=TOK, submit=lambda *r: submitted.extend(r), manager=mgr,
+                   version=lambda: learner.version,
+                   reward=lambda text, answer: float(text.endswith("#" + answer)),
+                   batch_size=batch, group_size=group, max_new_tokens=8, **kw)
+  return ctl, learner, submitted, mgr
+
+
+def _answer_all(ctl, requests, right):
+  for r in requests:
+    ctl.on_trajectory(_answered(ctl, r, r.request_id in right))
+
+
+def _eventually(condition, timeout=10.0):
+  """(Rewards are scored on worker threads, and a dropped group's places are re-admitted there.)"""
+  import time  # pylint: disable=import-outside-toplevel
+  deadline = time.time() + timeout
+  while not condition():
+    assert time.time() < deadline, "condition not reached"
+    time.sleep(0.01)
+
+
+def test_uniform_groups_are_dropped_and_the_batch_filled_from_the_next_groups():
+  """Groups 0 (both wrong) and 2 (both right) carry no signal: batch 0 is groups 1 and 3, their places
+  went back to admission (which admitted groups 4 and 5 at once), and the checkpoint's next batch
+  starts after group 3. Without the filter the same deliveries make batch 0 of groups 0 and 1."""
+  right = {"p1-s0", "p2-s0", "p2-s1", "p3-s1", "p4-s0", "p5-s1"}
+  ctl, _, submitted, mgr = _shaping(filter_uniform_groups=True)
+  ctl.pump()
+  assert [r.group_id for r in submitted][::2] == [0, 1, 2, 3]  # (eta + 1) * B = 8 rollouts
+  _answer_all(ctl, submitted[:8], right)
+  b0 = ctl.next_batch(version=0, timeout=10)
+  assert b0.prompt_indices == [1, 3] and b0.filtered_groups == 2 and ctl.filtered_groups == 2
+  _eventually(lambda: len(submitted) == 12)
+  assert sorted({r.group_id for r in submitted}) == [0, 1, 2, 3, 4, 5]  # two groups' places came back
+  assert all(abs(float(s.advantages[s.mask > 0][0])) == 0.5 for s in b0.sequences)
+  assert mgr.state.accepted == 4 and mgr.state.running == 4  # groups 1, 3 accepted; 4, 5 running
+  state = ctl.data_state_for(1)
+  resumed = PromptStream(_source(), seed=0, shard_index=0, shard_count=1)
+  resumed.set_state(state)
+  assert resumed.next_index == 4  # a resume starts at the first group after batch 0's last
+  _answer_all(ctl, submitted[8:12], right)
+  assert ctl.next_batch(version=1, timeout=10).prompt_indices == [4, 5]
+  ctl.close()
+  plain, _, submitted, _ = _shaping()  # the control: no filter, the same answers
+  plain.pump()
+  _answer_all(plain, submitted[:8], right)
+  b = plain.next_batch(version=0, timeout=10)
+  assert b.prompt_indices == [0, 1] and b.filtered_groups == 0
+  plain.close()
+
+
+def test_the_staleness_bound_holds_with_group_filtering():
+  """However many groups are dropped, no batch trains a token older than eta: versions advance, the
+  decode side answers each admitted request at the version it was admitted at, and every other
+  group is uniform."""
+  ctl, learner, submitted, _ = _shaping(eta=1, filter_uniform_groups=True)
+  done = 0
+  for version in range(6):
+    learner.version = version
+    ctl.pump()
+    while True:
+      new = submitted[done:]
+      done = len(submitted)
+      for r in new:  # even groups uniform (both wrong), odd ones informative
+        t = _answered(ctl, r, r.group_id % 2 == 1 and r.request_id.endswith("s0"), version=r.min_version)
+        ctl.on_trajectory(t)
+      b = ctl.next_batch(version=version, timeout=0.5)
+      if b is not None:
+        break
+    assert all(g % 2 == 1 for g in b.prompt_indices)
+    assert b.max_staleness_seen <= 1
+  ctl.close()
+
+
+def test_overlong_filter_and_soft_penalty():
+  """A completion cut by the length budget gets loss weight 0 (its tokens stay in the batch); DAPO's
+  soft penalty over the last 4 of 8 tokens, by hand: 6 tokens -> -(6 - 4) / 4 = -0.5 on the reward."""
+  from asyncrl_jax.controller import overlong_penalty  # pylint: disable=import-outside-toplevel
+  assert [overlong_penalty(n, 8, 4) for n in (3, 4, 5, 6, 8)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+  assert overlong_penalty(8, 8, 0) == 0.0
+  ctl, _, submitted, _ = _shaping(eta=0, overlong_filter=True, overlong_penalty_len=4)
+  ctl.pump()
+  for i, r in enumerate(submitted):
+    t = _answered(ctl, r, True)  # "#answer": 2-3 tokens, no penalty
+    if i == 0:  # cut at the budget: 8 tokens
+      t = _finish(r, 0, reason="length")
+      t.completion_tokens = np.asarray([4, 13, 4, 14, 5, 13, 4, 14], np.int32)
+      t.logprobs, t.versions = np.full(8, -0.5, np.float32), np.zeros(8, np.int32)
+    ctl.on_trajectory(t)
+  b = ctl.next_batch(version=0, timeout=10)
+  assert b.overlong_filtered == 1
+  cut = b.sequences[0]
+  assert cut.loss_weight is not None and np.all(cut.loss_weight == 0) and cut.mask.sum() == 8
+  assert all(s.loss_weight is None for s in b.sequences[1:])
+  # rewards: 0 (wrong and cut), 1, 1, 1; the cut one's penalty (-1 at 8 tokens) enters its group's
+  # advantages: group 0 holds rewards (0 - 1) and 1 -> mean 0, advantages -1 and +1
+  assert b.rewards.tolist() == [0.0, 1.0, 1.0, 1.0]
+  assert b.overlong_penalty == pytest.approx(-0.25)
+  np.testing.assert_allclose([float(s.advantages[s.mask > 0][0]) for s in b.sequences], [-1.0, 1.0, 0, 0])
+  ctl.close()

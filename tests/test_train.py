@@ -124,6 +124,25 @@ def test_pinned_staleness_trains_every_batch_on_tokens_exactly_eta_versions_old(
              m["min_staleness_seen"] != m["max_staleness_seen"] for m in bounded)
 
 
+@pytest.mark.slow(30)
+def test_stop_on_alarm_saves_a_checkpoint_and_names_the_signal(tmp_path):
+  """A planted collapse signature (completions of at most 4 tokens: nearly every one is cut by the length
+  budget) with learner.stop_on_alarm: the run stops after version 1 with a checkpoint of it, exit 1,
+  the message and the record naming the signal; the summary says so."""
+  out = subprocess.run(_cmd(tmp_path, "--config.steps=6", "--config.data.max_completion_len=4",
+                            "--config.monitor.window=1", "--config.learner.stop_on_alarm=True",
+                            "--config.learner.eval_every=0"),
+                       capture_output=True, text=True, cwd=ROOT, timeout=400, env=_env())
+  assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "the health monitor stopped the run (learner.stop_on_alarm): truncated at version 1" in out.stderr
+  assert "ALARM (health monitor): truncated at version 1" in out.stdout
+  assert _latest_checkpoint(tmp_path) == 1
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert len(metrics) == 1 and metrics[0]["alarms"] == ["truncated"] and metrics[0]["truncated_frac"] > 0.5
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["steps"] == 1 and summary["stopped_on_alarm"][0].startswith("truncated at version 1")
+
+
 def _latest_checkpoint(workdir):
   root = workdir / "checkpoints"
   steps = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.exists() else []

@@ -118,7 +118,8 @@ class SequenceData(NamedTuple):
 
 
 def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0,
-                  token_reward: Optional[float] = None, min_new_tokens: int = 0) -> SequenceData:
+                  token_reward: Optional[float] = None, min_new_tokens: int = 0,
+                  weight: float = 1.0) -> SequenceData:
   """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
@@ -126,7 +127,8 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
   ``asyncrl_jax.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere: the
   ``advantages`` field then holds per-token rewards, which the learner's critic turns into advantages.
   ``min_new_tokens``: the first that many completion tokens were sampled with the stop tokens banned
-  (``eos_banned``; None when 0).
+  (``eos_banned``; None when 0). ``weight``: the loss weight of every token (``loss_weight``; None
+  when 1), e.g. 0 for a completion the overlong filter excludes.
   """
   p, c = len(prompt), len(completion)
   mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
@@ -142,6 +144,7 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
       behav_logp=np.r_[np.zeros(p), np.zeros(c) if logprobs is None else logprobs].astype(np.float32),
       advantages=per_token.astype(np.float32),
       versions=np.r_[np.full(p, -1), np.full(c, -1) if versions is None else versions].astype(np.int32),
+      loss_weight=None if weight == 1.0 else np.full(p + c, weight, np.float32),
       eos_banned=(np.r_[np.zeros(p), np.arange(c) < min_new_tokens].astype(np.float32)
                   if min_new_tokens else None))
 
@@ -256,12 +259,15 @@ def weight_sequences_equally(sequences: Sequence[SequenceData]) -> list[Sequence
   Sequence ``i`` with ``n_i`` policy tokens gets ``loss_weight = (T / N) / n_i``, where ``T`` is the
   policy-token total and ``N`` the number of sequences with policy tokens. Divided by the usual
   normaliser ``T``, token ``t`` of sequence ``i`` then weighs ``1 / (N n_i)``: each sequence contributes
-  the mean of its tokens, and sequences count equally whatever their length. Advantages are untouched.
+  the mean of its tokens, and sequences count equally whatever their length. Advantages are untouched;
+  a weight a sequence already has (e.g. 0 from the overlong filter) multiplies in, and such a sequence
+  still counts in ``N``, as a dropped token stays in the token mean's normaliser.
   """
   counts = [float(np.sum(s.mask)) for s in sequences]
   live = [n for n in counts if n > 0]
   if not live:
     return list(sequences)
   per_sequence = sum(live) / len(live)
-  return [s._replace(loss_weight=np.full(len(s.tokens), per_sequence / n, np.float32)) if n > 0 else s
+  return [s._replace(loss_weight=np.float32(per_sequence / n) * (
+      np.ones(len(s.tokens), np.float32) if s.loss_weight is None else s.loss_weight)) if n > 0 else s
           for s, n in zip(sequences, counts)]

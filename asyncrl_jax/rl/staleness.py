@@ -130,6 +130,13 @@ class StalenessManager:
       raise ValueError(f"{n} rollouts finished but only {self._state.running} were running")
     self._state.running -= n
 
+  @property
+  def trained_versions(self) -> int:
+    """Whole batches' worth of accepted trajectories (after ``restore(v)``: ``v``, the next batch's
+    version, as long as nothing has been accepted since)."""
+    with self._lock:
+      return self._state.accepted // self.batch_size
+
   def exhausted(self, version: int) -> bool:
     """Whether every rollout the bound admits at ``version`` was admitted and has finished (none
     running): the moment pinned staleness may hand the decode servers ``version + 1``."""
