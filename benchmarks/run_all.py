@@ -56,8 +56,33 @@ BENCHMARKS = {
                           "Seed (AReaL): dynamic micro-batching +33.7% mean (17-43%)."),
     "throughput_summary": ("throughput_summary.py", [], [],
                            "Reads the two runs above; our figure beside the seed's and AReaL's."),
+    "staleness_ablation_pinned": (
+        "staleness_ablation.py", ["--staleness-mode=pinned", "--steps", "40", "--assemble-only"],
+        ["--staleness-mode=pinned", "--steps", "40"],
+        "The staleness grid on exact staleness (rl.staleness_mode=pinned: every token trained at version "
+        "v was sampled by version max(0, v - eta)), in the regime staleness_regime_pinned found, with the "
+        "seeds' naive baseline (ppo_recompute). Seed (AReaL): naive PPO 42.0 / 23.3 / 35.7 at eta 0 / "
+        "4 / 8; decoupled PPO 42.0 / 42.2 / 41.0."),
+    "staleness_regime_pinned": (
+        "staleness_ablation.py", ["--staleness-mode=pinned", "--arms", "ppo_recompute", "--etas", "0", "8",
+                                  "--steps", "40", "--name", "staleness_regime_pinned", "--assemble-only"],
+        ["--staleness-mode=pinned", "--arms", "ppo_recompute", "--etas", "0", "8", "--steps", "40",
+         "--name", "staleness_regime_pinned"],
+        "Finding the regime first: the seeds' naive baseline alone, eta 0 and 8 on exact staleness, 3 "
+        "seeds, 40 versions, learning rate 3e-4 and 2 optimizer updates per version. Goal: it loses at "
+        "least 5 points (or half of RL's gain) at eta 8."),
+    "staleness_corrections_pinned": (
+        "staleness_ablation.py", ["--staleness-mode=pinned", "--arms", "ppo_recompute_tis2",
+                                  "ppo_recompute_icepop", "dis_sign_aware", "--etas", "8", "--seeds", "1",
+                                  "--steps", "40", "--name", "staleness_corrections_pinned",
+                                  "--assemble-only"],
+        ["--staleness-mode=pinned", "--arms", "ppo_recompute_tis2", "ppo_recompute_icepop",
+         "dis_sign_aware", "--etas", "8", "--seeds", "1", "--steps", "40", "--name",
+         "staleness_corrections_pinned"],
+        "Which of the new corrections goes into the grid: each at eta 8 (pinned), seed 0, against the "
+        "naive baseline's cell of staleness_regime_pinned."),
     "staleness_ablation": ("staleness_ablation.py", ["--assemble-only"], [],
-                           "Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
+                           "**Run before two fixes** (kept as it was measured): the learning-rate schedule counted policy versions, not optimizer updates (with 2 updates per version the cosine reached its floor half way), staleness was bounded, not pinned (eta was a bound; the staleness reached depended on the roles' speeds), and `ppo` is PPO on the behaviour ratio, not the seeds' naive baseline (`ppo_recompute`). Superseded by staleness_ablation_pinned. Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
                            "drops to 23.3 at eta 4. Goal: a regime where staleness hurts the naive "
                            "objective (KL(behaviour, current) >= 1e-2 at eta 16). Met for the KL (0.02-0.63 "
                            "at eta 16 and beyond), **not for the objective**: here naive PPO is the arm "
@@ -68,7 +93,7 @@ BENCHMARKS = {
                            "over several sittings (each arm's record is kept); `--quick` assembles the "
                            "table from the records."),
     "staleness_ablation_quick": ("staleness_ablation.py", ["--quick"], ["--quick", "--seeds", "3"],
-                                 "The grid's quick mode: eta 0 (naive PPO) and eta 16 (every arm), 60 "
+                                 "(Run with the learning-rate schedule bug: see staleness_ablation.) The grid's quick mode: eta 0 (naive PPO) and eta 16 (every arm), 60 "
                                  "versions."),
     "staleness_ablation_gentle": (
         "staleness_ablation.py", ["--name", "staleness_ablation_gentle", "--arms", "ppo", "decoupled_ppo",
@@ -87,7 +112,7 @@ BENCHMARKS = {
                                   "--override=--config.rl.eps_low=0.2"],
         ["--name", "staleness_ablation_dis_interval", "--arms", "dis", "--etas", "0", "4", "--seeds", "1",
          "--override=--config.rl.eps_high=0.2", "--override=--config.rl.eps_low=0.2"],
-        "A diagnosis of the grid's DIS arm, not a grid: DIS with PPO's interval (0.8, 1.2) instead of "
+        "(Run with the learning-rate schedule bug: see staleness_ablation.) A diagnosis of the grid's DIS arm, not a grid: DIS with PPO's interval (0.8, 1.2) instead of "
         "SAO's (0.7, 6), same regime and warm start. Compare with the grid's dis row at eta 0 and 4 "
         "(seed 0: 36.7 and 24.2)."),
     "staleness_ablation_ppo_noclip": (
@@ -95,7 +120,7 @@ BENCHMARKS = {
                                   "--seeds", "1", "--override=--config.rl.eps_clip=0.999"],
         ["--name", "staleness_ablation_ppo_noclip", "--arms", "ppo", "--etas", "0", "--seeds", "1",
          "--override=--config.rl.eps_clip=0.999"],
-        "A diagnosis of DIS's deficit at eta 0, not a grid: naive PPO with its clip opened to (0.001, 1.999), "
+        "(Run with the learning-rate schedule bug: see staleness_ablation.) A diagnosis of DIS's deficit at eta 0, not a grid: naive PPO with its clip opened to (0.001, 1.999), "
         "so that nearly no token is clipped. Compare with the grid's ppo at eta 0 (seed 0: 43.0; repeated: "
         "44.7) and with staleness_ablation_dis_nomask."),
     "staleness_ablation_dis_nomask": (
@@ -104,20 +129,20 @@ BENCHMARKS = {
                                   "--override=--config.rl.eps_high=1e9"],
         ["--name", "staleness_ablation_dis_nomask", "--arms", "dis", "--etas", "0", "--seeds", "1",
          "--override=--config.rl.eps_low=0.999", "--override=--config.rl.eps_high=1e9"],
-        "A diagnosis, not a grid: DIS with its interval opened to (0.001, 1e9), so that it masks nothing: "
+        "(Run with the learning-rate schedule bug: see staleness_ablation.) A diagnosis, not a grid: DIS with its interval opened to (0.001, 1e9), so that it masks nothing: "
         "the same gradient as unclipped PPO. Compare with the grid's dis at eta 0 (seed 0: 36.7) and "
         "with staleness_ablation_ppo_noclip."),
     "staleness_ablation_repeat": (
         "staleness_ablation.py", ["--name", "staleness_ablation_repeat", "--arms", "ppo", "--etas", "0",
                                   "--seeds", "1"],
         ["--name", "staleness_ablation_repeat", "--arms", "ppo", "--etas", "0", "--seeds", "1"],
-        "The grid's ppo eta-0 seed-0 arm run again, same config, seed and warm start, to see how far one "
+        "(Run with the learning-rate schedule bug: see staleness_ablation.) The grid's ppo eta-0 seed-0 arm run again, same config, seed and warm start, to see how far one "
         "run of an arm is from another (the grid's record: 43.0)."),
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),
     "staleness_probe": ("staleness_ablation.py", ["--regime", "probe", "--seeds", "1"], ["--regime", "probe"],
-                        "Seed (AReaL): at eta 8 decoupled PPO 41.0 vs naive PPO 35.7; the issue's probe "
+                        "(Run with the learning-rate schedule bug: see staleness_ablation.) Seed (AReaL): at eta 8 decoupled PPO 41.0 vs naive PPO 35.7; the issue's probe "
                         "had found the opposite order."),
 }
 

@@ -302,19 +302,29 @@ def main(argv=None) -> int:
   initial = float(np.mean(per_seed))
   rows.append(["warm start (before RL)"] + [percent_cell(per_seed)] * len(arms) + ["-", "-"])
   mechanism = ["| arm | eta | seeds | staleness reached (max / mean) | KL(behaviour, current) | clipped "
-               "tokens | dropped or masked tokens | effective batch |", "|" + "---|" * 8]
+               "tokens | dropped or masked tokens | effective batch | ratio p50 / p90 / p99 (max) | masked "
+               "by side: hi+ / hi- / lo+ / lo- |", "|" + "---|" * 10]
+  fmt = lambda xs, f: f.format(np.mean(xs)) if xs else "-"
   for eta in etas:
     for arm in arms:
       if not cell(arm, eta):
         continue
-      sel = [r["selection"].get("effective_batch") for r in runs if r["arm"] == arm and r["eta"] == eta]
+      of = [r for r in runs if r["arm"] == arm and r["eta"] == eta]
+      sel = [r["selection"].get("effective_batch") for r in of]
       sel = [x for x in sel if x is not None]
+      quant = lambda key: [r[key] for r in of if r.get(key) is not None]
+      sides = lambda side: [r["sides"][f"masked_frac_{side}"] for r in of
+                            if f"masked_frac_{side}" in r.get("sides", {})]
+      ratio = " / ".join(fmt(quant(f"ratio_p{q}"), "{:.2f}") for q in (50, 90, 99))
+      ratio += f" ({max(quant('ratio_max')):.3g})" if quant("ratio_max") else ""
+      masked = " / ".join(fmt([100 * x for x in sides(side)], "{:.2f}%")
+                          for side in ("hi_pos", "hi_neg", "lo_pos", "lo_neg"))
       mechanism.append(
           f"| {arm} | {eta} | {len(cell(arm, eta))} | {max(cell(arm, eta, 'max_staleness_seen'))} / "
           f"{np.mean(cell(arm, eta, 'mean_staleness')):.2f} | {np.mean(cell(arm, eta, 'kl_behav')):.3g} | "
           f"{100 * np.mean(cell(arm, eta, 'clipped_frac') or [0]):.2f}% | "
           f"{100 * np.mean(cell(arm, eta, 'dropped_frac') or [0]):.2f}% | "
-          f"{f'{np.mean(sel):.3f}' if sel else '-'} |")
+          f"{f'{np.mean(sel):.3f}' if sel else '-'} | {ratio} | {masked} |")
   regime = " ".join(GRID["overrides"])
   notes = (f"Held-out pass@1 in % after {steps} policy versions of the main job (configs/default.py, "
            f"{regime}) from one shared supervised warm start; mean +- sd over {len(seeds)} seed(s). Arms: "

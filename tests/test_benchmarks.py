@@ -263,6 +263,34 @@ def test_ablation_pairs_each_arm_with_naive_ppo_run_by_run(tmp_path):
   assert "ppo_minus_ppo_stale" not in result
 
 
+def test_ablation_pinned_pairs_each_arm_with_its_own_eta0_seed_by_seed(tmp_path):
+  """--staleness-mode=pinned: the run's name and overrides say so, and the table states each arm at
+  eta minus its own eta-0 run with the same seed (hand-computed), with the new mechanism columns."""
+  from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
+  grid = dict(steps=40, overrides=ab.GRID["overrides"] + ["--config.rl.staleness_mode=pinned"])
+  records = ab.ArmRecords(str(tmp_path / "staleness_ablation_pinned_arms"), grid)
+  base = dict(arm="ppo_recompute", loss="ppo_recompute", eta=0, seed=0, initial=0.3, initial_greedy=0.6,
+              final=0.41, final_greedy=0.5, evals={40: 0.41}, kl_behav=0.001, clipped_frac=0.002,
+              dropped_frac=0.0, mean_staleness=0.0, max_staleness_seen=0, rl_seconds=100.0,
+              value_explained_variance=None, selection={}, ratio_p50=1.0, ratio_p90=1.2, ratio_p99=2.0,
+              ratio_max=30.0, sides={"masked_frac_hi_neg": 0.01})
+  finals = {(0, 0): 0.40, (0, 1): 0.44, (8, 0): 0.12, (8, 1): 0.20, (4, 1): 0.43}
+  for (eta, seed), final in finals.items():
+    records.put(f"ppo_recompute_eta{eta}_seed{seed}", dict(base, eta=eta, seed=seed, final=final,
+                                                           initial=0.3 + 0.01 * seed))
+  assert ab.main(["--staleness-mode=pinned", "--steps", "40", "--assemble-only", "--arms", "ppo_recompute",
+                  "--etas", "0", "4", "8", "--seeds", "2", "--out", str(tmp_path)]) == 0
+  md = (tmp_path / "staleness_ablation_pinned.md").read_text()
+  # eta 8: 0.12 - 0.40 = -28, 0.20 - 0.44 = -24 -> -26.0 +- 2.8; eta 4: seed 1 only, 43 - 44 = -1
+  assert "ppo_recompute: eta 4 -1.0 (n=1), eta 8 -26.0 +- 2.8 (n=2)" in md
+  assert "| 1.00 / 1.20 / 2.00 (30) | - / 1.00% / - / - |" in md
+  result = json.loads((tmp_path / "staleness_ablation_pinned.json").read_text())
+  assert result["ppo_recompute_minus_eta0"]["8"] == pytest.approx([-0.28, -0.24])
+  assert result["config"]["etas"] == [0, 4, 8] and result["config"]["seeds"] == [0, 1]
+  with pytest.raises(SystemExit, match="pinned has no eta"):
+    ab.main(["--staleness-mode=pinned", "--etas", "unbounded", "--assemble-only", "--out", str(tmp_path)])
+
+
 def test_ablation_fits_accuracy_against_the_staleness_reached():
   """Final pass@1 on mean staleness reached, by least squares: checked against a hand-computed exact
   line and the textbook closed forms."""
