@@ -487,6 +487,9 @@ def _validate_correction(config) -> None:
   _one_of(config, "rl.correction.ratio", ("current", "prox"))
   _number(config, "rl.correction.tis_cap", lambda v: v > 0, "a number > 0 (inf: off)", allow_inf=True)
   _number(config, "rl.correction.dual_clip", lambda v: v > 1, "a number > 1 (inf: off)", allow_inf=True)
+  _check(not (math.isfinite(c.tis_cap) and config.rl.loss != "ppo_recompute"), "rl.correction.tis_cap",
+         c.tis_cap, f"corrects rl.loss='ppo_recompute' only (rl.loss={config.rl.loss!r} has its importance "
+         "ratio already; decoupled PPO truncates it with rl.behav_weight_clip)")
   _check(not (math.isfinite(c.dual_clip) and config.rl.loss == "dis"), "rl.correction.dual_clip",
          c.dual_clip, "bounds PPO's clipped objective; rl.loss='dis' has none (inf: off)")
   for name in ("icepop", "seq_mask"):

@@ -209,6 +209,7 @@ class Controller:
     # the first group of the next batch, and that batch's version (batches are consumed in order)
     self._next_group, self._next_version = prompts.next_index, manager.trained_versions
     self.filtered_groups = 0
+    self._pumping = threading.local()  # (a skipped prompt's dropped group does not pump from pump)
     self._cond = threading.Condition()
     self.newest_version = newest_version or version  # no token may be newer than this
     self.max_retries = max_retries
@@ -256,6 +257,13 @@ class Controller:
 
   def pump(self) -> int:
     """Admits as many whole groups as the staleness bound and slots allow; returns rollouts started."""
+    self._pumping.active = True
+    try:
+      return self._pump()
+    finally:
+      self._pumping.active = False
+
+  def _pump(self) -> int:
     started = 0
     while True:
       with self._cond:
@@ -388,7 +396,7 @@ class Controller:
         dropped = len(group.requests)
         self.manager.drop_accepted(dropped)
       self._cond.notify_all()
-    if dropped:
+    if dropped and not getattr(self._pumping, "active", False):  # (pump's own loop goes on anyway)
       self.pump()
 
   # ------------------------------------------------------------------ batches
@@ -425,11 +433,22 @@ class Controller:
           return None
         self._cond.wait(timeout=remaining if remaining is not None else 1.0)
       skipped = [self._groups.pop(i) for i in range(self._next_group, end) if i not in taken]
+      if len(skipped) >= 4 * self.prompts_per_batch:
+        log.warning("the batch for version %d skipped %d groups whose rewards were all equal (every "
+                    "sample right, or every one wrong): the task is far too easy or too hard for the "
+                    "policy (rl.filter_uniform_groups)", version, len(skipped))
       groups = [self._groups.pop(i) for i in taken]
       for i in range(self._next_group, end):
         self._states.pop(i, None)
       self._next_group, self._next_version = end, version + 1
     return self._assemble(groups, version, filtered=len(skipped))
+
+  def settled(self, version: int) -> bool:
+    """Whether every rollout the bound admits at ``version`` was admitted, has finished and has been
+    scored (pinned staleness publishes ``version + 1`` then: a group still being scored may yet be
+    dropped by the group filter, which would give its places back to admission under ``version``)."""
+    with self._cond:
+      return self.manager.exhausted(version) and all(g.complete for g in self._groups.values())
 
   def wait(self, timeout: float) -> None:
     """Blocks until a trajectory is scored (or ``timeout`` seconds pass); raises a run-stopping
@@ -445,8 +464,11 @@ class Controller:
     with self._cond:
       if version != self._next_version:
         return []
-      _, end, _ = self._scan()
-      groups = [self._groups[i] for i in range(self._next_group, end + 1) if i in self._groups]
+      if self.filter_uniform_groups:  # (up to the first group not yet complete)
+        end = self._scan()[1] + 1
+      else:
+        end = self._next_group + self.prompts_per_batch
+      groups = [self._groups[i] for i in range(self._next_group, end) if i in self._groups]
       return [i for g in groups for i in sorted(g.requests) if i not in g.rewards]
 
   def _check_batch_index(self, version: int) -> None:

@@ -65,13 +65,14 @@ def learning_rate_schedule(config, versions: int):
                                            warmup_steps=c.warmup_steps)
 
 
-def make_optimizer(config, versions: int):
-  """The RL optimizer from the ``learner`` config section, its schedule over ``policy_updates``."""
+def make_optimizer(config, versions: int, schedule=None):
+  """The RL optimizer from the ``learner`` config section, at ``schedule`` (default
+  ``learning_rate_schedule(config, versions)``: over ``policy_updates``)."""
   c = config.learner
-  return update_lib.make_optimizer(learning_rate=c.learning_rate,
-                                   total_steps=policy_updates(config, versions),
-                                   grad_clip=c.grad_clip, warmup_steps=c.warmup_steps, b1=c.b1, b2=c.b2,
-                                   weight_decay=c.weight_decay)
+  return update_lib.make_optimizer(
+      learning_rate=learning_rate_schedule(config, versions) if schedule is None else schedule,
+      total_steps=policy_updates(config, versions), grad_clip=c.grad_clip, b1=c.b1, b2=c.b2,
+      weight_decay=c.weight_decay)
 
 
 def _combine(per_mb: list, num_updates: int) -> dict:
@@ -111,8 +112,8 @@ class Learner:
     self.minibatches = config.learner.ppo_minibatches
     self.aggregation = config.rl.aggregation
     self.version = version
-    self.optimizer = make_optimizer(config, versions)
-    self._schedule = learning_rate_schedule(config, versions)
+    self._schedule = learning_rate_schedule(config, versions)  # (what the optimizer runs at, and logs)
+    self.optimizer = make_optimizer(config, versions, self._schedule)
     loss = functools.partial(micro_batch_loss, model=model_config, settings=self.settings, mesh=mesh)
     self.updater = update_lib.Updater(
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,

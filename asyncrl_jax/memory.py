@@ -136,13 +136,13 @@ def _version_batch(config, row_shards: int) -> float:
   a multiple of ``row_shards`` and split over them. Per token slot: the ``TokenBatch``'s 4-byte
   fields; the prox log-probs of every minibatch after the first; in value mode the critic's returns
   and values (its advantages replace the batch's)."""
-  from asyncrl_jax.rl import batching  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rl.objective import LossSettings  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl import batching, losses  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.objective import corrections_from_config  # pylint: disable=import-outside-toplevel
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   q, r = divmod(int(config.learner.batch_size), int(config.learner.ppo_minibatches))
   sizes = [q + (i < r) for i in range(int(config.learner.ppo_minibatches))]  # np.array_split's
   total = 0.0
-  prox = LossSettings.from_config(config).needs_prox
+  prox = losses.needs_prox(config.rl.loss, corrections_from_config(config))
   for i, n in enumerate(sizes):
     plan = batching.plan_micro_batches([length] * n, int(config.learner.token_budget))
     rows = -(-plan.rows // row_shards) * row_shards

@@ -229,19 +229,28 @@ class _Publisher:
     self.pinned = config.rl.staleness_mode == "pinned"
     self.backend, self.controller, self.learner = backend, controller, learner
     self.published = learner.version  # (the backend starts with the learner's weights)
+    self._seconds, self._bytes = 0.0, 0  # of the publishes since the last ``take``
 
   @property
   def behind(self) -> bool:
     """The learner holds weights the decode servers were not sent yet (pinned only)."""
     return self.published < self.learner.version
 
-  def publish(self):
-    """Publishes the learner's version if the mode allows it now; returns its ``TransferStats``
-    (zero seconds and bytes when it waits)."""
-    if self.pinned and not self.controller.manager.exhausted(self.published):
-      return TransferStats(0.0, 0)
+  def publish(self) -> None:
+    """Publishes the learner's version if the mode allows it now (pinned: once every rollout admitted
+    under the published version has finished and been scored: ``Controller.settled``)."""
+    if self.pinned and not self.controller.settled(self.published):
+      return
     self.published = self.learner.version
-    return self.backend.update_weights(self.learner.params, self.learner.version)
+    stats = self.backend.update_weights(self.learner.params, self.learner.version)
+    self._seconds += stats.seconds
+    self._bytes += stats.bytes
+
+  def take(self) -> TransferStats:
+    """The publishes since the last call, summed (a deferred one counts with the next version)."""
+    stats = TransferStats(self._seconds, self._bytes)
+    self._seconds, self._bytes = 0.0, 0
+    return stats
 
   def rollout_params(self):
     """The decode servers' copy of the learner's current weights, when they hold them (else None)."""
@@ -268,7 +277,8 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
       return _preempted(config, group, controller, ckpt, meta, accuracy)
     if backend.error is not None:
       raise RuntimeError(f"rollout failed: {backend.error!r}")
-    backend.maintain()  # (remote servers: joiners get the current weights, failed pulls retried)
+    if not publisher.behind:  # (pinned, behind: the learner's weights are not the published version's)
+      backend.maintain()  # (remote servers: joiners get the current weights, failed pulls retried)
     # admission counts with the decode servers' version, which also moves when a pull lands or a
     # lagging server is dropped: admit whatever that freed, not only on arrivals and new versions
     controller.pump()
@@ -292,10 +302,10 @@ def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, 
       batch.sequences[0].advantages[:] = float("nan")
     profile.before(batch.version)
     update = group.train(batch.sequences, version=batch.version)
-    transfer = publisher.publish()
+    publisher.publish()
     faults.at("push", learner.version)
     controller.pump()
-    record = log.version_record(batch, update, transfer, backend.decode_stats(),
+    record = log.version_record(batch, update, publisher.take(), backend.decode_stats(),
                                 transfer_seconds=backend.transfer_seconds)
     last = learner.version == config.steps
     if evaluate is not None and (learner.version % config.learner.eval_every == 0 or last):
@@ -526,7 +536,9 @@ def main(argv=None) -> None:
     if result.get("stopped_on_alarm"):  # (process 0's summary; the others return {})
       print(f"error: the health monitor stopped the run (learner.stop_on_alarm): "
             f"{'; '.join(result['stopped_on_alarm'])}; the checkpoint of version {result['steps']} is "
-            "written (raise the monitor.* threshold or set learner.stop_on_alarm=False to go on)",
+            "written. The same command resumes from it (the standing alarm does not stop it again, a new "
+            "one does); raise the monitor.* threshold or set learner.stop_on_alarm=False to go on "
+            "regardless",
             file=sys.stderr)
       sys.exit(1)
 

@@ -51,15 +51,16 @@ def learning_rate_schedule(*, learning_rate: float, total_steps: int, warmup_ste
   return optax.cosine_decay_schedule(learning_rate, max(total_steps - 1, 1), alpha=0.1)
 
 
-def make_optimizer(*, learning_rate: float, total_steps: int, grad_clip: float, warmup_steps: int = 0,
+def make_optimizer(*, learning_rate, total_steps: int, grad_clip: float, warmup_steps: int = 0,
                    schedule: str = "cosine", b1: float = 0.9, b2: float = 0.999,
                    weight_decay: float = 1e-4) -> optax.GradientTransformation:
   """AdamW after global-norm clipping at ``grad_clip``, at ``learning_rate_schedule``'s rate over
-  ``total_steps`` optimizer updates."""
+  ``total_steps`` optimizer updates (``learning_rate`` may instead be a schedule already: it is used
+  as it is)."""
   if not grad_clip > 0:
     raise ValueError(f"grad_clip={grad_clip} must be > 0")
-  lr = learning_rate_schedule(learning_rate=learning_rate, total_steps=total_steps,
-                              warmup_steps=warmup_steps, schedule=schedule)
+  lr = learning_rate if callable(learning_rate) else learning_rate_schedule(
+      learning_rate=learning_rate, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule)
   return optax.chain(optax.clip_by_global_norm(grad_clip),
                      optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
 

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true",
                  help=f"eta {QUICK['etas']}, arms {QUICK['arms']}, one seed, {QUICK['steps']} versions")
   p.add_argument("--staleness-mode", choices=("bounded", "pinned"), default="bounded",
-                 help="rl.staleness_mode of every arm; pinned: every token trained at version v was "
+                 help=f"rl.staleness_mode of every arm; pinned: every token trained at version v was "
                  "sampled by version max(0, v - eta), so eta is the staleness itself (result name "
                  "NAME_pinned, etas {PINNED_ETAS}, arms {PINNED_ARMS} by default)")
   p.add_argument("--etas", type=_parse_eta, nargs="*", default=None,

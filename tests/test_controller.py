@@ -462,3 +462,27 @@ def test_overlong_filter_and_soft_penalty():
   assert b.overlong_penalty == pytest.approx(-0.25)
   np.testing.assert_allclose([float(s.advantages[s.mask > 0][0]) for s in b.sequences], [-1.0, 1.0, 0, 0])
   ctl.close()
+
+
+def test_settled_waits_for_every_admitted_group_to_be_scored():
+  """Pinned staleness publishes the next version only when the bound's rollouts under this one have
+  finished *and been scored*: a group still being scored may be dropped by the group filter and give
+  its places back to admission under the old weights."""
+  import threading  # pylint: disable=import-outside-toplevel
+  gate = threading.Event()
+  submitted, learner = [], _Learner()
+  mgr = StalenessManager(batch_size=4, max_staleness=0, max_concurrent=100)
+  ctl = Controller(prompts=PromptStream(_source(), seed=0, shard_index=0, shard_count=1), tokenizer=TOK,
+                   submit=lambda *r: submitted.extend(r), manager=mgr, version=lambda: learner.version,
+                   reward=lambda text, answer: float(gate.wait(10)) * 0.0, batch_size=4, group_size=2,
+                   max_new_tokens=8, filter_uniform_groups=True)
+  ctl.pump()
+  assert not ctl.settled(0)
+  for r in submitted:
+    ctl.on_trajectory(_finish(r, 0))
+  assert mgr.exhausted(0) and not ctl.settled(0)  # finished, not yet scored
+  gate.set()
+  # scored: both groups uniform (reward 0), dropped, and their places re-admitted under version 0
+  _eventually(lambda: len(submitted) == 8)
+  assert not ctl.settled(0)
+  ctl.close()

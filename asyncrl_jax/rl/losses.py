@@ -265,7 +265,9 @@ class Corrections:
   the weights before the update: needs the prox pass, so only with ``ppo_recompute`` and
   ``decoupled_ppo``). Both are constants here (no gradient flows through a correction).
 
-  * ``tis_cap``: truncated importance sampling, every token's loss times ``min(ratio, cap)``.
+  * ``tis_cap``: truncated importance sampling, every token's loss times ``min(ratio, cap)``; only
+    with ``ppo_recompute`` (the others have the importance ratio in their objective already:
+    truncating decoupled PPO's ``w`` is ``behav_weight_clip``).
   * ``icepop``: ``(low, high)``, a token whose ratio is outside ``[low, high]`` gets weight 0.
   * ``seq_mask``: ``(low, high)``, a whole sequence gets weight 0 when the geometric mean of its
     tokens' ratios is outside ``[low, high]``.
@@ -391,6 +393,10 @@ def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps
   """
   if corrections.dual_clip is not None and name == "dis":
     raise ValueError("rl.correction.dual_clip bounds PPO's clipped objective; rl.loss='dis' has none")
+  if corrections.tis_cap is not None and name != "ppo_recompute":
+    raise ValueError(f"rl.correction.tis_cap corrects an objective that ignores the behaviour policy "
+                     f"(ppo_recompute); rl.loss={name!r} has its importance ratio already (decoupled "
+                     "PPO truncates it with rl.behav_weight_clip)")
   mask = jnp.asarray(mask, jnp.float32)
   weight, zeroed = correction_weights(corrections, logp=logp, prox_logp=prox_logp,
                                       behav_logp=behav_logp, mask=mask, segment_ids=segment_ids)

@@ -66,22 +66,29 @@ def test_ppo_recompute_equals_ppo_exactly_at_staleness_zero(seed):
 
 @pytest.mark.parametrize("ratio", ["current", "prox"])
 def test_truncated_is_multiplies_each_token_by_the_capped_ratio(ratio):
+  """TIS on the naive baseline (its companion in verl and slime: PPO around the recomputed policy,
+  times the capped ratio to the behaviour policy)."""
   logp, prox, behav, adv, mask = _stale_inputs(1)
   cap = 2.0
-  loss, grad, m = _loss_and_grad("decoupled_ppo", logp, prox, behav, adv, mask,
+  loss, grad, m = _loss_and_grad("ppo_recompute", logp, prox, behav, adv, mask,
                                  Corrections(ratio=ratio, tis_cap=cap))
   c = np.minimum(np.exp((logp if ratio == "current" else prox) - behav), cap)
   assert ((c == cap) * mask).sum() >= 5 and ((c < 0.5) * mask).sum() >= 5  # truncated and small ones
-  w = np.exp(prox - behav)
   u = np.exp(logp - prox)
   n = mask.sum()
-  per = -c * w * np.minimum(u * adv, np.clip(u, 1 - EPS, 1 + EPS) * adv)
-  ref_grad = np.where(u * adv <= np.clip(u, 1 - EPS, 1 + EPS) * adv, -c * w * adv * u, 0.0) * mask / n
+  per = -c * np.minimum(u * adv, np.clip(u, 1 - EPS, 1 + EPS) * adv)
+  ref_grad = np.where(u * adv <= np.clip(u, 1 - EPS, 1 + EPS) * adv, -c * adv * u, 0.0) * mask / n
   assert loss == pytest.approx((per * mask).sum() / n, rel=1e-5, abs=1e-6)
   np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-6)
   assert float(m["dropped_frac"]) == 0.0  # truncation drops nothing
   # negative control: without it the loss differs
-  assert _loss_and_grad("decoupled_ppo", logp, prox, behav, adv, mask)[0] != pytest.approx(loss, rel=1e-3)
+  assert _loss_and_grad("ppo_recompute", logp, prox, behav, adv, mask)[0] != pytest.approx(loss, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["ppo", "decoupled_ppo", "dis"])
+def test_truncated_is_is_refused_where_the_objective_has_the_ratio_already(name):
+  with pytest.raises(ValueError, match="tis_cap"):
+    _loss_and_grad(name, *_stale_inputs(1), Corrections(tis_cap=2.0))
 
 
 def test_truncated_is_weight_alone():
