@@ -83,7 +83,7 @@ ETAS = [0, 2, 4, 8, 16, UNBOUNDED]
 # rl.staleness_mode=pinned: eta is the staleness of every token (no "unbounded": pinned to the run's
 # length, every batch would be decoded by version 0)
 PINNED_ETAS = [0, 4, 8, 16]
-PINNED_ARMS = ["ppo_recompute", "ppo", "decoupled_ppo", "decoupled_ppo_cap5", "dis", "ppo_recompute_tis2"]
+PINNED_ARMS = ["ppo_recompute", "ppo", "decoupled_ppo", "decoupled_ppo_cap5", "dis", "dis_sign_aware"]
 # The regime where staleness can hurt (the search is in RESULTS.md): the probe's learning rate and
 # optimizer updates per batch, where KL(behaviour || current) at eta 8 is already 0.1-0.3.
 GRID = dict(overrides=["--config.learner.learning_rate=3e-4", "--config.learner.ppo_minibatches=2"],
