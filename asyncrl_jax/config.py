@@ -210,6 +210,7 @@ def _monitor_section() -> ml_collections.ConfigDict:
       reward_drop=0.15,  # batch reward below its best window average by this much
       eval_drop=0.10,  # held-out accuracy below its best evaluation by this much
       entropy_floor=0.2,  # mean token entropy below this fraction of its first window's
+      entropy_ceiling=1.5,  # ... or above this multiple of it
       truncated_max=0.5,  # share of completions cut by the length budget above this
       ratio_p99_max=10.0,  # 99th percentile of pi_theta / pi_behav above this
       masked_max=0.5,  # share of policy tokens given weight 0 above this
@@ -524,6 +525,8 @@ def _validate_monitor(config) -> None:
   for f in ("reward_drop", "eval_drop", "truncated_max", "masked_max"):
     _number(config, f"monitor.{f}", lambda v: v >= 0, "a number >= 0 (0 or inf: off)", allow_inf=True)
   _number(config, "monitor.entropy_floor", lambda v: 0 <= v < 1, "a number in [0, 1) (0: off)")
+  _number(config, "monitor.entropy_ceiling", lambda v: v == 0 or v > 1, "a number > 1 (0 or inf: off)",
+          allow_inf=True)
   _number(config, "monitor.ratio_p99_max", lambda v: v == 0 or v > 1, "a number > 1 (0 or inf: off)",
           allow_inf=True)
 

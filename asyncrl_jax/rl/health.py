@@ -9,6 +9,9 @@ each version's metrics record and raises an ``Alarm`` when one of these signatur
 * ``eval_accuracy``: held-out accuracy has fallen from its best evaluation by more than ``eval_drop``;
 * ``entropy``: the policy's mean token entropy (window average) is below ``entropy_floor`` times its
   first window's (the policy becoming deterministic, often the prelude to collapse);
+* ``entropy_rise``: it is above ``entropy_ceiling`` times its first window's (the policy dissolving
+  into noise: how the seeds' naive baseline collapsed under staleness on the built-in task, entropy
+  0.63 -> 1.1-1.25 while held-out accuracy fell from 34% to 12%);
 * ``truncated``: the share of completions cut by the length budget (window average) exceeds
   ``truncated_max`` (completions blowing up to the cap);
 * ``ratio_p99``: the 99th percentile of ``pi_theta / pi_behav`` (window average) exceeds
@@ -29,7 +32,7 @@ import dataclasses
 import math
 from typing import Iterable, Optional
 
-SIGNALS = ("train_reward", "eval_accuracy", "entropy", "truncated", "ratio_p99", "masked")
+SIGNALS = ("train_reward", "eval_accuracy", "entropy", "entropy_rise", "truncated", "ratio_p99", "masked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Thresholds:
   reward_drop: float = 0.15
   eval_drop: float = 0.10
   entropy_floor: float = 0.2
+  entropy_ceiling: float = 1.5
   truncated_max: float = 0.5
   ratio_p99_max: float = 10.0
   masked_max: float = 0.5
@@ -46,7 +50,8 @@ class Thresholds:
   def from_config(cls, config) -> "Thresholds":
     m = config.monitor
     return cls(window=int(m.window), reward_drop=float(m.reward_drop), eval_drop=float(m.eval_drop),
-               entropy_floor=float(m.entropy_floor), truncated_max=float(m.truncated_max),
+               entropy_floor=float(m.entropy_floor), entropy_ceiling=float(m.entropy_ceiling),
+               truncated_max=float(m.truncated_max),
                ratio_p99_max=float(m.ratio_p99_max), masked_max=float(m.masked_max))
 
 
@@ -116,6 +121,10 @@ class HealthMonitor:
         firing["entropy"] = (f"mean token entropy {entropy:.4f} is below {self.t.entropy_floor} x its "
                              f"first {self.t.window} versions' {self._first_entropy:.4f} "
                              "(monitor.entropy_floor)")
+      if _on(self.t.entropy_ceiling) and entropy > self.t.entropy_ceiling * self._first_entropy:
+        firing["entropy_rise"] = (f"mean token entropy {entropy:.4f} is above {self.t.entropy_ceiling} x "
+                                  f"its first {self.t.window} versions' {self._first_entropy:.4f} "
+                                  "(monitor.entropy_ceiling)")
     for signal, key, bound, what in (
         ("truncated", "truncated_frac", self.t.truncated_max, "share of completions cut by the length "
          "budget"),

@@ -45,6 +45,8 @@ def _plant(signal, records, start=50):
       r["eval_accuracy"] = 0.2
     elif signal == "entropy":
       r["entropy"] = 0.45 * 0.5 ** k
+    elif signal == "entropy_rise":
+      r["entropy"] = 0.45 + 0.1 * k
     elif signal == "truncated":
       r["truncated_frac"] = 1.0
     elif signal == "ratio_p99":
@@ -83,6 +85,9 @@ def test_each_planted_collapse_fires_its_own_alarm_once(signal):
   elif signal == "entropy":
     first = np.mean([r["entropy"] for r in records[:5]])
     assert version == _first_version_past(records, "entropy", 0.2 * first, above=False)
+  elif signal == "entropy_rise":
+    first = np.mean([r["entropy"] for r in records[:5]])
+    assert version == _first_version_past(records, "entropy", 1.5 * first)
   assert version > 50 and str(alarms[0]).startswith(f"{signal} at version {version}: ")
 
 
