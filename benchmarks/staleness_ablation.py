@@ -1,7 +1,18 @@
 """Held-out accuracy by objective and staleness bound, in a regime where staleness can hurt.
 
+  .venv/bin/python benchmarks/staleness_ablation.py --staleness-mode=pinned --steps 40 --workdir=DIR
+                                    # the grid on exact staleness (72 runs, about 4-5 hours on 2 cores)
   .venv/bin/python benchmarks/staleness_ablation.py --quick      # about 35 minutes on 2 cores
-  .venv/bin/python benchmarks/staleness_ablation.py --workdir=/data/ablation   # the full grid
+  .venv/bin/python benchmarks/staleness_ablation.py --workdir=/data/ablation   # the bounded grid
+
+``--staleness-mode=pinned`` (``rl.staleness_mode=pinned``): every token trained at version v was
+sampled by version max(0, v - eta), so eta is the staleness itself and no arm's learner speed changes
+its data. Its arms (``PINNED_ARMS``): the seeds' naive baseline ``ppo_recompute`` (PPO with the old
+log-probs recomputed before the update), ``ppo`` (PPO on the behaviour ratio), ``decoupled_ppo`` as
+shipped, ``decoupled_ppo_cap5`` (AReaL's guard), ``dis`` and ``dis_sign_aware`` (the correction the
+eta-8 probe ranked first), at eta 0, 4, 8 and 16; results NAME_pinned, with each arm against its own
+eta 0 seed by seed, and per arm the ratio's quantiles and the masked tokens by the side of the ratio
+and the sign of the advantage.
 
 Every arm is the main job (``python -m asyncrl_jax.train``, configs/default.py) from one shared
 supervised warm start, for the same number of policy versions on batches of the same number of
