@@ -94,6 +94,17 @@ ETAS = [0, 2, 4, 8, 16, UNBOUNDED]
 # rl.staleness_mode=pinned: eta is the staleness of every token (no "unbounded": pinned to the run's
 # length, every batch would be decoded by version 0)
 PINNED_ETAS = [0, 4, 8, 16]
+PINNED_NOTE = ("Staleness pinned (rl.staleness_mode=pinned): every token trained at version v was sampled "
+               "by version max(0, v - eta). Arms: `ppo_recompute` is the seeds' naive baseline (PPO with "
+               "the old log-probs recomputed before the update: the behaviour policy is ignored), `ppo` "
+               "PPO on the behaviour ratio, `decoupled_ppo` the shipped default (behaviour weight "
+               "truncated at 1), `decoupled_ppo_cap5` with AReaL's guard instead (drop w > 5), `dis` "
+               "SAO's DIS (0.7, 6), `dis_sign_aware` DIS masking only tokens whose drift agrees with "
+               "their advantage.")
+BOUNDED_NOTE = ("Arms: `ppo` is PPO on the behaviour ratio (called naive PPO when this grid ran), "
+                "`decoupled_ppo` the shipped default, `dis` SAO's masked importance sampling, `sao` SAO "
+                "whole: one rollout per prompt, value advantages (the learner's critic) and DIS. eta "
+                f"`{UNBOUNDED}` is no bound: admission is limited by the decode slots alone.")
 PINNED_ARMS = ["ppo_recompute", "ppo", "decoupled_ppo", "decoupled_ppo_cap5", "dis", "dis_sign_aware"]
 # The regime where staleness can hurt (the search is in RESULTS.md): the probe's learning rate and
 # optimizer updates per batch, where KL(behaviour || current) at eta 8 is already 0.1-0.3.
@@ -338,11 +349,8 @@ def main(argv=None) -> int:
           f"{f'{np.mean(sel):.3f}' if sel else '-'} | {ratio} | {masked} |")
   regime = " ".join(GRID["overrides"])
   notes = (f"Held-out pass@1 in % after {steps} policy versions of the main job (configs/default.py, "
-           f"{regime}) from one shared supervised warm start; mean +- sd over {len(seeds)} seed(s). Arms: "
-           "`ppo` is naive PPO (ratio to the behaviour policy), `decoupled_ppo` the shipped default, "
-           "`dis` SAO's masked importance sampling, `sao` SAO whole: one rollout per prompt, value "
-           f"advantages (the learner's critic) and DIS. eta `{UNBOUNDED}` is no bound: admission is "
-           "limited by the decode slots alone. Every arm trains the same number of versions on "
+           f"{regime}) from one shared supervised warm start; mean +- sd over {len(seeds)} seed(s). "
+           + (PINNED_NOTE if pinned else BOUNDED_NOTE) + " Every arm trains the same number of versions on "
            "batches of the same number of trajectories. The seed's columns are AReaL's AIME24 scores "
            "for a 1.5B model on math: a different task and scale, shown for the shape of the curve. "
            f"Each arm's record, with the commit it ran at, is in `{os.path.basename(records.path)}/`; "
@@ -383,20 +391,22 @@ def main(argv=None) -> int:
     summaries.append("Largest fall from eta 0, in points of mean pass@1 (each arm against its own eta-0 cell; "
                      "where an arm has none, against naive PPO's; negative: no fall): " + "; ".join(drops))
   paired, slopes = [], []
+  reference = "ppo_recompute" if pinned else "ppo"
   for arm in arms:
-    diffs = paired_differences(runs, arm)
-    if arm != "ppo" and diffs:
+    diffs = paired_differences(runs, arm, reference)
+    if arm != reference and diffs:
       paired.append(f"{arm} {percent_cell(diffs)} (n={len(diffs)}, above in {sum(d > 0 for d in diffs)})")
-      result[f"{arm}_minus_ppo_stale"] = [float(d) for d in diffs]
-    fit = staleness_fit(runs, arm)
+      result[f"{arm}_minus_{reference}_stale"] = [float(d) for d in diffs]
+    fit = None if pinned else staleness_fit(runs, arm)  # (pinned: the staleness reached is eta's)
     if fit is not None:
       result[f"{arm}_vs_staleness_reached"] = fit
       se = f" +- {100 * fit['slope_se']:.2f}" if fit["slope_se"] is not None else ""
       slopes.append(f"{arm} {100 * fit['intercept']:.1f} at 0, {100 * fit['slope']:+.2f}{se} per version "
                     f"(n={fit['n']}, mean staleness {fit['staleness'][0]:.1f}-{fit['staleness'][1]:.1f})")
   if paired:
-    summaries.append("Against naive PPO, run by run: each arm's pass@1 minus naive PPO's at the same eta and "
-                     "seed, over the stale cells (eta > 0), in points, mean +- sd: " + "; ".join(paired))
+    summaries.append(f"Against {'the naive baseline (ppo_recompute)' if pinned else 'PPO on the behaviour ratio'}"
+                     ", run by run: each arm's pass@1 minus its pass@1 at the same eta and seed, over the "
+                     "stale cells (eta > 0), in points, mean +- sd: " + "; ".join(paired))
   if slopes:
     summaries.append("Against the staleness each run reached (eta bounds it; the roles' speeds set it): final "
                      "pass@1 on the run's mean staleness, least squares over every run of the arm, in points: "
