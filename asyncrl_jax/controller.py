@@ -46,6 +46,7 @@ from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.workloads import LengthWorkload
 from asyncrl_jax.rewards import RewardWorker
 from asyncrl_jax.rl import advantages, batching
+from asyncrl_jax.rl.shaping import overlong_penalty, uniform
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
 from asyncrl_jax.rollout.trajectory import DRAINED, RolloutRequest, Trajectory
 from asyncrl_jax.tokenization import Tokenizer
@@ -103,22 +104,6 @@ class TrainingBatch:
   filtered_groups: int = 0  # groups skipped to form this batch (rl.filter_uniform_groups)
   overlong_filtered: int = 0  # trajectories given loss weight 0 (rl.overlong_filter)
   overlong_penalty: float = 0.0  # mean soft overlong penalty added to the rewards (rl.overlong_penalty_len)
-
-
-def uniform(rewards) -> bool:
-  """Whether a group's rewards are all equal (its group-relative advantages are all 0)."""
-  values = list(rewards)
-  return max(values) - min(values) == 0.0 if values else True
-
-
-def overlong_penalty(length: int, max_new_tokens: int, cache: int) -> float:
-  """DAPO's soft overlong penalty: 0 up to ``max_new_tokens - cache`` tokens, then falling linearly
-  to -1 at ``max_new_tokens`` (``cache`` = 0: none). Completions never exceed ``max_new_tokens``
-  here (the decode server stops them), so DAPO's -1 beyond it does not arise."""
-  if cache <= 0:
-    return 0.0
-  start = max_new_tokens - cache
-  return -min(max(length - start, 0), cache) / cache
 
 
 def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int

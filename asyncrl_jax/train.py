@@ -43,6 +43,7 @@ from asyncrl_jax.data import pipeline
 from asyncrl_jax.evaluation import RunEvaluation
 from asyncrl_jax.learner import Learner, NonFiniteError
 from asyncrl_jax.learner_group import LearnerGroup
+from asyncrl_jax.publishing import Publisher
 from asyncrl_jax.rewards import reward_fn
 from asyncrl_jax.rl.health import HealthMonitor, Thresholds
 from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
@@ -52,7 +53,6 @@ from asyncrl_jax.rollout.service import RolloutClient
 from asyncrl_jax.runlog import RunLog, say
 from asyncrl_jax.sft import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
-from asyncrl_jax.transfer import TransferStats
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
@@ -219,48 +219,10 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
     profile.close()
 
 
-class _Publisher:
-  """Hands the learner's weights to the decode servers after each version: at once
-  (``rl.staleness_mode="bounded"``), or, pinned, only once every rollout admitted under the weights
-  they hold has finished (``rl.staleness``'s module docstring); the learner then trains no version
-  that is not published yet."""
-
-  def __init__(self, config, backend, controller, learner: Learner):
-    self.pinned = config.rl.staleness_mode == "pinned"
-    self.backend, self.controller, self.learner = backend, controller, learner
-    self.published = learner.version  # (the backend starts with the learner's weights)
-    self._seconds, self._bytes = 0.0, 0  # of the publishes since the last ``take``
-
-  @property
-  def behind(self) -> bool:
-    """The learner holds weights the decode servers were not sent yet (pinned only)."""
-    return self.published < self.learner.version
-
-  def publish(self) -> None:
-    """Publishes the learner's version if the mode allows it now (pinned: once every rollout admitted
-    under the published version has finished and been scored: ``Controller.settled``)."""
-    if self.pinned and not self.controller.settled(self.published):
-      return
-    self.published = self.learner.version
-    stats = self.backend.update_weights(self.learner.params, self.learner.version)
-    self._seconds += stats.seconds
-    self._bytes += stats.bytes
-
-  def take(self) -> TransferStats:
-    """The publishes since the last call, summed (a deferred one counts with the next version)."""
-    stats = TransferStats(self._seconds, self._bytes)
-    self._seconds, self._bytes = 0.0, 0
-    return stats
-
-  def rollout_params(self):
-    """The decode servers' copy of the learner's current weights, when they hold them (else None)."""
-    return None if self.behind else getattr(self.backend, "rollout_params", None)
-
-
 def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, log: RunLog, ckpt,
                     meta: dict, profile: _Profile):
   learner = group.learner
-  publisher = _Publisher(config, backend, controller, learner)
+  publisher = Publisher(config, backend, controller, learner)
   monitor = HealthMonitor(Thresholds.from_config(config), log.history)  # (replayed on resume)
   if publisher.pinned and learner.version:
     logging.warning("rl.staleness_mode=pinned resumed at version %d: the next %d batches are decoded "

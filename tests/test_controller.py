@@ -439,7 +439,7 @@ def test_the_staleness_bound_holds_with_group_filtering():
 def test_overlong_filter_and_soft_penalty():
   """A completion cut by the length budget gets loss weight 0 (its tokens stay in the batch); DAPO's
   soft penalty over the last 4 of 8 tokens, by hand: 6 tokens -> -(6 - 4) / 4 = -0.5 on the reward."""
-  from asyncrl_jax.controller import overlong_penalty  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.shaping import overlong_penalty  # pylint: disable=import-outside-toplevel
   assert [overlong_penalty(n, 8, 4) for n in (3, 4, 5, 6, 8)] == [0.0, 0.0, -0.25, -0.5, -1.0]
   assert overlong_penalty(8, 8, 0) == 0.0
   ctl, _, submitted, _ = _shaping(eta=0, overlong_filter=True, overlong_penalty_len=4)
