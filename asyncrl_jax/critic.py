@@ -112,7 +112,8 @@ class Critic:
     self.updates, self.clip = int(rl.value_updates), float(rl.value_clip)
     self.pretrain_versions = int(rl.value_pretrain_versions)
     self._forward = dict(mesh=mesh, remat=remat, attention_chunk=attention_chunk)
-    params = value_lib.init_value_params(policy_params)
+    params = (jax.eval_shape(value_lib.init_value_params, policy_params)
+              if update_lib.is_abstract(policy_params) else value_lib.init_value_params(policy_params))
     base = update_lib.make_optimizer(
         learning_rate=rl.value_learning_rate, total_steps=versions * self.updates,
         grad_clip=config.learner.grad_clip, schedule="constant", b1=config.learner.b1,
@@ -163,6 +164,14 @@ class Critic:
     loss = adv_lib.clipped_value_loss(self._values(params, batch), old_values, returns, batch.mask,
                                       clip_eps=self.clip, normalizer=normalizer)
     return loss, {"policy_tokens": jnp.sum(batch.mask)}
+
+  def programs(self, batch) -> list:
+    """``(name, jitted function, arguments)`` of every program a version runs for the value model on
+    micro-batches shaped like ``batch``: its estimate pass and its update's (``Updater.programs``)."""
+    rows_len = jax.ShapeDtypeStruct(batch.tokens.shape, jnp.float32, sharding=batch.tokens.sharding)
+    out = [("value_estimate", self._estimate, (self.params, batch))]
+    return out + [(f"value_{name}", fn, args) for name, fn, args in
+                  self.updater.programs(batch, {"value": (rows_len, rows_len)})]
 
   def estimate(self, micro_batches: Sequence[batching.TokenBatch]) -> list:
     """Per micro-batch (placed by the learner's updater, same mesh and budget): ``(advantages,

@@ -181,6 +181,22 @@ class Learner:
       jax.block_until_ready(health)
     return len(shapes)
 
+  def programs(self, row_len: int) -> list:
+    """``(name, jitted function, arguments)`` of every program a version runs, on full micro-batches
+    of rows of ``row_len`` tokens: the gradient step of the version's first update (and of its later
+    ones, with their prox log-probs, when the objective needs them and a version takes several
+    updates), the prox pass that makes those, the gradient sum, the optimizer step, and the value
+    model's programs in value mode. Arguments are shapes when the learner was built from shapes
+    (``asyncrl_jax.tpu``): for compiling without running."""
+    batch = self.updater.abstract_micro_batch(row_len)
+    later = self.settings.needs_prox and self.minibatches > 1
+    prox = jax.ShapeDtypeStruct(batch.tokens.shape, np.float32, sharding=batch.tokens.sharding)
+    out = [p for p in self.updater.programs(batch, {"later": prox})
+           if later or p[0] != "grad_step[later]"]
+    if later:
+      out.insert(2, ("prox_pass", self._prox, (self.params, batch)))
+    return out + (self.critic.programs(batch) if self.critic is not None else [])
+
   def schedule_position(self) -> dict:
     """``optimizer_steps``: the policy's applied optimizer updates so far (read back);
     ``learning_rate``: the rate the latest of them ran at (the peak before any)."""

@@ -238,3 +238,43 @@ def fits(role: RoleMemory, accelerator: str, margin: float = 0.2) -> tuple[bool,
   kind, _ = chips(accelerator)
   share = role.total / ACCELERATORS[kind]
   return share <= 1 - margin, share
+
+
+def program_estimates(config, m: ModelConfig, learner_devices: int, rollout_devices: int) -> dict:
+  """Per role, program name (as ``Learner.programs`` and ``Engine.programs`` name them) -> the bytes
+  per device this model expects the program to hold at its peak (arguments + outputs + temporaries -
+  donated), for comparison with the TPU compiler's (``asyncrl_jax.tpu.compile``)."""
+  return {"learner": _learner_programs(config, m, learner_devices),
+          "rollout": _decode_programs(config, m, rollout_devices)}
+
+
+def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
+  role = learner(config, m, devices)
+  t = role.terms
+  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  shard = m.num_params / (fsdp * tensor) * _BYTES[m.param_dtype]
+  budget = int(config.learner.token_budget)
+  width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
+  rows = -(-max(budget // width, 1) // (data * fsdp))
+  micro_batch = rows * width * 9 * 4  # the TokenBatch's nine 4-byte fields
+  grad = t["parameters"] + shard + t["activations"] + t["log-softmax"] + micro_batch
+  out = {"grad_step[first]": grad, "grad_step[later]": grad + rows * width * 4,
+         "prox_pass": t["parameters"] + t["log-softmax"] / 3 + micro_batch,
+         "accumulate": 2 * shard,
+         "apply": 4 * shard}
+  if config.rl.advantage == "value":
+    out.update({"value_estimate": out["prox_pass"], "value_grad_step[value]": grad,
+                "value_accumulate": 2 * shard, "value_apply": 4 * shard})
+  return out
+
+
+def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
+  role = decode_server(config, m, devices).terms
+  base = role["parameters"] + role["KV cache"] + role["next-token logits"]
+  from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
+  out = {"decode_chunk[16 steps]": base + role["largest re-prefill call (> a decode step)"]}
+  length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
+  for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):
+    for r, w in prefill_shapes(int(config.rollout.num_slots), max_len, int(config.rollout.prefill_tokens)):
+      out[f"{name}[{r}x{w}]"] = base + role["largest re-prefill call (> a decode step)"]
+  return out
