@@ -56,7 +56,7 @@ def memory_report(config, accelerator: str, rollout_accelerator: str = "", margi
 
 
 def _compile(config, accelerator: str, rollout_accelerator: str, margin: float, shapes: str,
-             json_path: str) -> int:
+             json_path: str, roles: tuple) -> int:
   """``--compile``: the report on stdout (and ``json_path``); the exit status."""
   import json  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu import compile as tpu_compile  # pylint: disable=import-outside-toplevel
@@ -65,8 +65,13 @@ def _compile(config, accelerator: str, rollout_accelerator: str, margin: float, 
   except tpu_compile.LibtpuMissing as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  report = tpu_compile.compile_config(config, accelerator, rollout_accelerator, margin=margin,
-                                      shapes=shapes, progress=lambda line: print(line, flush=True))
+  try:
+    report = tpu_compile.compile_config(config, accelerator, rollout_accelerator, margin=margin,
+                                        shapes=shapes, roles=roles,
+                                        progress=lambda line: print(line, flush=True))
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   for line in tpu_compile.report_lines(report):
     print(line)
   if json_path:
@@ -75,10 +80,11 @@ def _compile(config, accelerator: str, rollout_accelerator: str, margin: float, 
     print(f"wrote {json_path}")
   bad = [(name, r) for name, r in report["roles"].items() if not r["fits"]]
   for name, r in bad:
+    refused = next((p["refused"] for p in r["programs"] if p.get("refused")), "")
     print(f"error: the {name} does not fit one {r['chip']} chip with {r['margin']:.0%} of its HBM "
           f"free: its program {r['peak_program']} needs {r['peak_bytes'] / 2**30:.2f} GiB with the "
-          f"state resident beside it, of {(1 - r['margin']) * r['hbm_bytes'] / 2**30:.2f} GiB usable",
-          file=sys.stderr)
+          f"state resident beside it, of {(1 - r['margin']) * r['hbm_bytes'] / 2**30:.2f} GiB usable"
+          + (f" (the TPU compiler refused it: {refused})" if refused else ""), file=sys.stderr)
   return 1 if bad else 0
 
 
@@ -91,6 +97,8 @@ def main(argv=None) -> None:
   compile_ = flags.DEFINE_bool("compile", False, "compile every per-step program with the TPU "
                                "compiler (libtpu) for --accelerator and --rollout_accelerator")
   json_path = flags.DEFINE_string("json", "", "with --compile: write the report here as JSON")
+  roles = flags.DEFINE_list("roles", ["learner", "rollout"], "with --compile: the roles to compile "
+                            "(learner, rollout)")
   shapes = flags.DEFINE_enum("shapes", "covering", ["covering", "all"], "with --compile: the "
                              "decode server's prefill shapes to compile: the widest per row count "
                              "(covering) or every one the engine may compile (all)")
@@ -107,7 +115,7 @@ def main(argv=None) -> None:
         sys.exit(2)
       sys.stdout.flush()
       sys.exit(_compile(config, accelerator.value, rollout.value, margin.value, shapes.value,
-                        json_path.value))
+                        json_path.value, tuple(roles.value)))
     if accelerator.value:
       lines, ok = memory_report(config, accelerator.value, rollout.value, margin.value)
       print("\n".join(lines))

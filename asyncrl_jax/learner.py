@@ -126,7 +126,8 @@ class Learner:
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
     self.critic = critic_lib.Critic(
         model_config, params, mesh, config, versions=versions, remat=self.settings.remat,
-        attention_chunk=self.settings.attention_chunk) if config.rl.advantage == "value" else None
+        attention_chunk=self.settings.attention_chunk,
+        scan_layers=self.settings.scan_layers) if config.rl.advantage == "value" else None
 
   # The state lives in the update loop; these are the names the rest of the system uses.
   params = property(lambda self: self.updater.params,
@@ -155,6 +156,7 @@ class Learner:
                           top_p=self.settings.top_p, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
                           attention_chunk=self.settings.attention_chunk,
+                          scan_layers=self.settings.scan_layers,
                           eos_banned_bt=batch.eos_banned, eos_ban_ids=self.settings.eos_ban_ids)
 
   def warm_up(self, longest: int) -> int:

@@ -249,32 +249,53 @@ def program_estimates(config, m: ModelConfig, learner_devices: int, rollout_devi
 
 
 def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
-  role = learner(config, m, devices)
-  t = role.terms
+  """A gradient step holds the parameters, its gradient (the output), the activations its backward
+  pass keeps and the log-softmax's buffers, and its micro-batch; the prox pass (forward only) the
+  parameters and the larger of one block's forward intermediates and the log-softmax's; the gradient
+  sum two gradients (one donated); the optimizer step the parameters, AdamW's moments and the
+  gradients (arguments; its outputs replace them) and the clipped gradients and updates it computes
+  before the step is kept or dropped (about 1.5 parameter shards)."""
+  t = learner(config, m, devices).terms
   data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
   shard = m.num_params / (fsdp * tensor) * _BYTES[m.param_dtype]
   budget = int(config.learner.token_budget)
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
   rows = -(-max(budget // width, 1) // (data * fsdp))
-  micro_batch = rows * width * 9 * 4  # the TokenBatch's nine 4-byte fields
+  tokens = rows * width
+  micro_batch = tokens * 9 * 4  # the TokenBatch's nine 4-byte fields
   grad = t["parameters"] + shard + t["activations"] + t["log-softmax"] + micro_batch
-  out = {"grad_step[first]": grad, "grad_step[later]": grad + rows * width * 4,
-         "prox_pass": t["parameters"] + t["log-softmax"] / 3 + micro_batch,
-         "accumulate": 2 * shard,
-         "apply": 4 * shard}
+  block = _block_activations(m, tokens, rows, width, tensor, int(config.learner.attention_chunk))
+  mlp = 3 * tokens * m.intermediate_size / tensor * _BYTES[m.dtype]
+  forward = max(mlp, block["attention"] if config.learner.attention_chunk else block["attention"],
+                t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
+  prox = t["parameters"] + micro_batch + forward + tokens * 4
+  out = {"grad_step[first]": grad, "grad_step[later]": grad + tokens * 4, "prox_pass": prox,
+         "accumulate": 2 * shard, "apply": 5.5 * shard}
   if config.rl.advantage == "value":
-    out.update({"value_estimate": out["prox_pass"], "value_grad_step[value]": grad,
-                "value_accumulate": 2 * shard, "value_apply": 4 * shard})
+    out.update({"value_estimate": prox + 2 * tokens * 4, "value_grad_step[value]": grad + 2 * tokens * 4,
+                "value_accumulate": 2 * shard, "value_apply": 5.5 * shard})
   return out
 
 
 def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
+  """Every decode-server program holds the parameters, the KV cache and the next-token logits (the
+  decode state, donated and replaced); the decode chunk one step's intermediates on top, a prefill of
+  ``rows x width`` one block's (its attention block or its MLP's intermediates) for its rows."""
   role = decode_server(config, m, devices).terms
+  data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
+  a = _BYTES[m.dtype]
   base = role["parameters"] + role["KV cache"] + role["next-token logits"]
-  from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
-  out = {"decode_chunk[16 steps]": base + role["largest re-prefill call (> a decode step)"]}
+  slots = -(-int(config.rollout.num_slots) // (data * fsdp))
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
+  step = slots * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
+  from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
+  out = {"decode_chunk[16 steps]": base + step}
+  chunk = int(config.rollout.attention_chunk)
   for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):
     for r, w in prefill_shapes(int(config.rollout.num_slots), max_len, int(config.rollout.prefill_tokens)):
-      out[f"{name}[{r}x{w}]"] = base + role["largest re-prefill call (> a decode step)"]
+      rows = -(-r // (data * fsdp))
+      tokens = rows * w
+      attention = _block_activations(m, tokens, rows, w, tensor, chunk)["attention"]
+      block = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
+      out[f"{name}[{r}x{w}]"] = base + block + 2 * tokens * m.hidden_size * a
   return out

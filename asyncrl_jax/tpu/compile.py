@@ -26,8 +26,9 @@ from typing import Callable, Optional
 GiB = 2**30
 
 # libtpu reads these when it loads; set, they keep it from probing for TPU hardware and metadata
-# servers on a machine that has neither (each unset one costs a warning on stderr).
-_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
+# servers on a machine that has neither (each unset one costs a warning on stderr), and let several
+# processes (test workers, a second compile) load it at once: it locks a file otherwise.
+_QUIET = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5p-8", "TPU_WORKER_HOSTNAMES": "localhost"}
 
 INSTALL_HINT = ("the TPU compiler (libtpu) is not installed: `bash launch/setup.sh --tpu-compile` "
                 "installs the version jax pins (requirements-tpu.txt), or "
@@ -72,7 +73,12 @@ def compile_program(name: str, fn, args, chip) -> dict:
   """Lowers and compiles ``fn(*args)``; the compiler's memory, cost and collectives per chip."""
   from asyncrl_jax.tpu import hlo  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  compiled = fn.lower(*args).compile()
+  try:
+    compiled = fn.lower(*args).compile()
+  except Exception as e:  # pylint: disable=broad-except
+    if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
+      raise
+    return _refused(name, str(e), time.perf_counter() - t0)
   seconds = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   xla = compiled.cost_analysis() or {}
@@ -97,6 +103,19 @@ def compile_program(name: str, fn, args, chip) -> dict:
       "bound": "compute" if flops / chip.bf16_flops >= traffic / chip.hbm_bandwidth else "memory",
       "collectives": cost.collectives, "compile_seconds": round(seconds, 1),
   }
+
+
+def _refused(name: str, message: str, seconds: float) -> dict:
+  """A program the compiler refused for want of HBM: the bytes it said it needs (at least)."""
+  import re  # pylint: disable=import-outside-toplevel
+  needed = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT])\)", message)
+  scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+  need = int(float(needed.group(1)) * scale[needed.group(2)]) if needed else 0
+  line = next((l for l in message.splitlines() if "Ran out of memory" in l), message.splitlines()[-1])
+  return {"name": name, "compiled_bytes": need, "refused": line.strip()[:400],
+          "memory": {"temporaries": need}, "flops": 0.0, "bytes_accessed": 0.0, "xla_flops": 0.0,
+          "xla_bytes_accessed": 0.0, "loops": [], "roofline_seconds": 0.0, "bound": "-",
+          "collectives": {}, "compile_seconds": round(seconds, 1)}
 
 
 def learner_programs(config, model_config, devices, *, row_len: Optional[int] = None):
@@ -155,16 +174,20 @@ def compile_role(role: str, accelerator: str, programs: list, estimates: dict, m
     r["peak_bytes"] = r["compiled_bytes"] + outside
     r["estimate_bytes"] = estimates.get(name)
     results.append(r)
+    if r.get("refused"):
+      progress(f"[compile] {role} {name}: REFUSED by the compiler: {r['refused']}")
+      continue
     progress(f"[compile] {role} {name}: {r['compiled_bytes'] / GiB:.2f} GiB compiled"
              + (f" (estimate {r['estimate_bytes'] / GiB:.2f})" if r["estimate_bytes"] else "")
              + f", peak with resident state {r['peak_bytes'] / GiB:.2f} GiB, "
              f"{r['flops']:.3g} FLOPs, roofline {r['roofline_seconds'] * 1e3:.2f} ms "
              f"({r['compile_seconds']:.0f} s to compile)")
-  peak = max(results, key=lambda r: r["peak_bytes"])
+  refused = [r for r in results if r.get("refused")]
+  peak = refused[0] if refused else max(results, key=lambda r: r["peak_bytes"])
   usable = (1 - margin) * chip.hbm_bytes
   return {"accelerator": accelerator, "chip": chip.kind, "chips": n, "hbm_bytes": chip.hbm_bytes,
           "margin": margin, "peak_bytes": peak["peak_bytes"], "peak_program": peak["name"],
-          "fits": peak["peak_bytes"] <= usable, "programs": results}
+          "fits": not refused and peak["peak_bytes"] <= usable, "programs": results}
 
 
 # The seed's completion lengths (lognormal, median e^7.4 ~ 1636 tokens, sigma 1.15), capped at the
@@ -242,8 +265,13 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
 
 
 def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, margin: float = 0.2,
-                   shapes: str = "covering", progress: Callable[[str], None] = print) -> dict:
-  """Compiles every per-step program of both roles of ``config``; the report (``info --json``)."""
+                   shapes: str = "covering", roles: tuple = ("learner", "rollout"),
+                   progress: Callable[[str], None] = print) -> dict:
+  """Compiles every per-step program of ``roles`` of ``config``; the report (``info --json``), with
+  the projection when both roles are compiled."""
+  unknown = set(roles) - {"learner", "rollout"}
+  if unknown or not roles:
+    raise ValueError(f"roles={roles}: name 'learner', 'rollout' or both")
   require_libtpu()
   import jax  # pylint: disable=import-outside-toplevel
   from importlib import metadata  # pylint: disable=import-outside-toplevel
@@ -255,18 +283,20 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
   rchip, _ = chips.parse(rollout_accelerator)
   host = chips.host_chips(rollout_accelerator)
   estimates = memory.program_estimates(config, m, ln, host)
-  roles = {}
-  _, row_len, programs = learner_programs(config, m, topology_devices(lchip.kind, ln))
-  roles["learner"] = compile_role("learner", accelerator, programs, estimates["learner"], margin,
+  out = {}
+  if "learner" in roles:
+    _, row_len, programs = learner_programs(config, m, topology_devices(lchip.kind, ln))
+    out["learner"] = compile_role("learner", accelerator, programs, estimates["learner"], margin,
                                   progress)
-  roles["learner"]["row_len"] = row_len
-  _, programs = decode_programs(config, m, topology_devices(rchip.kind, host), shapes=shapes)
-  roles["rollout"] = compile_role("rollout", f"{rchip.kind}-{host * rchip.cores_in_name}", programs,
+    out["learner"]["row_len"] = row_len
+  if "rollout" in roles:
+    _, programs = decode_programs(config, m, topology_devices(rchip.kind, host), shapes=shapes)
+    out["rollout"] = compile_role("rollout", f"{rchip.kind}-{host * rchip.cores_in_name}", programs,
                                   estimates["rollout"], margin, progress)
-  roles["rollout"]["slice"] = rollout_accelerator
+    out["rollout"]["slice"] = rollout_accelerator
   return {"model_parameters": m.num_params, "jax": jax.__version__,
-          "libtpu": metadata.version("libtpu"), "shapes": shapes, "roles": roles,
-          "projection": project(config, m, roles)}
+          "libtpu": metadata.version("libtpu"), "shapes": shapes, "roles": out,
+          "projection": project(config, m, out) if len(out) == 2 else None}
 
 
 def report_lines(report: dict) -> list[str]:
@@ -288,6 +318,8 @@ def report_lines(report: dict) -> list[str]:
                f"{r['peak_bytes'] / GiB:.2f} GiB (GiB per chip; +resident: with the role's state "
                "held beside the program)")
   p = report["projection"]
+  if p is None:
+    return out
   out.append(f"projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s (MFU {p['learner_mfu']:.0%}); "
              f"decode {p['decode_tokens_per_s']:,.0f} tokens/s per server; async/sync "
              f"{p['async_over_sync']:.2f}x on {p['learner_chips']} learner + {p['rollout_chips']} "

@@ -48,6 +48,7 @@ class Instruction:
   opcode: str
   operands: list
   attrs: str
+  literal: str = ""  # the text inside the parentheses (a constant's value, a parameter's number)
 
 
 @dataclasses.dataclass
@@ -84,16 +85,16 @@ def _split_shape(rest: str) -> tuple[str, str]:
   return shape, tail
 
 
-def _split_call(tail: str) -> tuple[str, list, str]:
-  """``"add(%a, %b), attrs"`` -> ("add", ["a", "b"], "attrs")."""
+def _split_call(tail: str) -> tuple[str, list, str, str]:
+  """``"add(%a, %b), attrs"`` -> ("add", ["a", "b"], "attrs", "%a, %b")."""
   opcode, _, rest = tail.partition("(")
   depth, i = 1, 0
   while i < len(rest) and depth:
     depth += rest[i] == "("
     depth -= rest[i] == ")"
     i += 1
-  operands = re.findall(r"%([\w.\-]+)", rest[:i - 1])
-  return opcode.strip(), operands, rest[i:]
+  inside = rest[:i - 1]
+  return opcode.strip(), re.findall(r"%([\w.\-]+)", inside), rest[i:], inside.strip()
 
 
 def parse(text: str) -> tuple[dict, str]:
@@ -111,8 +112,8 @@ def parse(text: str) -> tuple[dict, str]:
     if not m:
       continue
     shape, tail = _split_shape(m.group(3))
-    opcode, operands, attrs = _split_call(tail)
-    current.append(Instruction(m.group(2), shape, opcode, operands, attrs))
+    opcode, operands, attrs, literal = _split_call(tail)
+    current.append(Instruction(m.group(2), shape, opcode, operands, attrs, literal))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return computations, entry
@@ -166,13 +167,24 @@ def _dot_flops(instr: Instruction, shapes: dict) -> float:
   return 2.0 * math.prod(_dims(instr.shape)) * contracted
 
 
-def _trip_count(condition: list) -> int | None:
-  """The bound N of a loop whose condition compares an induction variable ``< N`` (a constant)."""
-  constants = {i.name: int(i.attrs) for i in condition
-               if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.attrs)}
-  bounds = [constants[i.operands[1]] for i in condition
-            if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2
-            and i.operands[1] in constants]
+def _trip_count(condition: list, computations: dict) -> int | None:
+  """The bound N of a loop whose condition compares an induction variable ``< N`` (a constant),
+  directly or inside a fusion of the condition."""
+  constants = {i.name: int(i.literal) for i in condition
+               if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.literal)}
+  bounds = []
+  for instr in condition:
+    if instr.opcode == "compare" and "direction=LT" in instr.attrs and len(instr.operands) == 2:
+      bounds.append(constants.get(instr.operands[1]))
+    elif instr.opcode == "fusion":
+      for called in re.findall(r"calls=%?([\w.\-]+)", instr.attrs):
+        inner = computations.get(called, [])
+        params = {i.name: int(i.literal) for i in inner if i.opcode == "parameter"}
+        for c in inner:
+          if c.opcode == "compare" and "direction=LT" in c.attrs and c.operands[1:2] and \
+              c.operands[1] in params and params[c.operands[1]] < len(instr.operands):
+            bounds.append(constants.get(instr.operands[params[c.operands[1]]]))
+  bounds = [b for b in bounds if b is not None]
   return max(bounds) if bounds else None
 
 
@@ -180,12 +192,6 @@ def analyze(text: str) -> Cost:
   """The module's ``Cost`` per run (see the module docstring)."""
   computations, entry = parse(text)
   shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
-  # a scalar constant's value is its operand text ("constant(64)"): keep it as the attrs
-  values = dict(re.findall(r"%([\w.\-]+)\s+=\s+\w+\[\]\{?[^ ]*\s+constant\((-?\d+)\)", text))
-  for instrs in computations.values():
-    for instr in instrs:
-      if instr.opcode == "constant" and instr.name in values:
-        instr.attrs = values[instr.name]
   own = {}  # computation -> (flops, bytes, collectives) of its own instructions
   for name, instrs in computations.items():
     flops = traffic = 0.0
@@ -198,9 +204,10 @@ def analyze(text: str) -> Cost:
       kind = instr.opcode.removesuffix("-start")
       if kind in COLLECTIVES and not instr.opcode.endswith("-done"):
         coll[kind][0] += 1
-        arrays = _ARRAY.findall(instr.shape)
-        coll[kind][1] += (shape_bytes(instr.shape) if not instr.shape.startswith("(") or not arrays
-                          else shape_bytes(f"{arrays[-1][0]}[{arrays[-1][1]}]"))
+        # an async start's result is a tuple (its operand, its result, and context scalars): the
+        # data it moves is its largest array
+        coll[kind][1] += max((shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY.findall(instr.shape)),
+                             default=0.0)
       if instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
         traffic += shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
     own[name] = (flops, traffic, coll)
@@ -223,7 +230,7 @@ def analyze(text: str) -> Cost:
       called = {k: re.findall(r"%?([\w.\-]+)", v) for k, v in _CALLS.findall(instr.attrs)}
       if instr.opcode == "while":
         body, cond = called.get("body", [None])[0], called.get("condition", [None])[0]
-        trips = _trip_count(computations.get(cond, []))
+        trips = _trip_count(computations.get(cond, []), computations)
         cost.loops.append((instr.name, trips))
         visit(body, times * (trips or 1), once, inside_fusion)
         continue
