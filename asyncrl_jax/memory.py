@@ -279,7 +279,8 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
 
 def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
   """Every decode-server program holds the parameters, the KV cache and the next-token logits (the
-  decode state, donated and replaced); the decode chunk one step's intermediates on top, a prefill of
+  decode state, donated and replaced); the decode chunk one step's intermediates and a copy of the
+  weights in the compute dtype on top, a prefill of
   ``rows x width`` one block's (its attention block or its MLP's intermediates) for its rows."""
   role = decode_server(config, m, devices).terms
   data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
@@ -289,7 +290,10 @@ def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   step = slots * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
   from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
-  out = {"decode_chunk[16 steps]": base + step}
+  # the compiler hoists the weights' cast to the compute dtype out of the chunk's loop: a copy of
+  # the parameters in that dtype for the whole chunk (none when they are stored in it)
+  cast = (m.num_params / (fsdp * tensor) * a) if m.param_dtype != m.dtype else 0.0
+  out = {"decode_chunk[16 steps]": base + step + cast}
   chunk = int(config.rollout.attention_chunk)
   for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):
     for r, w in prefill_shapes(int(config.rollout.num_slots), max_len, int(config.rollout.prefill_tokens)):

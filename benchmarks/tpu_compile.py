@@ -84,19 +84,36 @@ def section(report: dict) -> list[str]:
   return lines
 
 
+def _with_current_estimates(report: dict) -> dict:
+  """The record's programs with ``asyncrl_jax.memory``'s estimates as the code computes them now
+  (the compiled figures are the record's)."""
+  from asyncrl_jax import config as config_lib, memory, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
+  name = report["config"]
+  config = config_lib.validate(config_lib.config_module(
+      name, beside=os.path.join(ROOT, "configs", name)).get_config())
+  acc = report["accelerators"]
+  estimates = memory.program_estimates(config, models.config_of(config), chips.parse(acc["learner"])[1],
+                                       chips.host_chips(acc["rollout"]))
+  for role, r in report["roles"].items():
+    for prog in r["programs"]:
+      prog["estimate_bytes"] = estimates[role].get(prog["name"])
+  return report
+
+
 def assemble() -> str:
   reports = []
   for name in CONFIGS:
     path = os.path.join(RECORDS, name.replace(".py", ".json"))
     if os.path.exists(path):
-      reports.append(common.read_json(path))
+      reports.append(_with_current_estimates(common.read_json(path)))
   lines = ["# tpu_compile", "",
            "The shipped TPU configs' per-step programs compiled by the TPU compiler (libtpu) for their "
            "slices on a CPU machine (`python -m asyncrl_jax info --compile`): **compiler projections, "
            "not measurements on a TPU**. Compiled bytes are per chip (arguments + outputs + temporaries "
            "- donated); the estimate is `asyncrl_jax.memory`'s for the same program; 'with resident "
            "state' adds what the role holds beside the program (optimizer state, gradient sum, the "
-           "version's batch). FLOPs and bytes are per chip with loops counted as often as they run "
+           "version's batch), computed by the code at the commit that assembled this page. FLOPs and bytes are per chip with loops counted as often as they run "
            "(XLA's own figures count a loop body once); roofline = max(FLOPs / peak bf16, bytes / HBM "
            "bandwidth) with `asyncrl_jax.tpu.chips.CHIPS` (Cloud TPU's published figures). Decode "
            "servers' prefill programs: the widest shape of each row count (`--shapes=covering`).", ""]
