@@ -75,6 +75,8 @@ def section(report: dict) -> list[str]:
     lines.append(f"{role}: {'fits' if r['fits'] else '**does not fit**'} one {r['chip']} chip "
                  f"({_gib(r['hbm_bytes'])} GiB) with {r['margin']:.0%} free: largest "
                  f"{r['peak_program']} at {_gib(r['peak_bytes'])} GiB with its resident state.")
+  if p is None:
+    return lines + ["", "No projection: a role does not fit.", ""]
   lines += ["", f"Projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s on {p['learner_chips']} "
             f"chips (MFU {p['learner_mfu']:.0%}); decode {p['decode_tokens_per_s']:,.0f} tokens/s per "
             f"server ({p['decode_step_seconds'] * 1e3:.1f} ms per step at {p['decode_context_length']:,} "

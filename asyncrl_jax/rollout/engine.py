@@ -209,8 +209,9 @@ class Engine(engine_api.Engine):
     return self._make_state()
 
   def _state_shardings(self) -> DecodeState:
-    """Where the decode state lives: slots split over ``data`` x ``fsdp``, the RNG key replicated."""
-    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
+    """Where the decode state lives: slots split over ``data`` x ``fsdp``, the KV cache's heads over
+    ``tensor`` (as the key and value projections are), the RNG key replicated."""
+    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
     return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
                        positions=self._slot_sharding, generated=self._slot_sharding,
                        budget=self._slot_sharding, rng=self._replicated, min_left=self._slot_sharding)

@@ -294,9 +294,10 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
     out["rollout"] = compile_role("rollout", f"{rchip.kind}-{host * rchip.cores_in_name}", programs,
                                   estimates["rollout"], margin, progress)
     out["rollout"]["slice"] = rollout_accelerator
+  complete = len(out) == 2 and all(r["fits"] for r in out.values())
   return {"model_parameters": m.num_params, "jax": jax.__version__,
           "libtpu": metadata.version("libtpu"), "shapes": shapes, "roles": out,
-          "projection": project(config, m, out) if len(out) == 2 else None}
+          "projection": project(config, m, out) if complete else None}
 
 
 def report_lines(report: dict) -> list[str]:
