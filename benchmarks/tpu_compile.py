@@ -54,7 +54,7 @@ def _gib(x) -> str:
 def section(report: dict) -> list[str]:
   p = report["projection"]
   acc = report["accelerators"]
-  lines = [f"## {report['config']}: learner {acc['learner']}, decode servers {acc['rollout']}", "",
+  lines = [f"### {report['config']}: learner {acc['learner']}, decode servers {acc['rollout']}", "",
            f"commit {report['commit']}, {report['date']}, libtpu {report['libtpu']}, jax {report['jax']}; "
            f"{report['model_parameters']:,} parameters; all programs compiled in {report['seconds']} s "
            f"on {report['machine'].get('cpu_count')} CPU cores.", "",

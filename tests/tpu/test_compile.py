@@ -142,3 +142,16 @@ def test_with_libtpu_installed_jax_still_runs_on_the_cpu():
                        env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ["cpu", "8"]
+
+
+def test_the_benchmark_table_reads_a_report(report):
+  """``benchmarks/tpu_compile.py``'s section: one row per program, the verdicts and the projection."""
+  from benchmarks import tpu_compile as bench  # pylint: disable=import-outside-toplevel
+  _, r = report
+  record = dict(r, config="tiny.py", accelerators={"learner": "v5p-8", "rollout": "v5p-8"},
+                commit="abc1234", date="2026-12-03 00:00 UTC", seconds=1, machine={"cpu_count": 2})
+  text = "\n".join(bench.section(record))
+  rows = [l for l in text.splitlines() if l.startswith("| learner |") or l.startswith("| rollout |")]
+  assert len(rows) == len(r["roles"]["learner"]["programs"]) + len(r["roles"]["rollout"]["programs"])
+  assert "abc1234" in text and "libtpu" in text and "Projection: learner" in text
+  assert text.count("fits one") == 2
