@@ -129,8 +129,11 @@ def _learner_section() -> ml_collections.ConfigDict:
       warm_start_batch=128, warm_start_lr=1e-3,
       # memory, not maths: recompute each block in the backward pass; log-softmax over the vocabulary
       # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits); attention
-      # this many queries at a time (0: all at once, through [rows, heads, width, width] scores)
-      remat=False, vocab_chunk=0, attention_chunk=0,
+      # this many queries at a time (0: all at once, through [rows, heads, width, width] scores);
+      # one loop over the layers (lax.scan of their stacked parameters) instead of one copy of the
+      # block per layer: a program the size of one layer, compiled in a fraction of the time, and one
+      # the TPU compiler cannot reorder into holding every layer's activations at once
+      remat=False, vocab_chunk=0, attention_chunk=0, scan_layers=False,
       # compile every micro-batch shape (one per row-length bucket up to the longest sequence) at
       # start, applying nothing, so that no version stalls on a compilation mid-run
       warm_up=True,
@@ -421,6 +424,8 @@ def _validate_learner(config) -> None:
   _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
   _check(isinstance(config.learner.remat, bool), "learner.remat", config.learner.remat, "True or False")
+  _check(isinstance(config.learner.scan_layers, bool), "learner.scan_layers",
+         config.learner.scan_layers, "True or False")
   _check(isinstance(config.learner.warm_up, bool), "learner.warm_up", config.learner.warm_up,
          "True or False")
   _check(isinstance(config.learner.stop_on_alarm, bool), "learner.stop_on_alarm",

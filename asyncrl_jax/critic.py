@@ -101,18 +101,21 @@ class Critic:
     mesh: the learner mesh.
     config: the run config (``rl.gamma``, ``rl.gae_lambda``, ``rl.value_*``, ``learner.*``).
     versions: the policy versions the run trains (``rl.value_updates`` optimizer steps each).
-    remat, attention_chunk: the learner's memory options for the forward pass.
+    remat, attention_chunk, scan_layers: the learner's options for the forward pass.
   """
 
   def __init__(self, model_config: ModelConfig, policy_params, mesh: Mesh, config, *,
-               versions: int, remat: bool = False, attention_chunk: int = 0):
+               versions: int, remat: bool = False, attention_chunk: int = 0,
+               scan_layers: bool = False):
     rl = config.rl
     self.model_config, self.mesh = model_config, mesh
     self.gamma, self.lam = float(rl.gamma), float(rl.gae_lambda)
     self.updates, self.clip = int(rl.value_updates), float(rl.value_clip)
     self.pretrain_versions = int(rl.value_pretrain_versions)
-    self._forward = dict(mesh=mesh, remat=remat, attention_chunk=attention_chunk)
-    params = value_lib.init_value_params(policy_params)
+    self._forward = dict(mesh=mesh, remat=remat, attention_chunk=attention_chunk,
+                         scan_layers=scan_layers)
+    params = (jax.eval_shape(value_lib.init_value_params, policy_params)
+              if update_lib.is_abstract(policy_params) else value_lib.init_value_params(policy_params))
     base = update_lib.make_optimizer(
         learning_rate=rl.value_learning_rate, total_steps=versions * self.updates,
         grad_clip=config.learner.grad_clip, schedule="constant", b1=config.learner.b1,
@@ -163,6 +166,14 @@ class Critic:
     loss = adv_lib.clipped_value_loss(self._values(params, batch), old_values, returns, batch.mask,
                                       clip_eps=self.clip, normalizer=normalizer)
     return loss, {"policy_tokens": jnp.sum(batch.mask)}
+
+  def programs(self, batch) -> list:
+    """``(name, jitted function, arguments)`` of every program a version runs for the value model on
+    micro-batches shaped like ``batch``: its estimate pass and its update's (``Updater.programs``)."""
+    rows_len = jax.ShapeDtypeStruct(batch.tokens.shape, jnp.float32, sharding=batch.tokens.sharding)
+    out = [("value_estimate", self._estimate, (self.params, batch))]
+    return out + [(f"value_{name}", fn, args) for name, fn, args in
+                  self.updater.programs(batch, {"value": (rows_len, rows_len)})]
 
   def estimate(self, micro_batches: Sequence[batching.TokenBatch]) -> list:
     """Per micro-batch (placed by the learner's updater, same mesh and budget): ``(advantages,

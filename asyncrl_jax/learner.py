@@ -126,7 +126,8 @@ class Learner:
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
     self.critic = critic_lib.Critic(
         model_config, params, mesh, config, versions=versions, remat=self.settings.remat,
-        attention_chunk=self.settings.attention_chunk) if config.rl.advantage == "value" else None
+        attention_chunk=self.settings.attention_chunk,
+        scan_layers=self.settings.scan_layers) if config.rl.advantage == "value" else None
 
   # The state lives in the update loop; these are the names the rest of the system uses.
   params = property(lambda self: self.updater.params,
@@ -155,6 +156,7 @@ class Learner:
                           top_p=self.settings.top_p, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
                           attention_chunk=self.settings.attention_chunk,
+                          scan_layers=self.settings.scan_layers,
                           eos_banned_bt=batch.eos_banned, eos_ban_ids=self.settings.eos_ban_ids)
 
   def warm_up(self, longest: int) -> int:
@@ -180,6 +182,22 @@ class Learner:
         jax.block_until_ready(value_health)
       jax.block_until_ready(health)
     return len(shapes)
+
+  def programs(self, row_len: int) -> list:
+    """``(name, jitted function, arguments)`` of every program a version runs, on full micro-batches
+    of rows of ``row_len`` tokens: the gradient step of the version's first update (and of its later
+    ones, with their prox log-probs, when the objective needs them and a version takes several
+    updates), the prox pass that makes those, the gradient sum, the optimizer step, and the value
+    model's programs in value mode. Arguments are shapes when the learner was built from shapes
+    (``asyncrl_jax.tpu``): for compiling without running."""
+    batch = self.updater.abstract_micro_batch(row_len)
+    later = self.settings.needs_prox and self.minibatches > 1
+    prox = jax.ShapeDtypeStruct(batch.tokens.shape, np.float32, sharding=batch.tokens.sharding)
+    out = [p for p in self.updater.programs(batch, {"later": prox})
+           if later or p[0] != "grad_step[later]"]
+    if later:
+      out.insert(2, ("prox_pass", self._prox, (self.params, batch)))
+    return out + (self.critic.programs(batch) if self.critic is not None else [])
 
   def schedule_position(self) -> dict:
     """``optimizer_steps``: the policy's applied optimizer updates so far (read back);

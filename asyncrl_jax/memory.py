@@ -238,3 +238,70 @@ def fits(role: RoleMemory, accelerator: str, margin: float = 0.2) -> tuple[bool,
   kind, _ = chips(accelerator)
   share = role.total / ACCELERATORS[kind]
   return share <= 1 - margin, share
+
+
+def program_estimates(config, m: ModelConfig, learner_devices: int, rollout_devices: int) -> dict:
+  """Per role, program name (as ``Learner.programs`` and ``Engine.programs`` name them) -> the bytes
+  per device this model expects the program to hold at its peak (arguments + outputs + temporaries -
+  donated), for comparison with the TPU compiler's (``asyncrl_jax.tpu.compile``)."""
+  return {"learner": _learner_programs(config, m, learner_devices),
+          "rollout": _decode_programs(config, m, rollout_devices)}
+
+
+def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
+  """A gradient step holds the parameters, its gradient (the output), the activations its backward
+  pass keeps and the log-softmax's buffers, and its micro-batch; the prox pass (forward only) the
+  parameters and the larger of one block's forward intermediates and the log-softmax's; the gradient
+  sum two gradients (one donated); the optimizer step the parameters, AdamW's moments and the
+  gradients (arguments; its outputs replace them) and the clipped gradients and updates it computes
+  before the step is kept or dropped (about 1.5 parameter shards)."""
+  t = learner(config, m, devices).terms
+  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  shard = m.num_params / (fsdp * tensor) * _BYTES[m.param_dtype]
+  budget = int(config.learner.token_budget)
+  width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
+  rows = -(-max(budget // width, 1) // (data * fsdp))
+  tokens = rows * width
+  micro_batch = tokens * 9 * 4  # the TokenBatch's nine 4-byte fields
+  # (of the log-softmax's three [tokens, columns] float32 buffers, the TPU compiler's gradient step
+  # holds two at its peak: the third is fused; its buffer report shows it)
+  grad = t["parameters"] + shard + t["activations"] + t["log-softmax"] * 2 / 3 + micro_batch
+  block = _block_activations(m, tokens, rows, width, tensor, int(config.learner.attention_chunk))
+  mlp = 3 * tokens * m.intermediate_size / tensor * _BYTES[m.dtype]
+  forward = max(mlp, block["attention"] if config.learner.attention_chunk else block["attention"],
+                t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
+  prox = t["parameters"] + micro_batch + forward + tokens * 4
+  out = {"grad_step[first]": grad, "grad_step[later]": grad + tokens * 4, "prox_pass": prox,
+         "accumulate": 2 * shard, "apply": 5.5 * shard}
+  if config.rl.advantage == "value":
+    out.update({"value_estimate": prox + 2 * tokens * 4, "value_grad_step[value]": grad + 2 * tokens * 4,
+                "value_accumulate": 2 * shard, "value_apply": 5.5 * shard})
+  return out
+
+
+def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
+  """Every decode-server program holds the parameters, the KV cache and the next-token logits (the
+  decode state, donated and replaced); the decode chunk one step's intermediates and a copy of the
+  weights in the compute dtype on top, a prefill of
+  ``rows x width`` one block's (its attention block or its MLP's intermediates) for its rows."""
+  role = decode_server(config, m, devices).terms
+  data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
+  a = _BYTES[m.dtype]
+  base = role["parameters"] + role["KV cache"] + role["next-token logits"]
+  slots = -(-int(config.rollout.num_slots) // (data * fsdp))
+  length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
+  step = slots * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
+  from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
+  # the compiler hoists the weights' cast to the compute dtype out of the chunk's loop: a copy of
+  # the parameters in that dtype for the whole chunk (none when they are stored in it)
+  cast = (m.num_params / (fsdp * tensor) * a) if m.param_dtype != m.dtype else 0.0
+  out = {"decode_chunk[16 steps]": base + step + cast}
+  chunk = int(config.rollout.attention_chunk)
+  for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):
+    for r, w in prefill_shapes(int(config.rollout.num_slots), max_len, int(config.rollout.prefill_tokens)):
+      rows = -(-r // (data * fsdp))
+      tokens = rows * w
+      attention = _block_activations(m, tokens, rows, w, tensor, chunk)["attention"]
+      block = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
+      out[f"{name}[{r}x{w}]"] = base + block + 2 * tokens * m.hidden_size * a
+  return out

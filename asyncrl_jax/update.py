@@ -76,6 +76,27 @@ def optimizer_steps(opt_state) -> int:
   return int(np.asarray(counts[0].addressable_shards[0].data))  # (replicated: any process's copy)
 
 
+def is_abstract(tree) -> bool:
+  """Whether ``tree``'s leaves are all ``jax.ShapeDtypeStruct`` (shapes to compile for, no arrays)."""
+  leaves = jax.tree.leaves(tree)
+  return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
+def with_shardings(tree, shardings):
+  """``jax.ShapeDtypeStruct`` leaves of ``tree``'s shapes and dtypes, placed on ``shardings``."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def opt_state_shardings(optimizer, params, param_shardings, replicated):
+  """Shardings of ``optimizer``'s state for ``params`` (arrays or shapes): every copy of the parameter
+  tree inside it (AdamW's mu and nu) on ``param_shardings``, everything else ``replicated``."""
+  state = jax.eval_shape(optimizer.init, params)
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return optax.tree_map_params(optimizer, lambda x, s: x if masked(x) else s, state, param_shardings,
+                               transform_non_params=lambda x: x if masked(x) else replicated,
+                               is_leaf=masked)
+
+
 def micro_batch_shapes(token_budget: int, max_seq_len: int) -> int:
   """How many micro-batch shapes packing can produce: one per row bucket that fits both the token
   budget and the model's longest sequence (the rows per micro-batch follow from the row length)."""
@@ -109,21 +130,25 @@ class Updater:
     self.batch_sharding = sharding_lib.batch_sharding(mesh, 2)
     self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
     self.max_traces = micro_batch_shapes(token_budget, model_config.max_seq_len)
-    # A private copy: updates donate these buffers, and the caller may still hold the ones it passed.
-    self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(
-        jax.device_put(params, self.param_shardings))
-    if opt_state is None:
-      opt_state = jax.jit(optimizer.init)(self.params)
-    # Scalar leaves (step counts) are created on the default device; keep every leaf on the mesh.
-    self.opt_state = jax.tree.map(
-        lambda x: x if x.ndim and getattr(x.sharding, "mesh", None) == mesh else
-        jax.device_put(x, self.replicated), opt_state)
-    self.opt_shardings = jax.tree.map(lambda x: x.sharding, self.opt_state)
+    # The optimizer's per-parameter state (AdamW's moments) on the parameters' shardings, the rest
+    # (step counts) replicated: left to itself, jit would replicate moments it creates from zeros.
+    self.opt_shardings = opt_state_shardings(optimizer, params, self.param_shardings, self.replicated)
+    self.abstract = is_abstract(params)
+    if self.abstract:  # shapes only, for compiling (``asyncrl_jax.aot``): nothing is allocated
+      self.params = with_shardings(params, self.param_shardings)
+      self.opt_state = with_shardings(jax.eval_shape(optimizer.init, params), self.opt_shardings)
+    else:
+      # A private copy: updates donate these buffers, and the caller may still hold the ones it passed.
+      self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(
+          jax.device_put(params, self.param_shardings))
+      self.opt_state = (jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+                        if opt_state is None else jax.device_put(opt_state, self.opt_shardings))
     self._grads = {name: self._jit_grad(fn, name) for name, fn in losses.items()}
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,),
                         in_shardings=(self.param_shardings, self.param_shardings),
                         out_shardings=self.param_shardings)
-    self._proceed = jax.device_put(np.bool_(True), self.replicated)  # (placed once, not per step)
+    self._proceed = (None if self.abstract else  # (placed once, not per step)
+                     jax.device_put(np.bool_(True), self.replicated))
     self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1),
                           in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings,
                                         self.replicated),
@@ -158,6 +183,29 @@ class Updater:
     return jax.jit(bucketing.bounded_traces(forward, name, self.max_traces),
                    in_shardings=(self.param_shardings, self.batch_sharding),
                    out_shardings=self.batch_sharding)
+
+  def abstract_micro_batch(self, row_len: int) -> batching.TokenBatch:
+    """The shapes (``jax.ShapeDtypeStruct`` on the mesh) of a full micro-batch of rows of
+    ``row_len`` tokens, as ``place`` lays it out."""
+    rows = max(1, self.token_budget // row_len)
+    rows = -(-rows // self.rows_multiple) * self.rows_multiple
+    host = batching.layout_rows([], [[]], 1, row_len)
+    return batching.TokenBatch(*(jax.ShapeDtypeStruct((rows, row_len), x.dtype,
+                                                      sharding=self.batch_sharding) for x in host))
+
+  def programs(self, batch, aux: Optional[dict] = None) -> list:
+    """``(name, jitted function, arguments)`` of every program one ``update`` runs on micro-batches
+    shaped like ``batch`` (e.g. ``abstract_micro_batch``): each loss's gradient step (``aux``: loss
+    name -> its per-micro-batch ``aux``), the gradient sum, and the optimizer step. The arguments are
+    this updater's own (shapes, when it is ``abstract``): for compiling without running."""
+    aux = aux or {}
+    normalizer = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
+    grads = with_shardings(self.params, self.param_shardings)
+    proceed = jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.replicated)
+    out = [(f"grad_step[{name}]", fn, (self.params, batch, aux.get(name), normalizer))
+           for name, fn in self._grads.items()]
+    return out + [("accumulate", self._add, (grads, grads)),
+                  ("apply", self._apply, (self.params, self.opt_state, grads, proceed))]
 
   def place(self, sequences: Sequence[batching.SequenceData]) -> tuple[list, jax.Array]:
     """Packs ``sequences`` (the whole global batch, the same in every process) into micro-batches on

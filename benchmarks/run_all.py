@@ -56,6 +56,10 @@ BENCHMARKS = {
                           "Seed (AReaL): dynamic micro-batching +33.7% mean (17-43%)."),
     "throughput_summary": ("throughput_summary.py", [], [],
                            "Reads the two runs above; our figure beside the seed's and AReaL's."),
+    "tpu_compile": ("tpu_compile.py", ["--assemble-only"], [],
+                    "No seed figure: the shipped TPU configs compiled by the TPU compiler (libtpu) on "
+                    "this machine; compiler projections, not measurements. `--quick` assembles the "
+                    "recorded reports (a full run compiles every config: about an hour on 2 cores)."),
     "staleness_ablation_pinned": (
         "staleness_ablation.py", ["--staleness-mode=pinned", "--steps", "40", "--assemble-only"],
         ["--staleness-mode=pinned", "--steps", "40"],

@@ -19,10 +19,12 @@ minibatches per batch, temperature 1, decoupled PPO, eta 4 (AReaL's recommended
 device (AReaL: 30720-32768 per GPU), so ``learner.token_budget`` = 16 x 32768.
 
 Memory (``python -m asyncrl_jax info --config=configs/qwen2_5_1_5b.py --accelerator=v5p-32
---rollout_accelerator=v5p-8``): it fits each role's chips with 20% of HBM to spare (``ACCELERATORS``;
-tests/test_memory.py checks it). That takes remat, a chunked log-softmax and blockwise attention in
-the learner, and on the decode servers blockwise prefill attention and re-prefill calls of at most 4
-full-length rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
+--rollout_accelerator=v5p-8 --compile``: the TPU compiler's figures, docs/tpu.md): the learner's
+largest program needs 11.9 GiB per chip with its resident state, a decode server's 33.6 GiB, each
+well within 80% of a chip's HBM. That takes remat, a chunked log-softmax, blockwise attention and the
+layers as one scan (``learner.scan_layers``: unrolled, the compiler held 71.6 GiB) in the learner,
+and on the decode servers blockwise prefill attention and re-prefill calls of at most 4 full-length
+rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
 not split over tensor=4.
 
 Held-out evaluation is off (``learner.eval_every=0``, as in every config derived from this one): on
@@ -50,7 +52,7 @@ def get_config():
                    prefill_tokens=4 * 28672)
   c.learner.update(batch_size=512 * 16, token_budget=LEARNER_CHIPS * 32768, learning_rate=2e-5,
                    warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat=True,
-                   vocab_chunk=8192, attention_chunk=512, eval_every=0)
+                   vocab_chunk=8192, attention_chunk=512, scan_layers=True, eval_every=0)
   c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)

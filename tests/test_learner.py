@@ -231,3 +231,31 @@ def test_the_learning_rate_schedule_counts_optimizer_updates_not_versions():
     if v + 1 < versions:  # not at the floor before the last version
       assert m["learning_rate"] > floor * 1.05
   assert m["learning_rate"] == pytest.approx(floor, rel=1e-6)
+
+
+@pytest.mark.parametrize("freeze_attention", [False, True])
+def test_adamw_moments_are_sharded_like_the_parameters(freeze_attention):
+  """On an FSDP mesh each device holds 1/N of every parameter and of AdamW's two moments; left to jit,
+  moments made from zeros came out replicated (N times the memory). The critic's masked optimizer
+  (frozen attention) too; a version trains without moving them."""
+  mesh = sharding.make_mesh(jax.devices()[:4], dict(data=1, fsdp=4, tensor=1))
+  config = _config("decoupled_ppo", 1)
+  config.rl.advantage = "value"
+  config.rl.value_freeze_attention = freeze_attention
+  learner = Learner(CFG, models.init_params(CFG, jax.random.key(0)), mesh, config, versions=2)
+  for updater in (learner.updater, learner.critic.updater):
+    moments = [s for s in jax.tree.leaves(updater.opt_state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+    assert moments
+    params = updater.params
+    by_shape = {}
+    for p in jax.tree.leaves(params):
+      by_shape.setdefault(p.shape, []).append(p.sharding)
+    for state in moments:  # (a frozen subtree's moments are absent: optax.MaskedNode)
+      for m in jax.tree.leaves(state.mu) + jax.tree.leaves(state.nu):
+        assert any(m.sharding.is_equivalent_to(s, m.ndim) for s in by_shape[m.shape]), m.sharding
+    embed = params["embed"] if "embed" in params else params["trunk"]["embed"]
+    assert embed.addressable_shards[0].data.size == embed.size // 4  # negative control: split
+  before = jax.tree.map(lambda x: x.sharding, learner.opt_state)
+  learner.train(_sequences(0), version=0)
+  assert jax.tree.map(lambda x: x.sharding, learner.opt_state) == before

@@ -26,8 +26,8 @@ Params = dict
 
 
 def _module(config: ModelConfig, mesh: Optional[Mesh], remat: bool = False,
-            attention_chunk: int = 0) -> Transformer:
-  return Transformer(config, mesh, remat, attention_chunk)
+            attention_chunk: int = 0, scan_layers: bool = False) -> Transformer:
+  return Transformer(config, mesh, remat, attention_chunk, scan_layers)
 
 
 def _boxed_init(config: ModelConfig, mesh: Optional[Mesh]):
@@ -77,21 +77,21 @@ def _jitted_logits(config: ModelConfig, mesh: Optional[Mesh]):
 
 def apply_logits(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
                  mesh: Optional[Mesh] = None, *, remat: bool = False,
-                 attention_chunk: int = 0) -> jax.Array:
-  """Traceable forward (use inside other jitted functions, e.g. a loss); ``remat`` and
-  ``attention_chunk`` trade compute for memory (see ``Transformer``)."""
+                 attention_chunk: int = 0, scan_layers: bool = False) -> jax.Array:
+  """Traceable forward (use inside other jitted functions, e.g. a loss); ``remat``,
+  ``attention_chunk`` and ``scan_layers`` change how, not what, it computes (see ``Transformer``)."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, remat, attention_chunk).apply({"params": params}, tokens_bt, positions_bt,
+    return _module(config, mesh, remat, attention_chunk, scan_layers).apply({"params": params}, tokens_bt, positions_bt,
                                               segment_ids_bt)
 
 
 def apply_hidden(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
                  mesh: Optional[Mesh] = None, *, remat: bool = False,
-                 attention_chunk: int = 0) -> tuple[jax.Array, jax.Array]:
+                 attention_chunk: int = 0, scan_layers: bool = False) -> tuple[jax.Array, jax.Array]:
   """Traceable forward up to the output projection: (final hidden states ``[B, T, D]``, head ``[D,
   V]``); ``hidden @ head`` are the logits. For a log-softmax computed a vocabulary chunk at a time."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, remat, attention_chunk).apply(
+    return _module(config, mesh, remat, attention_chunk, scan_layers).apply(
         {"params": params}, tokens_bt, positions_bt, segment_ids_bt, hidden_only=True)
 
 

@@ -14,7 +14,9 @@ One module serves training and decoding:
 * ``attention_chunk=C`` computes training and prefill attention C queries at a time, each block's mask
   built from the segment ids, so no ``[B, T, T]`` mask or scores exist (decode steps are unchanged).
 * training with ``remat=True`` keeps only each block's input for the backward pass and recomputes the
-  rest; ``hidden_only=True`` returns the final hidden states and the output projection instead of the
+  rest; ``scan_layers=True`` runs the blocks as one ``lax.scan`` over a stacked copy of their
+  parameters (training and scoring only; the parameters keep their per-layer layout), so the program
+  holds one block, not ``num_layers`` copies of it; ``hidden_only=True`` returns the final hidden states and the output projection instead of the
   logits, for a log-softmax that never holds ``[B, T, V]`` (``rl.logprobs``).
 
 Parameters carry logical axis names (see ``asyncrl_jax.sharding``); outside this module they are a plain
@@ -217,6 +219,7 @@ class Transformer(nn.Module):
   mesh: Optional[jax.sharding.Mesh] = None
   remat: bool = False  # training: recompute each block in the backward pass
   attention_chunk: int = 0  # training and prefill: queries per attention block (0: all at once)
+  scan_layers: bool = False  # training and scoring: the blocks as one loop (lax.scan)
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None,
@@ -236,13 +239,16 @@ class Transformer(nn.Module):
       mask = cache_mask(positions_bt, cache[0][0].shape[1])
     block = nn.remat(Block) if self.remat and cache is None else Block
     new_cache = []
-    for i in range(cfg.num_layers):
-      layer = block(cfg, self.mesh, self.attention_chunk, name=f"layer_{i}")
-      if cache is None:
-        x, layer_cache = layer(x, positions_bt, mask)
-      else:
-        x, layer_cache = layer(x, positions_bt, mask, cache[i], cache_rows_b)
-      new_cache.append(layer_cache)
+    if self.scan_layers and cache is None and not self.is_initializing():
+      x = self._scanned_blocks(x, positions_bt, mask)
+    else:
+      for i in range(cfg.num_layers):
+        layer = block(cfg, self.mesh, self.attention_chunk, name=f"layer_{i}")
+        if cache is None:
+          x, layer_cache = layer(x, positions_bt, mask)
+        else:
+          x, layer_cache = layer(x, positions_bt, mask, cache[i], cache_rows_b)
+        new_cache.append(layer_cache)
     if logits_at_b is not None:
       x = jnp.take_along_axis(x, logits_at_b[:, None, None], axis=1)  # [B, 1, D]
     x = RMSNorm(cfg, name="final_norm")(x)
@@ -257,3 +263,19 @@ class Transformer(nn.Module):
     if cache is None:
       return logits
     return logits, tuple(new_cache)
+
+  def _scanned_blocks(self, x, positions_bt, mask):
+    """The blocks as one ``lax.scan`` over their parameters stacked along a new leading axis (each
+    step all-gathers one layer's FSDP shards), rematerialised per layer with ``remat``; the same
+    computation as the unrolled loop."""
+    params = self.variables["params"]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
+                           *[params[f"layer_{i}"] for i in range(self.cfg.num_layers)])
+    block = Block(self.cfg, self.mesh, self.attention_chunk, parent=None)
+
+    def step(x, layer_params):
+      y, _ = block.apply({"params": layer_params}, x, positions_bt, mask)
+      return y, None
+
+    x, _ = jax.lax.scan(jax.checkpoint(step) if self.remat else step, x, stacked)
+    return x

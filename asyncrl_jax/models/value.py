@@ -42,10 +42,12 @@ def init_value_params(policy_params) -> dict:
 
 
 def token_values(config: ModelConfig, value_params, tokens_bt, positions_bt, segment_ids_bt, *,
-                 mesh: Optional[Mesh] = None, remat: bool = False, attention_chunk: int = 0):
+                 mesh: Optional[Mesh] = None, remat: bool = False, attention_chunk: int = 0,
+                 scan_layers: bool = False):
   """Traceable: ``V(s_t)`` ``[B, T]`` float32, aligned (position ``t``: the state before token ``t``)."""
   hidden, _ = api.apply_hidden(config, value_params["trunk"], tokens_bt, positions_bt, segment_ids_bt,
-                               mesh, remat=remat, attention_chunk=attention_chunk)
+                               mesh, remat=remat, attention_chunk=attention_chunk,
+                               scan_layers=scan_layers)
   head = value_params["head"]
   v = jnp.einsum("BTD,D->BT", hidden[:, :-1].astype(jnp.float32), head["w"].astype(jnp.float32))
   return aligned(v + head["b"].astype(jnp.float32), None, segment_ids_bt, with_entropy=False)

@@ -43,6 +43,7 @@ class LossSettings:
   remat: bool = False
   vocab_chunk: int = 0
   attention_chunk: int = 0
+  scan_layers: bool = False
   # the stop tokens a minimum length bans (``TokenBatch.eos_banned`` says where); () when the run
   # sets no minimum length, so the forward pass has nothing more to do
   eos_ban_ids: tuple = ()
@@ -60,6 +61,7 @@ class LossSettings:
                temperature=temperature, top_k=top_k, top_p=top_p,
                remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
                attention_chunk=int(config.learner.attention_chunk),
+               scan_layers=bool(config.learner.scan_layers),
                eos_ban_ids=eos_ban_ids(config))
 
 
@@ -110,6 +112,7 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
                                  top_p=settings.top_p, mesh=mesh, with_entropy=True,
                                  remat=settings.remat, vocab_chunk=settings.vocab_chunk,
                                  attention_chunk=settings.attention_chunk,
+                                 scan_layers=settings.scan_layers,
                                  eos_banned_bt=batch.eos_banned, eos_ban_ids=settings.eos_ban_ids)
   if prox_is_current:
     prox_logp = jax.lax.stop_gradient(logp) if settings.needs_prox else None

@@ -209,8 +209,9 @@ class Engine(engine_api.Engine):
     return self._make_state()
 
   def _state_shardings(self) -> DecodeState:
-    """Where the decode state lives: slots split over ``data`` x ``fsdp``, the RNG key replicated."""
-    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, None, None))
+    """Where the decode state lives: slots split over ``data`` x ``fsdp``, the KV cache's heads over
+    ``tensor`` (as the key and value projections are), the RNG key replicated."""
+    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
     return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
                        positions=self._slot_sharding, generated=self._slot_sharding,
                        budget=self._slot_sharding, rng=self._replicated, min_left=self._slot_sharding)
@@ -264,6 +265,9 @@ class Engine(engine_api.Engine):
     Returns (new state, tokens [S, max_steps], log-probs [S, max_steps], steps taken n): columns
     ``>= n`` are unused. Fewer dispatches and host round trips per token when nothing finishes.
     """
+    return self._decode_chunk(max_steps)(params, decode_state)
+
+  def _decode_chunk(self, max_steps: int):
     if max_steps not in self._jit_steps:
       def chunk(params, state):
         return self._steps_impl(params, state, max_steps)
@@ -272,7 +276,42 @@ class Engine(engine_api.Engine):
           bounded_traces(chunk, "decode_chunk", 1), donate_argnums=(1,),
           in_shardings=(self.param_shardings, state),
           out_shardings=(state, self._slot_sharding, self._slot_sharding, self._replicated))
-    return self._jit_steps[max_steps](params, decode_state)
+    return self._jit_steps[max_steps]
+
+  def abstract_decode_state(self) -> DecodeState:
+    """The decode state's shapes and dtypes on its shardings (``jax.ShapeDtypeStruct`` leaves)."""
+    if self._make_state is None:
+      self._make_state = self._build_make_state()
+    shapes = jax.eval_shape(self._make_state)
+    return jax.tree.map(lambda sharding, sub: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub),
+                        self._state_shardings(), shapes)
+
+  def programs(self, steps_per_call: int, shapes: str = "covering") -> list:
+    """``(name, jitted function, arguments)`` of the programs a decode server runs, from shapes
+    (``param_spec``, ``abstract_decode_state``): nothing is allocated, for compiling without running.
+
+    The fused decode chunk of ``steps_per_call`` steps, then the batched prefill of new prompts and
+    the re-prefill after a weight update, at each of their ``prefill_shapes``: ``shapes="all"``
+    every one the engine may compile; ``"covering"`` the widest of each row count (the same rows at
+    a smaller width compute and hold less), largest first."""
+    if shapes not in ("all", "covering"):
+      raise ValueError(f"shapes={shapes!r}: 'all' or 'covering'")
+    params, state = self.param_spec(), self.abstract_decode_state()
+    out = [(f"decode_chunk[{steps_per_call} steps]", self._decode_chunk(steps_per_call),
+            (params, state))]
+    row = lambda n: jax.ShapeDtypeStruct((n,), np.int32, sharding=self._replicated)
+    for name, calls, row_args in (("prefill_insert", self._prefill_insert_calls, 4),
+                                  ("refill", self._refill_calls, 2)):
+      seen = set()
+      for rows, width in prefill_shapes(self.num_slots, calls.max_len, calls.max_tokens):
+        if shapes == "covering" and rows in seen:
+          continue
+        seen.add(rows)
+        tokens = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=self._replicated)
+        out.append((f"{name}[{rows}x{width}]", calls.fn, (params, state, tokens) +
+                    (row(rows),) * row_args))
+    return out
 
   def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
                      slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None,

@@ -1,0 +1,149 @@
+"""Every shipped TPU config compiled by the TPU compiler (libtpu) for its slices, on this machine:
+per program the compiler's bytes per chip beside the estimate, FLOPs, roofline time and collectives,
+and the projected rates (``asyncrl_jax.tpu.compile``). Compiler projections, not measurements.
+
+  .venv/bin/python benchmarks/tpu_compile.py                      # every config (about an hour on 2 cores)
+  .venv/bin/python benchmarks/tpu_compile.py --configs qwen2_5_1_5b_v6e.py
+  .venv/bin/python benchmarks/tpu_compile.py --assemble-only      # the table from the recorded reports
+
+Each config's report is kept in ``results/tpu_compile/<config>.json`` (with commit, date, libtpu and
+the compile seconds) and the table in ``results/tpu_compile.md`` is rebuilt from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from benchmarks import common  # noqa: E402  pylint: disable=wrong-import-position
+
+CONFIGS = ("qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py", "r1_distill_qwen_7b_v5p.py")
+RECORDS = os.path.join(common.RESULTS_DIR, "tpu_compile")
+GiB = 2**30
+
+
+def compile_one(name: str) -> dict:
+  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import compile as tpu_compile  # pylint: disable=import-outside-toplevel
+  module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
+  accelerators = module.ACCELERATORS
+  config = config_lib.validate(module.get_config())
+  t0 = time.perf_counter()
+  report = tpu_compile.compile_config(config, accelerators["learner"], accelerators["rollout"],
+                                      margin=accelerators.get("margin", 0.2),
+                                      progress=lambda line: print(line, flush=True))
+  report.update(config=name, accelerators=accelerators, seconds=round(time.perf_counter() - t0),
+                commit=common._commit(),  # pylint: disable=protected-access
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                machine={k: v for k, v in common.machine().items() if k not in ("date", "commit")})
+  return report
+
+
+def _gib(x) -> str:
+  return "-" if x is None else f"{x / GiB:.2f}"
+
+
+def section(report: dict) -> list[str]:
+  p = report["projection"]
+  acc = report["accelerators"]
+  lines = [f"### {report['config']}: learner {acc['learner']}, decode servers {acc['rollout']}", "",
+           f"commit {report['commit']}, {report['date']}, libtpu {report['libtpu']}, jax {report['jax']}; "
+           f"{report['model_parameters']:,} parameters; all programs compiled in {report['seconds']} s "
+           f"on {report['machine'].get('cpu_count')} CPU cores.", "",
+           "| role | program | compiled GiB | estimate GiB | estimate / compiled | with resident state GiB "
+           "| TFLOPs | GB moved | roofline ms | bound | collectives (count) | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for role, r in report["roles"].items():
+    for prog in r["programs"]:
+      ratio = (f"{prog['estimate_bytes'] / prog['compiled_bytes']:.2f}" if prog["estimate_bytes"] else "-")
+      coll = ", ".join(f"{k} {v['count']:,}" for k, v in prog["collectives"].items()) or "none"
+      lines.append(f"| {role} | {prog['name']} | {_gib(prog['compiled_bytes'])} | "
+                   f"{_gib(prog['estimate_bytes'])} | {ratio} | {_gib(prog['peak_bytes'])} | "
+                   f"{prog['flops'] / 1e12:.2f} | {prog['bytes_accessed'] / 1e9:.1f} | "
+                   f"{prog['roofline_seconds'] * 1e3:.1f} | {prog['bound']} | {coll} | "
+                   f"{prog['compile_seconds']:.0f} |")
+  for role, r in report["roles"].items():
+    lines.append("")
+    lines.append(f"{role}: {'fits' if r['fits'] else '**does not fit**'} one {r['chip']} chip "
+                 f"({_gib(r['hbm_bytes'])} GiB) with {r['margin']:.0%} free: largest "
+                 f"{r['peak_program']} at {_gib(r['peak_bytes'])} GiB with its resident state.")
+  if p is None:
+    return lines + ["", "No projection: a role does not fit.", ""]
+  lines += ["", f"Projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s on {p['learner_chips']} "
+            f"chips (MFU {p['learner_mfu']:.0%}); decode {p['decode_tokens_per_s']:,.0f} tokens/s per "
+            f"server ({p['decode_step_seconds'] * 1e3:.1f} ms per step at {p['decode_context_length']:,} "
+            f"cache positions); planner: async (eta from the config) / colocated sync "
+            f"{p['async_over_sync']:.2f}x on {p['learner_chips']} learner + {p['rollout_chips']} "
+            f"rollout chips, {p['lengths']}.", ""]
+  return lines
+
+
+def _with_current_estimates(report: dict) -> dict:
+  """The record's programs with ``asyncrl_jax.memory``'s estimates as the code computes them now
+  (the compiled figures are the record's)."""
+  from asyncrl_jax import config as config_lib, memory, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
+  name = report["config"]
+  config = config_lib.validate(config_lib.config_module(
+      name, beside=os.path.join(ROOT, "configs", name)).get_config())
+  acc = report["accelerators"]
+  estimates = memory.program_estimates(config, models.config_of(config), chips.parse(acc["learner"])[1],
+                                       chips.host_chips(acc["rollout"]))
+  for role, r in report["roles"].items():
+    for prog in r["programs"]:
+      prog["estimate_bytes"] = estimates[role].get(prog["name"])
+  return report
+
+
+def assemble() -> str:
+  reports = []
+  for name in CONFIGS:
+    path = os.path.join(RECORDS, name.replace(".py", ".json"))
+    if os.path.exists(path):
+      reports.append(_with_current_estimates(common.read_json(path)))
+  lines = ["# tpu_compile", "",
+           "The shipped TPU configs' per-step programs compiled by the TPU compiler (libtpu) for their "
+           "slices on a CPU machine (`python -m asyncrl_jax info --compile`): **compiler projections, "
+           "not measurements on a TPU**. Compiled bytes are per chip (arguments + outputs + temporaries "
+           "- donated); the estimate is `asyncrl_jax.memory`'s for the same program; 'with resident "
+           "state' adds what the role holds beside the program (optimizer state, gradient sum, the "
+           "version's batch), computed by the code at the commit that assembled this page. FLOPs and bytes are per chip with loops counted as often as they run "
+           "(XLA's own figures count a loop body once); roofline = max(FLOPs / peak bf16, bytes / HBM "
+           "bandwidth) with `asyncrl_jax.tpu.chips.CHIPS` (Cloud TPU's published figures). Decode "
+           "servers' prefill programs: the widest shape of each row count (`--shapes=covering`).", ""]
+  if not reports:
+    lines.append("(not run yet: `.venv/bin/python benchmarks/tpu_compile.py` after `bash launch/setup.sh "
+                 "--tpu-compile`)")
+  for report in reports:
+    lines += section(report)
+  path = os.path.join(common.RESULTS_DIR, "tpu_compile.md")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+  parser.add_argument("--assemble-only", action="store_true")
+  args = parser.parse_args()
+  if not args.assemble_only:
+    os.makedirs(RECORDS, exist_ok=True)
+    for name in args.configs:
+      print(f"[tpu_compile] {name}", flush=True)
+      report = compile_one(name)
+      with open(os.path.join(RECORDS, name.replace(".py", ".json")), "w") as f:
+        json.dump(report, f, indent=1)
+  print(f"wrote {assemble()}")
+
+
+if __name__ == "__main__":
+  main()
