@@ -36,12 +36,13 @@ def compile_one(name: str) -> dict:
   module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
   accelerators = module.ACCELERATORS
   config = config_lib.validate(module.get_config())
+  commit = common._commit()  # pylint: disable=protected-access  (the code that compiles)
   t0 = time.perf_counter()
   report = tpu_compile.compile_config(config, accelerators["learner"], accelerators["rollout"],
                                       margin=accelerators.get("margin", 0.2),
                                       progress=lambda line: print(line, flush=True))
   report.update(config=name, accelerators=accelerators, seconds=round(time.perf_counter() - t0),
-                commit=common._commit(),  # pylint: disable=protected-access
+                commit=commit,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 machine={k: v for k, v in common.machine().items() if k not in ("date", "commit")})
   return report
