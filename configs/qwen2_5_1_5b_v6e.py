@@ -4,8 +4,10 @@ chips, 4 hosts) and 6 single-host v6e-8 decode servers (48 chips), the 3:1 rollo
 Same objective, batch (512 prompts x 16 responses, AReaL), lengths, eta and per-device micro-batch as
 the v5p config. A v6e chip has 32 GiB of HBM, a third of a v5p chip's, so each decode server spreads
 its 128 slots over 8 chips (16 per chip). Memory (``python -m asyncrl_jax info
---config=configs/qwen2_5_1_5b_v6e.py --accelerator=v6e-16 --rollout_accelerator=v6e-8``): each role
-fits its chips with 20% of HBM to spare (``ACCELERATORS``; tests/test_memory.py checks it).
+--config=configs/qwen2_5_1_5b_v6e.py --accelerator=v6e-16 --rollout_accelerator=v6e-8 --compile``:
+the TPU compiler's figures, docs/tpu.md): each role fits its chips with 20% of HBM to spare: the
+learner's largest program needs 11.8 GiB per chip with its resident state, a decode server's 21.4
+GiB of 32.
 """
 
 from asyncrl_jax.config import config_module
