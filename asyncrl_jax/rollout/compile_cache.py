@@ -37,6 +37,21 @@ class ShapedPrefill:
     self._working = False
     self._lock = threading.Lock()
 
+  def programs(self, params, state, num_row_args: int, shapes: str = "covering") -> list:
+    """``(name[RxW], fn, abstract arguments)`` of its shapes (``prefill_shapes``), for compiling
+    without running: ``shapes="all"`` every one; ``"covering"`` the widest of each row count (the
+    same rows at a smaller width compute and hold less)."""
+    if shapes not in ("all", "covering"):
+      raise ValueError(f"shapes={shapes!r}: 'all' or 'covering'")
+    spec = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32, sharding=self.sharding)
+    out, seen = [], set()
+    for rows, width in prefill_shapes(self.num_slots, self.max_len, self.max_tokens):
+      if shapes == "all" or rows not in seen:
+        seen.add(rows)
+        out.append((f"{self.name}[{rows}x{width}]", self.fn,
+                    (params, state, spec(rows, width)) + (spec(rows),) * num_row_args))
+    return out
+
   @property
   def compiled(self) -> frozenset:
     with self._lock:

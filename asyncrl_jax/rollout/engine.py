@@ -289,29 +289,14 @@ class Engine(engine_api.Engine):
 
   def programs(self, steps_per_call: int, shapes: str = "covering") -> list:
     """``(name, jitted function, arguments)`` of the programs a decode server runs, from shapes
-    (``param_spec``, ``abstract_decode_state``): nothing is allocated, for compiling without running.
-
-    The fused decode chunk of ``steps_per_call`` steps, then the batched prefill of new prompts and
-    the re-prefill after a weight update, at each of their ``prefill_shapes``: ``shapes="all"``
-    every one the engine may compile; ``"covering"`` the widest of each row count (the same rows at
-    a smaller width compute and hold less), largest first."""
-    if shapes not in ("all", "covering"):
-      raise ValueError(f"shapes={shapes!r}: 'all' or 'covering'")
+    (``param_spec``, ``abstract_decode_state``), for compiling without running: the fused decode
+    chunk of ``steps_per_call`` steps, then the batched prefill of new prompts and the re-prefill
+    after a weight update at their shapes (``ShapedPrefill.programs``: ``"all"`` or ``"covering"``)."""
     params, state = self.param_spec(), self.abstract_decode_state()
-    out = [(f"decode_chunk[{steps_per_call} steps]", self._decode_chunk(steps_per_call),
-            (params, state))]
-    row = lambda n: jax.ShapeDtypeStruct((n,), np.int32, sharding=self._replicated)
-    for name, calls, row_args in (("prefill_insert", self._prefill_insert_calls, 4),
-                                  ("refill", self._refill_calls, 2)):
-      seen = set()
-      for rows, width in prefill_shapes(self.num_slots, calls.max_len, calls.max_tokens):
-        if shapes == "covering" and rows in seen:
-          continue
-        seen.add(rows)
-        tokens = jax.ShapeDtypeStruct((rows, width), np.int32, sharding=self._replicated)
-        out.append((f"{name}[{rows}x{width}]", calls.fn, (params, state, tokens) +
-                    (row(rows),) * row_args))
-    return out
+    return ([(f"decode_chunk[{steps_per_call} steps]", self._decode_chunk(steps_per_call),
+              (params, state))]
+            + self._prefill_insert_calls.programs(params, state, 4, shapes)
+            + self._refill_calls.programs(params, state, 2, shapes))
 
   def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
                      slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None,
