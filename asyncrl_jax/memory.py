@@ -125,11 +125,11 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   if config.rl.advantage == "value":  # the critic: a second trunk (and a scalar head) with its own
     # AdamW, resident beside the policy; its updates take turns with the policy's (same activations)
     terms["value model (parameters, AdamW)"] = 3 * (shard + m.hidden_size + 1) * p
-  terms["version batch (every trajectory full length)"] = _version_batch(config, data * fsdp)
+  terms["version batch (every trajectory full length)"] = version_batch(config, data * fsdp)
   return RoleMemory("learner", devices, terms)
 
 
-def _version_batch(config, row_shards: int) -> float:
+def version_batch(config, row_shards: int) -> float:
   """Bytes per device of one version's packed micro-batches, all on device while the version trains:
   ``learner.batch_size`` trajectories of prompt + completion length each (the most a version can hold),
   in ``learner.ppo_minibatches`` parts packed as the learner packs them (``batching``), rows padded to

@@ -135,7 +135,7 @@ def learner_programs(config, model_config, devices, *, row_len: Optional[int] = 
   resident = [learner.params, learner.opt_state]
   if learner.critic is not None:
     resident += [learner.critic.params, learner.critic.opt_state]
-  batch = memory._version_batch(config, rows)  # pylint: disable=protected-access
+  batch = memory.version_batch(config, rows)
   out = []
   for name, fn, args in learner.programs(row_len):
     given = {id(x) for x in jax.tree.leaves(args)}
@@ -208,6 +208,7 @@ def model_flops_per_token(m, width: int) -> float:
 def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 20) -> dict:
   """Rates implied by the roofline times: learner tokens/s and MFU, decode tokens/s per server, and
   the planner's async/sync ratio for the config's device split on the seed's length distribution."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.sim import planner  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.sim.lengths import LengthModel  # pylint: disable=import-outside-toplevel
   learner, rollout = roles["learner"], roles["rollout"]
@@ -216,7 +217,7 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
   minibatches = int(config.learner.ppo_minibatches)
   cap = int(config.data.max_completion_len)
   lengths = LengthModel(mu=SEED_LENGTHS["mu"], sigma=SEED_LENGTHS["sigma"], cap=cap)
-  mean_len = float(lengths.draw(__import__("numpy").random.default_rng(0), 100_000).mean())
+  mean_len = float(lengths.draw(np.random.default_rng(0), 100_000).mean())
   mean_len += int(config.data.max_prompt_len) / 2
   per_update = int(config.learner.batch_size) / minibatches * mean_len
   mbs = max(1.0, math.ceil(per_update / budget))
