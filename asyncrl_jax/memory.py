@@ -268,8 +268,7 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   grad = t["parameters"] + shard + t["activations"] + t["log-softmax"] * 2 / 3 + micro_batch
   block = _block_activations(m, tokens, rows, width, tensor, int(config.learner.attention_chunk))
   mlp = 3 * tokens * m.intermediate_size / tensor * _BYTES[m.dtype]
-  forward = max(mlp, block["attention"] if config.learner.attention_chunk else block["attention"],
-                t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
+  forward = max(mlp, block["attention"], t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
   prox = t["parameters"] + micro_batch + forward + tokens * 4
   out = {"grad_step[first]": grad, "grad_step[later]": grad + tokens * 4, "prox_pass": prox,
          "accumulate": 2 * shard, "apply": 5.5 * shard}
