@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from asyncrl_jax import faults
+from asyncrl_jax import faults, models
 from asyncrl_jax.rl.batching import SequenceData
 from asyncrl_jax.transfer import shards
 from asyncrl_jax.transfer.remote import Source, WeightSender
@@ -97,7 +97,10 @@ class LearnerGroup:
     self.on_evaluate: Optional[Callable[[], object]] = None
     if transfer_host is not None:  # remote decode servers: plan the blocks once, start a sender
       leaves = jax.tree.leaves(learner.params)
-      self.planned = shards.plan(leaves, [x.sharding for x in leaves])
+      # decode servers hold the weights in their serving dtypes (bfloat16 kernels): the cast is the
+      # sender's, so half the bytes cross
+      dtypes = jax.tree.leaves(models.serving_dtypes(learner.model_config))
+      self.planned = shards.plan(leaves, [x.sharding for x in leaves], dtypes)
       self.blocks = shards.blocks_by_process(self.planned)
       self.sender = WeightSender(f"{transfer_host}:0")
       self.addresses = self._gather_addresses(self.sender.address)

@@ -152,10 +152,16 @@ def version_batch(config, row_shards: int) -> float:
   return total
 
 
+def _serving_bytes(m: ModelConfig) -> int:
+  """Bytes per parameter on a decode server (``models.serving_dtypes``: the narrower of the compute
+  and storage dtypes; the norm scales, a negligible share, as stored)."""
+  return min(_BYTES[m.dtype], _BYTES[m.param_dtype])
+
+
 def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of one decode server on ``devices`` devices (``config.mesh.rollout``)."""
   data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
-  a, p = _BYTES[m.dtype], _BYTES[m.param_dtype]
+  a = _BYTES[m.dtype]
   slots = -(-int(config.rollout.num_slots) // (data * fsdp))
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   kv = m.num_kv_heads / tensor
@@ -175,7 +181,7 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   refill = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
   refill += 2 * tokens * m.hidden_size * a  # the residual stream in and out of the block
   return RoleMemory("decode server", devices, {
-      "parameters": m.num_params / (fsdp * tensor) * p,
+      "parameters (serving dtype)": m.num_params / (fsdp * tensor) * _serving_bytes(m),
       "KV cache": cache,
       "next-token logits": slots * vocab * 4,
       "largest re-prefill call (> a decode step)": max(step, refill),
@@ -279,21 +285,22 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
 
 
 def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
-  """Every decode-server program holds the parameters, the KV cache and the next-token logits (the
-  decode state, donated and replaced); the decode chunk one step's intermediates and a copy of the
-  weights in the compute dtype on top, a prefill of
+  """Every decode-server program holds the parameters (in their serving dtypes), the KV cache and the
+  next-token logits (the decode state, donated and replaced); the decode chunk one step's
+  intermediates on top (and a copy of the weights in the compute dtype where they are served in
+  another), a prefill of
   ``rows x width`` one block's (its attention block or its MLP's intermediates) for its rows."""
   role = decode_server(config, m, devices).terms
   data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
   a = _BYTES[m.dtype]
-  base = role["parameters"] + role["KV cache"] + role["next-token logits"]
+  base = role["parameters (serving dtype)"] + role["KV cache"] + role["next-token logits"]
   slots = -(-int(config.rollout.num_slots) // (data * fsdp))
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   step = slots * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
   from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
   # the compiler hoists the weights' cast to the compute dtype out of the chunk's loop: a copy of
-  # the parameters in that dtype for the whole chunk (none when they are stored in it)
-  cast = (m.num_params / (fsdp * tensor) * a) if m.param_dtype != m.dtype else 0.0
+  # the parameters in that dtype for the whole chunk (none when they are served in it)
+  cast = (m.num_params / (fsdp * tensor) * a) if _serving_bytes(m) != a else 0.0
   out = {"decode_chunk[16 steps]": base + step + cast}
   chunk = int(config.rollout.attention_chunk)
   for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):

@@ -68,7 +68,7 @@ def _xla_decode_server(config, m) -> int:
   engine = Engine(m, mesh=_one_device_mesh(), num_slots=config.rollout.num_slots,
                   max_prefill_length=config.data.max_prompt_len, max_target_length=length,
                   background_compile=False, attention_chunk=config.rollout.attention_chunk)
-  params = jax.eval_shape(lambda: models.init_params(m, jax.random.key(0)))
+  params = engine.param_spec()  # in the serving dtypes
   state = jax.eval_shape(engine.init_decode_state)
   slots = jax.ShapeDtypeStruct((config.rollout.num_slots,), jnp.int32)
   tokens = jax.ShapeDtypeStruct((config.rollout.num_slots, length), jnp.int32)

@@ -76,7 +76,10 @@ def test_a_missing_block_is_named_not_filled():
 
 
 def test_blocks_round_trip_through_json_and_bad_text_is_named():
-  blocks = [shards.Block(3, ((0, 4), (2, 6))), shards.Block(0, ())]
+  blocks = [shards.Block(3, ((0, 4), (2, 6))), shards.Block(0, ()), shards.Block(1, ((0, 2),), "bfloat16")]
   assert shards.blocks_from_json(shards.blocks_to_json(blocks)) == blocks
+  assert shards.blocks_from_json('[[1, [[0, 2]]]]') == [shards.Block(1, ((0, 2),))]  # no dtype: as is
+  with pytest.raises(ValueError, match="extra fields"):
+    shards.blocks_from_json('[[1, [[0, 2]], "bfloat16", 3]]')
   with pytest.raises(ValueError, match="malformed block list"):
     shards.blocks_from_json('[[1, "x"]]')

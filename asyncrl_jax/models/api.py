@@ -3,6 +3,8 @@
 * ``init_params(config, rng, mesh=None)``: random parameters, created already sharded when a mesh is given.
 * ``logits(config, params, tokens, positions=None, segment_ids=None, mesh=None)``: float32 ``[B, T, V]``.
 * ``init_cache`` / ``decode``: KV-cache prefill and one-token decode steps.
+* ``serving_dtypes`` / ``serving_params``: the dtypes a decode server holds the parameters in, and the
+  cast to them.
 
 Jitted functions are cached per (config, mesh), so repeated calls with the same shapes do not retrace.
 """
@@ -41,10 +43,16 @@ def _boxed_init(config: ModelConfig, mesh: Optional[Mesh]):
   return init_fn
 
 
+@functools.lru_cache(maxsize=64)
+def _abstract_params(config: ModelConfig) -> Params:
+  return nn.unbox(jax.eval_shape(_boxed_init(config, None), jax.random.key(0)))
+
+
 def abstract_params(config: ModelConfig) -> Params:
-  """Shapes and dtypes of the parameters (``jax.ShapeDtypeStruct`` leaves), computed without FLOPs."""
-  boxed = jax.eval_shape(_boxed_init(config, None), jax.random.key(0))
-  return nn.unbox(boxed)
+  """Shapes and dtypes of the parameters (``jax.ShapeDtypeStruct`` leaves), computed without FLOPs
+  (once per config: tracing makes a key on the device, which a decode loop under
+  ``jax.transfer_guard("disallow")`` must not)."""
+  return jax.tree.map(lambda x: x, _abstract_params(config))  # a fresh tree: callers may edit it
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh, rules=sharding_lib.LOGICAL_RULES) -> Params:
@@ -53,6 +61,36 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules=sharding_lib.LOGICAL_
   shardings = sharding_lib.mesh_shardings(nn.get_partition_spec(boxed), mesh, rules)
   sharding_lib.check_divisible(nn.unbox(boxed), shardings)
   return shardings
+
+
+# Leaves the model applies in float32 whatever the compute dtype (RMSNorm's scale): served as stored.
+_KEPT_AS_STORED = ("scale",)
+
+
+def serving_dtypes(config: ModelConfig) -> Params:
+  """The dtype a decode server holds each parameter in (a pytree of ``numpy.dtype``).
+
+  The model casts every kernel, embedding and bias to the compute dtype (``config.dtype``) before
+  using it, so holding those in the compute dtype (when it is narrower than ``param_dtype``) gives
+  the same logits bit for bit, with half the bytes to store and to read per decode step at bfloat16.
+  The norm scales are applied in float32 and keep ``param_dtype``: rounding them would change the
+  behaviour policy.
+  """
+  compute, stored = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+  narrow = compute if compute.itemsize < stored.itemsize else stored
+
+  def one(path, leaf):
+    name = getattr(path[-1], "key", None)
+    return jnp.dtype(leaf.dtype) if name in _KEPT_AS_STORED else narrow
+
+  return jax.tree_util.tree_map_with_path(one, abstract_params(config))
+
+
+def serving_params(config: ModelConfig, params: Params) -> Params:
+  """``params`` cast to ``serving_dtypes`` (each leaf where it lies; leaves already in their serving
+  dtype are returned as they are)."""
+  return jax.tree.map(lambda x, dt: x if x.dtype == dt else x.astype(dt), params,
+                      serving_dtypes(config))
 
 
 def init_params(config: ModelConfig, rng: jax.Array, mesh: Optional[Mesh] = None) -> Params:

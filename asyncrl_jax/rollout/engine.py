@@ -116,6 +116,7 @@ class Engine(engine_api.Engine):
     self.tokenizer_path = tokenizer_path
     self._params, self._hf_path, self._seed = params, hf_path, seed
     self.param_shardings = models.param_shardings(config, mesh)
+    models.serving_dtypes(config)  # traced here, once: not later on the decode loop's guarded thread
     self._slot_sharding = sharding_lib.batch_sharding(mesh, 1)
     self._replicated = sharding_lib.replicated(mesh)
     self._make_state = None
@@ -180,17 +181,20 @@ class Engine(engine_api.Engine):
         raise ValueError(f"{self._hf_path}: checkpoint config {config} does not match the engine's "
                          f"{self.config}")
       return self.place_params(params)
-    return models.init_params(self.config, jax.random.key(self._seed), mesh=self._mesh)
+    return self.place_params(models.init_params(self.config, jax.random.key(self._seed), mesh=self._mesh))
 
   def param_spec(self):
-    """The parameters' shapes, dtypes and rollout shardings (``jax.ShapeDtypeStruct`` leaves): what a
-    weight pull needs to know, without any weights."""
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        models.abstract_params(self.config), self.param_shardings)
+    """The parameters' shapes, serving dtypes (``models.serving_dtypes``: the compute dtype, norm
+    scales as stored) and rollout shardings (``jax.ShapeDtypeStruct`` leaves): what a weight pull
+    needs to know, without any weights."""
+    return jax.tree.map(lambda a, dt, s: jax.ShapeDtypeStruct(a.shape, dt, sharding=s),
+                        models.abstract_params(self.config), models.serving_dtypes(self.config),
+                        self.param_shardings)
 
   def place_params(self, params):
-    """Puts a parameter pytree (from any mesh or the host) onto this engine's rollout sharding."""
-    return jax.device_put(params, self.param_shardings)
+    """Puts a parameter pytree (from any mesh or the host) onto this engine's rollout sharding, in
+    its serving dtypes (cast where it lies, so a float32 copy never lands here)."""
+    return jax.device_put(models.serving_params(self.config, params), self.param_shardings)
 
   def get_prefix_destination_sharding(self) -> Any:
     return self._replicated

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from asyncrl_jax import models
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.server import DecodeServer
 from asyncrl_jax.rollout.stats import DecodeStats
@@ -21,13 +22,20 @@ class LocalRollout:
   def __init__(self, engine: Engine, learner_params, version: int, *,
                on_weight_update: str = "recompute"):
     self.engine = engine
-    params, _ = local_transfer(learner_params, engine.param_shardings)
+    params, _ = self._transfer(learner_params)
     self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
                                on_weight_update=on_weight_update)
     self.rollout_params = params
     self.version = version  # of the weights last handed to the decode server (lags the learner's)
     self.transfer_seconds = 0.0
     self.num_servers = 1
+
+  def _transfer(self, learner_params):
+    """The learner's weights cast to the serving dtypes on the learner's mesh (a new buffer, so the
+    learner may donate its own), then copied onto the rollout mesh: the bytes moved are the served
+    ones."""
+    return local_transfer(models.serving_params(self.engine.config, learner_params),
+                          self.engine.param_shardings)
 
   def submit(self, *requests: RolloutRequest) -> None:
     self.server.submit(*requests)
@@ -39,7 +47,7 @@ class LocalRollout:
     """(Nothing to do: one server, in this process.)"""
 
   def update_weights(self, learner_params, version: int) -> TransferStats:
-    self.rollout_params, stats = local_transfer(learner_params, self.engine.param_shardings)
+    self.rollout_params, stats = self._transfer(learner_params)
     self.server.update_weights(self.rollout_params, version)
     self.version = version
     self.transfer_seconds = stats.seconds

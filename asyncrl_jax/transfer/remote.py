@@ -87,6 +87,10 @@ def _check_blocks(sources: Sequence[Source], leaves: Sequence[Any]) -> None:
       if len(b.index) != len(shape) or any(not 0 <= lo < hi <= n for (lo, hi), n in zip(b.index, shape)):
         raise ValueError(f"learner process at {src.address} offers block {b.index} of leaf {b.leaf}, "
                          f"which does not fit this server's shape {shape} (do the model configs agree?)")
+      if b.dtype and jax.numpy.dtype(b.dtype) != leaves[b.leaf].dtype:
+        raise ValueError(f"learner process at {src.address} offers leaf {b.leaf} in {b.dtype}, but this "
+                         f"server holds it in {leaves[b.leaf].dtype} (do the model configs' dtype and "
+                         f"param_dtype agree?)")
 
 
 class WeightReceiver:

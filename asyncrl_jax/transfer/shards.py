@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,11 @@ Index = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-  """One distinct shard of one leaf: ``leaf`` indexes ``jax.tree.leaves(params)``."""
+  """One distinct shard of one leaf: ``leaf`` indexes ``jax.tree.leaves(params)``; ``dtype`` is the
+  dtype it travels in (the decode server's serving dtype; "" for the leaf's own)."""
   leaf: int
   index: Index
+  dtype: str = ""
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -52,23 +54,27 @@ def normalize(index: Sequence[slice], shape: Sequence[int]) -> Index:
   return tuple(out)
 
 
-def plan(shapes: Sequence[Any], shardings: Sequence[jax.sharding.Sharding]
-         ) -> list[tuple[Block, jax.Device]]:
+def plan(shapes: Sequence[Any], shardings: Sequence[jax.sharding.Sharding],
+         dtypes: Optional[Sequence[Any]] = None) -> list[tuple[Block, jax.Device]]:
   """Every distinct block of every leaf once, with the device that offers it.
 
   ``shapes``: the leaves (anything with ``.shape``), in ``jax.tree.leaves`` order; ``shardings``: their
-  global shardings. Deterministic: the same in every process.
+  global shardings; ``dtypes``: the dtype each leaf travels in (None: as it is; the learner passes
+  ``models.serving_dtypes`` so that a bfloat16 decode server is sent bfloat16). Deterministic: the
+  same in every process.
   """
-  if len(shapes) != len(shardings):
-    raise ValueError(f"{len(shapes)} leaves but {len(shardings)} shardings")
+  if len(shapes) != len(shardings) or (dtypes is not None and len(dtypes) != len(shapes)):
+    raise ValueError(f"{len(shapes)} leaves but {len(shardings)} shardings"
+                     + ("" if dtypes is None else f" and {len(dtypes)} dtypes"))
   out = []
   for leaf, (x, sharding) in enumerate(zip(shapes, shardings)):
+    dtype = "" if dtypes is None else str(jax.numpy.dtype(dtypes[leaf]))
     holders: dict[Index, list[jax.Device]] = {}
     for device, index in sharding.devices_indices_map(tuple(x.shape)).items():
       holders.setdefault(normalize(index, x.shape), []).append(device)
     for index in sorted(holders):
       devices = sorted(holders[index], key=lambda d: d.id)
-      out.append((Block(leaf, index), devices[leaf % len(devices)]))
+      out.append((Block(leaf, index, dtype), devices[leaf % len(devices)]))
   return out
 
 
@@ -81,26 +87,35 @@ def blocks_by_process(planned: Sequence[tuple[Block, jax.Device]]) -> dict[int, 
 
 
 def blocks_to_json(blocks: Sequence[Block]) -> str:
-  return json.dumps([[b.leaf, [list(r) for r in b.index]] for b in blocks])
+  return json.dumps([[b.leaf, [list(r) for r in b.index], b.dtype] for b in blocks])
 
 
 def blocks_from_json(text: str) -> list[Block]:
   try:
-    return [Block(int(leaf), tuple((int(a), int(b)) for a, b in index)) for leaf, index in json.loads(text)]
+    out = []
+    for leaf, index, *dtype in json.loads(text):
+      if len(dtype) > 1 or not all(isinstance(d, str) for d in dtype):
+        raise ValueError(f"block of leaf {leaf} has extra fields {dtype}")
+      out.append(Block(int(leaf), tuple((int(a), int(b)) for a, b in index), *dtype))
+    return out
   except (ValueError, TypeError) as e:
     raise ValueError(f"malformed block list {text[:200]!r}: {e}") from e
 
 
 def local_shards(leaves: Sequence[jax.Array], planned: Sequence[tuple[Block, jax.Device]]
                  ) -> list[jax.Array]:
-  """This process's blocks of ``leaves``, in plan order, as single-device copies (the learner donates
-  its buffers to the next update while pulls may still be pending, so the offer must own its own)."""
+  """This process's blocks of ``leaves``, in plan order, as single-device copies in each block's dtype
+  (the learner donates its buffers to the next update while pulls may still be pending, so the offer
+  must own its own: a cast is a new buffer, and a block in its leaf's dtype is copied)."""
   out = []
   for block, device in planned:
     if device.process_index != jax.process_index():
       continue
-    shard = next(s for s in leaves[block.leaf].addressable_shards if s.device == device)
-    out.append(jax.device_put(shard.data, device, may_alias=False))
+    shard = next(s for s in leaves[block.leaf].addressable_shards if s.device == device).data
+    if block.dtype and shard.dtype != jax.numpy.dtype(block.dtype):
+      out.append(shard.astype(block.dtype))
+    else:
+      out.append(jax.device_put(shard, device, may_alias=False))
   return out
 
 

@@ -357,3 +357,23 @@ def test_a_tensor_parallel_engine_splits_its_kv_cache_over_the_heads():
     ref_state, t, _ = reference.step(reference.load_params(), ref_state)
     want.append(np.asarray(t))
   np.testing.assert_array_equal(np.stack(toks, 1), np.stack(want, 1))
+
+
+def test_a_bfloat16_engine_holds_its_weights_in_the_serving_dtypes(params):
+  """The decode server's copy is in ``models.serving_dtypes`` (bfloat16 kernels, float32 norm scales)
+  whether the weights come from the learner or from the engine's own initialisation, and decodes as
+  the learner's float32 weights do (the served copy gives the same logits bit for bit)."""
+  cfg = CFG.replace(dtype="bfloat16")
+  mesh = sharding.make_mesh(jax.devices()[:1], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(cfg, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
+                  sampling=SamplingSettings(temperature=0.0), params=params)
+  want = models.serving_dtypes(cfg)
+  for got in (engine.load_params(), engine.place_params(params), engine.param_spec(),
+              Engine(cfg, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48).load_params()):
+    assert jax.tree.map(lambda x: x.dtype, got) == want
+  assert {str(d) for d in jax.tree.leaves(want)} == {"bfloat16", "float32"}
+  served = engine.load_params()
+  state = engine.prefill_insert(served, engine.init_decode_state(), _prompts(4), list(range(4)))
+  logits = np.asarray(state.logits)
+  unserved = engine.prefill_insert(params, engine.init_decode_state(), _prompts(4), list(range(4)))
+  np.testing.assert_array_equal(logits, np.asarray(unserved.logits))
