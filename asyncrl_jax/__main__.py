@@ -12,9 +12,9 @@ Commands:
 
 import sys
 
-COMMANDS = {"train": "asyncrl_jax.train", "sft": "asyncrl_jax.sft", "decode": "asyncrl_jax.rollout.main",
-            "serve": "asyncrl_jax.serve", "info": "asyncrl_jax.info",
-            "export": "asyncrl_jax.export", "eval": "asyncrl_jax.eval_cli"}
+COMMANDS = {"train": "asyncrl_jax.train.job", "sft": "asyncrl_jax.sft.supervised", "decode": "asyncrl_jax.rollout.main",
+            "serve": "asyncrl_jax.tools.serve", "info": "asyncrl_jax.tools.info",
+            "export": "asyncrl_jax.tools.export", "eval": "asyncrl_jax.tools.evaluate"}
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 import ml_collections
 
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
-from asyncrl_jax.workloads import LengthWorkload
+from asyncrl_jax.data.workloads import LengthWorkload
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
 LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
@@ -77,7 +77,7 @@ def _rollout_section() -> ml_collections.ConfigDict:
       min_new_tokens=0,
       # a synthetic length workload for throughput measurements, e.g.
       # "lognormal:median=32,sigma=1.15,cap=640": each request generates exactly a drawn number of
-      # tokens (its minimum and maximum length); "" = off (asyncrl_jax.workloads)
+      # tokens (its minimum and maximum length); "" = off (asyncrl_jax.data.workloads)
       length_workload="",
       host="127.0.0.1", port=0,  # where servers listen (the learner's registry and senders too)
       # decode-server processes the learner waits for; they register with learner process 0 at

@@ -61,11 +61,11 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
-from asyncrl_jax.learner import idle_fraction as learner_idle_fraction  # noqa: E402  pylint: disable=wrong-import-position
+from asyncrl_jax.learner.learner import idle_fraction as learner_idle_fraction  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.rollout.stats import DecodeStats  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
-from asyncrl_jax.workloads import LengthWorkload  # noqa: E402
+from asyncrl_jax.data.workloads import LengthWorkload  # noqa: E402
 from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")

@@ -32,7 +32,7 @@ cli.ensure_cpu_devices(1)
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
-from asyncrl_jax import sharding  # noqa: E402
+from asyncrl_jax.infra import sharding  # noqa: E402
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings  # noqa: E402
 from asyncrl_jax.tokenization import ArithmeticTokenizer  # noqa: E402
 from benchmarks.common import machine, write_result  # noqa: E402

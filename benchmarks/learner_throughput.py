@@ -34,9 +34,11 @@ cli.ensure_cpu_devices(1)
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
-from asyncrl_jax import models, sharding  # noqa: E402
+from asyncrl_jax import models  # noqa: E402
+
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.config import base_config  # noqa: E402
-from asyncrl_jax.learner import Learner  # noqa: E402
+from asyncrl_jax.learner.learner import Learner  # noqa: E402
 from asyncrl_jax.rl import batching  # noqa: E402
 from asyncrl_jax.rl.logprobs import compute_logprobs  # noqa: E402
 from benchmarks.common import machine, write_result  # noqa: E402

@@ -65,7 +65,7 @@ def _unflat(like, arrays) -> dict:
 
 
 def record(args) -> None:
-  from asyncrl_jax import learner as learner_lib  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner import learner as learner_lib  # pylint: disable=import-outside-toplevel
   out = os.path.join(args.workdir, "diag")
   os.makedirs(out, exist_ok=True)
   original = learner_lib.Learner.train
@@ -85,7 +85,7 @@ def record(args) -> None:
     argv.append(f"--config.model.hf_path={args.ws}")
   argv += list(args.override)
   sys.argv = argv  # config_flags registers the --config.x overrides from sys.argv at import
-  from asyncrl_jax import train  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train import job as train  # pylint: disable=import-outside-toplevel
   train.main(argv)
 
 

@@ -38,10 +38,12 @@ cli.ensure_cpu_devices(4)
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 import numpy as np  # noqa: E402
 
-from asyncrl_jax import models, sharding  # noqa: E402
+from asyncrl_jax import models  # noqa: E402
+
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.config import ModelConfig  # noqa: E402
-from asyncrl_jax.transfer import local_transfer, shards, tree_bytes  # noqa: E402
-from asyncrl_jax.transfer.remote import Source, WeightReceiver  # noqa: E402
+from asyncrl_jax.weights import local_transfer, shards, tree_bytes  # noqa: E402
+from asyncrl_jax.weights.remote import Source, WeightReceiver  # noqa: E402
 from benchmarks.common import machine, pyplot, write_result  # noqa: E402
 
 SIZES = {  # name -> (hidden, layers, intermediate, vocab)
@@ -57,7 +59,7 @@ sys.path.insert(0, {root!r})
 import jax
 from asyncrl_jax import models
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.transfer.remote import WeightSender
+from asyncrl_jax.weights.remote import WeightSender
 cfg = ModelConfig(**{cfg!r})
 params = models.init_params(cfg, jax.random.key(0))
 sender = WeightSender("127.0.0.1:0")
@@ -70,13 +72,14 @@ _SHARDED = r"""
 import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 sys.path.insert(0, {root!r})
-from asyncrl_jax import distributed
+from asyncrl_jax.infra import distributed
 distributed.initialize("127.0.0.1:{port}", 2, {pid})
 import jax
-from asyncrl_jax import models, sharding
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.transfer import shards
-from asyncrl_jax.transfer.remote import WeightSender
+from asyncrl_jax.weights import shards
+from asyncrl_jax.weights.remote import WeightSender
 cfg = ModelConfig(**{cfg!r})
 mesh = sharding.make_mesh(jax.devices(), dict(data=1, fsdp=2, tensor=1))
 params = models.init_params(cfg, jax.random.key(0), mesh=mesh)

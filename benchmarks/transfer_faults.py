@@ -52,7 +52,7 @@ def _child(role: str, out: str, mb: int) -> None:
   os.environ["JAX_PLATFORMS"] = "cpu"
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.transfer.remote import _start_server  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.weights.remote import _start_server  # pylint: disable=import-outside-toplevel
   server = _start_server("127.0.0.1:0")
   n = mb * 2 ** 20 // 4
   if role.startswith("sender"):

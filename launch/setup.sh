@@ -27,7 +27,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 echo "[setup] installing pinned runtime dependencies (requirements.txt)"
 "${PIP[@]}" -r requirements.txt
-# google-jetstream without its seqio -> TensorFlow chain; see asyncrl_jax/jetstream_compat.py.
+# google-jetstream without its seqio -> TensorFlow chain; see asyncrl_jax/rollout/jetstream_compat.py.
 "${PIP[@]}" --no-deps -r requirements-jetstream.txt
 "${PIP[@]}" --no-deps --no-build-isolation -e . 2>/dev/null || "${PIP[@]}" --no-deps -e .
 

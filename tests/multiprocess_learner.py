@@ -25,14 +25,14 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-from asyncrl_jax import distributed  # noqa: E402  pylint: disable=wrong-import-position
+from asyncrl_jax.infra import distributed  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def resume(learner, directory: str, out: str, pid: int) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   ckpt = Checkpointer(directory, async_save=False)
   state, meta = ckpt.restore(1, state_like=learner.checkpoint_state())
@@ -52,9 +52,9 @@ def value_mode(pid: int, n: int, out: str, checkpoints: str) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import sharding  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.learner_group import LearnerGroup  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import sharding  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner.group import LearnerGroup  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_default_matmul_precision", "highest")
   mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})
@@ -101,8 +101,8 @@ def main(pid: int, n: int, port: int, out: str, *args: str) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import sharding  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.learner import Learner  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import sharding  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner.learner import Learner  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   jax.config.update("jax_default_matmul_precision", "highest")
   mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": n, "tensor": 1})

@@ -17,7 +17,7 @@ ROLE = sys.argv[1]
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={1 if ROLE == 'learner' else 2}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-from asyncrl_jax import distributed  # noqa: E402  pylint: disable=wrong-import-position
+from asyncrl_jax.infra import distributed  # noqa: E402  pylint: disable=wrong-import-position
 
 UUID = 7
 
@@ -41,9 +41,10 @@ def learner(pid: int, port: int, out: str) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import models, sharding  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.transfer import shards  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.transfer.remote import WeightSender  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import sharding
+  from asyncrl_jax.weights import shards  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.weights.remote import WeightSender  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(jax.devices(), {"data": 1, "fsdp": 2, "tensor": 1})
   params = jax.device_put(t.params(), models.param_shardings(t.CFG, mesh))
@@ -65,9 +66,10 @@ def learner(pid: int, port: int, out: str) -> None:
 def server(out: str) -> None:
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import models, sharding  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.transfer import shards  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.transfer.remote import Source, WeightReceiver  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import sharding
+  from asyncrl_jax.weights import shards  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.weights.remote import Source, WeightReceiver  # pylint: disable=import-outside-toplevel
   from tests import test_multiprocess as t  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(jax.local_devices(), {"data": 1, "fsdp": 1, "tensor": 2})
   like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), t.params(),

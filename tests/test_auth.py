@@ -8,9 +8,11 @@ import sys
 import grpc
 import pytest
 
-from asyncrl_jax import auth, models
+from asyncrl_jax import models
+
+from asyncrl_jax.infra import auth
 from asyncrl_jax.rollout import protocol, registry
-from asyncrl_jax.rollout.service import RolloutClient
+from asyncrl_jax.rollout.grpc_service import RolloutClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -78,7 +80,7 @@ def test_every_rpc_needs_the_token_when_one_is_set():
 
 
 def test_the_rollout_service_checks_the_token_on_every_method():
-  from asyncrl_jax.rollout.service import serve  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rollout.grpc_service import serve  # pylint: disable=import-outside-toplevel
 
   class Service:  # answers everything: only the token check can refuse
     def __getattr__(self, name):
@@ -102,7 +104,7 @@ def test_the_rollout_service_checks_the_token_on_every_method():
 
 
 def test_binding_beyond_loopback_without_a_token_is_refused():
-  from asyncrl_jax.rollout.service import serve  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rollout.grpc_service import serve  # pylint: disable=import-outside-toplevel
   with pytest.raises(auth.AuthError, match="not a loopback address"):
     serve(object(), host="0.0.0.0", port=0)
 
@@ -112,7 +114,7 @@ def test_binding_beyond_loopback_without_a_token_is_refused():
       "--config.rollout.host=0.0.0.0"], "rollout.host='0.0.0.0'"),
     (["-m", "asyncrl_jax.train", f"--config={ROOT}/configs/default.py", "--workdir=/tmp/unused",
       "--config.rollout.servers=1", "--config.rollout.host=0.0.0.0"], "rollout.host='0.0.0.0'"),
-    (["-m", "asyncrl_jax.serve", "--checkpoint=/tmp/unused", "--host=0.0.0.0"], "--host='0.0.0.0'")])
+    (["-m", "asyncrl_jax.tools.serve", "--checkpoint=/tmp/unused", "--host=0.0.0.0"], "--host='0.0.0.0'")])
 def test_processes_refuse_to_start_on_a_public_address_without_a_token(cmd, option):
   env = {k: v for k, v in os.environ.items() if k != auth.ENV}
   out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, timeout=120,

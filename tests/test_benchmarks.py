@@ -45,7 +45,7 @@ def test_lognormal_workload_predictions_and_report(tmp_path, capsys):
   follows them, and the report carries the quick JSON line the issue asks for."""
   import argparse  # pylint: disable=import-outside-toplevel
   from benchmarks import async_vs_sync as avs  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.data.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
   args = argparse.Namespace(warm_start_steps=10, override=[], out=str(tmp_path))
   w = LengthWorkload(median=32, sigma=1.15, cap=640)
   flags = avs.workload_flags(w, 64)

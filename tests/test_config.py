@@ -256,7 +256,7 @@ def test_unknown_field_is_rejected():
 
 
 def _run_cli(*overrides):
-  cmd = [sys.executable, "-m", "asyncrl_jax.info", f"--config={ROOT}/configs/default.py", *overrides]
+  cmd = [sys.executable, "-m", "asyncrl_jax.tools.info", f"--config={ROOT}/configs/default.py", *overrides]
   return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
@@ -306,7 +306,7 @@ def test_fuzzed_command_line_values_give_one_line_errors_or_configs_that_build()
   from hypothesis import HealthCheck, given, settings  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import cli, models  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.update import make_optimizer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner.updater import make_optimizer  # pylint: disable=import-outside-toplevel
   field_st, value_st = _fuzz_strategy()
   outcomes = {"refused": 0, "accepted": 0}
 

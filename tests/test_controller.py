@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
-from asyncrl_jax.controller import Controller, StalenessError
+from asyncrl_jax.controller.controller import Controller, StalenessError
 from asyncrl_jax.data.pipeline import PromptStream
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch
-from asyncrl_jax.rollout.trajectory import Trajectory
+from asyncrl_jax.rl.trajectory import Trajectory
 from asyncrl_jax.tokenization import ArithmeticTokenizer
 
 TOK = ArithmeticTokenizer()
@@ -323,7 +323,7 @@ def test_admission_order_bounds_staleness_with_random_stragglers(eta):
 
 
 def test_an_over_long_prompt_is_skipped_and_counted_and_drained_rollouts_are_placed_again_freely():
-  from asyncrl_jax.rollout.trajectory import DRAINED  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.trajectory import DRAINED  # pylint: disable=import-outside-toplevel
   rows = _source(8)
   rows[3]["question"] = b"1+2+3+4+5+6+7+8+9+1+2+3="  # the only prompt over the limit
   short = len(TOK.encode_prompt(rows[0]["question"].decode()))

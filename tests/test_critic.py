@@ -9,9 +9,10 @@ import pytest
 
 from tests.helpers import random_sequences, sharp_params
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import models, sharding
-from asyncrl_jax.checkpoint import Checkpointer
-from asyncrl_jax.learner import Learner
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.train.checkpoint import Checkpointer
+from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.models import api
 from asyncrl_jax.rl import batching
 
@@ -193,7 +194,7 @@ def test_value_figures_from_moments_merged_over_micro_batches():
   """The value figures a version reports come from per-micro-batch statistics (readable in every
   process); merged over parts of the tokens they give numpy's figures on all of them, and 0 for
   returns that do not vary, even a constant float32 cannot hold over many tokens."""
-  from asyncrl_jax import critic  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner import critic  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   v, r = rng.normal(0.4, 0.3, (3, 50)), rng.integers(0, 2, (3, 50)).astype(np.float64)
   mask = rng.random((3, 50)) < 0.7

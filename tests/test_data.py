@@ -6,7 +6,7 @@ import pytest
 
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
-from asyncrl_jax.rewards import MathReward, arithmetic_reward
+from asyncrl_jax.rl.rewards import MathReward, arithmetic_reward
 
 
 @pytest.fixture(scope="module")

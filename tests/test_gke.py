@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from asyncrl_jax import gke
+from asyncrl_jax.tools import gke
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "launch", "tpu", "examples", "qwen2_5_1_5b_v5p.env")

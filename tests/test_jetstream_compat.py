@@ -10,7 +10,7 @@ import pytest
 def test_jetstream_imports_without_tensorflow():
   root = logging.getLogger()
   level, handlers = root.level, list(root.handlers)
-  from asyncrl_jax.jetstream_compat import engine_api, jetstream_pb2, orchestrator, server_lib
+  from asyncrl_jax.rollout.jetstream_compat import engine_api, jetstream_pb2, orchestrator, server_lib
   assert hasattr(engine_api.Engine, "generate") and hasattr(engine_api.Engine, "prefill")
   assert hasattr(server_lib, "run") and hasattr(orchestrator, "Driver")
   assert hasattr(jetstream_pb2, "DecodeRequest")
@@ -21,7 +21,7 @@ def test_jetstream_imports_without_tensorflow():
 
 
 def test_seqio_vocabularies_refuse_construction():
-  import asyncrl_jax.jetstream_compat  # noqa: F401  pylint: disable=unused-import
+  import asyncrl_jax.rollout.jetstream_compat  # noqa: F401  pylint: disable=unused-import
   from seqio.vocabularies import SentencePieceVocabulary
   with pytest.raises(RuntimeError, match="seqio is not installed"):
     SentencePieceVocabulary("/nonexistent.model")

@@ -9,8 +9,9 @@ import pytest
 
 from tests.helpers import max_abs_diff, random_sequences, sharp_params
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import models, sharding
-from asyncrl_jax.learner import Learner, make_optimizer
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.learner.learner import Learner, make_optimizer
 from asyncrl_jax.rl.staleness import VersionMismatch
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
@@ -137,7 +138,7 @@ def test_prox_is_current_refuses_a_prox_argument():
 def test_update_steps_trace_once_per_micro_batch_shape():
   """The train step is bounded by the shapes packing allows: row buckets 32 and 64 under a 64-token
   budget. Both run; a micro-batch of another shape (what a bypassed bucketing would produce) trips it."""
-  from asyncrl_jax import update  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner import updater as update  # pylint: disable=import-outside-toplevel
   config = _config("ppo", 1)
   config.learner.token_budget = 64
   cfg = CFG.replace(max_seq_len=64)
@@ -159,7 +160,7 @@ def test_update_steps_trace_once_per_micro_batch_shape():
 def test_warm_up_compiles_every_micro_batch_shape_and_changes_nothing():
   """After ``warm_up`` (row buckets 32 and 64 under a 64-token budget), parameters and optimizer
   state are unchanged bit for bit, and training on both shapes, with a prox pass, compiles nothing."""
-  from asyncrl_jax import runlog  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train import runlog  # pylint: disable=import-outside-toplevel
   config = _config("decoupled_ppo", 2)
   config.learner.token_budget = 64
   cfg = CFG.replace(max_seq_len=64)
@@ -186,7 +187,7 @@ def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure
   NaN: the step is refused inside the jitted update (params and optimizer state unchanged, bit for
   bit), the version is not counted, and the error names the version and what was not finite. The next
   good batch trains normally."""
-  from asyncrl_jax.learner import NonFiniteError  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner.learner import NonFiniteError  # pylint: disable=import-outside-toplevel
   config = _config("decoupled_ppo", 2)
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
   learner = Learner(CFG, sharp_params(CFG, 4, scale=2.0), mesh, config, versions=4)

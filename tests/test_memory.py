@@ -13,12 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl_jax import bucketing, memory, models, sharding
+from asyncrl_jax import models
+
+from asyncrl_jax.infra import bucketing
+
+from asyncrl_jax.tools import memory
+
+from asyncrl_jax.infra import sharding
 from asyncrl_jax import config as config_lib
 from asyncrl_jax.rl.batching import TokenBatch
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.update import make_optimizer
+from asyncrl_jax.learner.updater import make_optimizer
 
 
 def _bytes(tree) -> int:
@@ -199,7 +205,7 @@ def test_accelerator_names():
 
 
 def test_info_reports_each_role_and_whether_it_fits():
-  from asyncrl_jax import info  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tools import info  # pylint: disable=import-outside-toplevel
   lines, ok = info.memory_report(_small("wide"), "v5p-8")
   assert ok and sum("fits one v5p-8 chip" in l for l in lines) == 3
   assert any(l.startswith("learner memory per device (4 devices)") for l in lines)
@@ -233,7 +239,7 @@ def _shipped_configs():
 
 
 def test_every_shipped_accelerator_config_fits_with_the_margin_its_docstring_states():
-  from asyncrl_jax import info  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tools import info  # pylint: disable=import-outside-toplevel
   shipped = list(_shipped_configs())
   assert {name for name, _ in shipped} >= {"qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py",
                                            "r1_distill_qwen_7b_v5p.py"}

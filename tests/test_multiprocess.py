@@ -14,8 +14,10 @@ import pytest
 
 from tests.helpers import random_sequences, sharp_params
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import distributed, models, sharding
-from asyncrl_jax.learner import Learner
+from asyncrl_jax import models
+from asyncrl_jax.infra import distributed
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.rl import batching
 from asyncrl_jax.tokenization.builtin import ArithmeticTokenizer
@@ -73,7 +75,7 @@ def value_learner(mesh) -> Learner:
 def value_evaluation(mesh, prompt_ids=None):
   """The main job's held-out evaluation on ``mesh`` (the learner's): ``PROBLEMS`` scored by the
   parity of the completion's length, or, in processes other than 0, ``prompt_ids`` and no answers."""
-  from asyncrl_jax.evaluation import RunEvaluation  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.evaluation import RunEvaluation  # pylint: disable=import-outside-toplevel
   meshes = sharding.RoleMeshes(learner=mesh, rollout=None, remote=1, colocated=False)
   if prompt_ids is not None:
     return RunEvaluation(value_config(), VALUE_CFG, meshes, TOK, prompt_ids=prompt_ids)
@@ -135,7 +137,7 @@ def test_two_process_learner_equals_one_process_and_checkpoints_move_between_pro
     next update equals the uninterrupted 1-process run's. 2 -> 1: what the 2 processes saved restores
     in 1 process bit for bit.
   """
-  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "update.npz")
   learner = _one_process_learner()
   metrics = learner.train(sequences(), version=0)
@@ -187,7 +189,7 @@ def test_two_process_value_mode_and_evaluation_equal_one_process_and_the_checkpo
     held-out value figures as one process.
   * The checkpoint the 2 processes wrote restores in 1 process with both models bit for bit.
   """
-  from asyncrl_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   directory, out = str(tmp_path / "checkpoints"), str(tmp_path / "value.npz")
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
   learner = value_learner(mesh)
@@ -277,7 +279,7 @@ def test_weights_move_shard_to_shard_between_unlike_layouts(tmp_path):
   """Learner fsdp=2 over 2 processes -> a decode server with tensor=2 on its 2 local devices: the
   server holds the learner's exact parameters in its own layout, and every buffer that crossed
   between processes is one shard, each offered once."""
-  from asyncrl_jax.transfer import shards  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.weights import shards  # pylint: disable=import-outside-toplevel
   out, port = str(tmp_path), _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   cmd = [sys.executable, "-m", "tests.multiprocess_transfer"]

@@ -13,7 +13,8 @@ from etils.epath import gpath
 from fsspec.implementations.memory import MemoryFileSystem
 
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import paths, runlog
+from asyncrl_jax.infra import paths
+from asyncrl_jax.train import runlog
 from asyncrl_jax.rollout.stats import DecodeStats
 
 

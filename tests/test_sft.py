@@ -7,8 +7,9 @@ import optax
 import pytest
 
 from tests.helpers import max_abs_diff, sharp_params
-from asyncrl_jax import models, sharding
-from asyncrl_jax.sft import demonstration, warm_start
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.sft.supervised import demonstration, warm_start
 from asyncrl_jax.tokenization import load_tokenizer
 
 TOKENIZER = load_tokenizer("")

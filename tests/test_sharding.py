@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from asyncrl_jax import models
-from asyncrl_jax import sharding
+from asyncrl_jax.infra import sharding
 
 CFG = models.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=8, num_kv_heads=2, max_seq_len=64)

@@ -267,7 +267,7 @@ def test_the_length_workload_runs_end_to_end_with_the_learner_applying_the_ban(t
   """``rollout.length_workload``: every trajectory the main job trains has exactly its request's drawn
   length (stop tokens banned until then), and at version 1 (data of version 0, weights of version 0)
   the learner's log-probs equal the behaviour ones, the ban included."""
-  from asyncrl_jax.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.data.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
   spec = "lognormal:median=6,sigma=0.8,cap=24"
   _run(tmp_path, "--config.steps=2", f"--config.rollout.length_workload={spec}",
        "--config.learner.eval_every=0", "--config.rollout.warm_up=False", "--config.seed=3")
@@ -529,7 +529,7 @@ def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
 
 def test_run_config_is_recorded_and_changes_are_named(tmp_path, capsys):
   from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import runlog  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.train import runlog  # pylint: disable=import-outside-toplevel
   c, path = config_lib.base_config(), tmp_path / "config.json"
   runlog.record_config(c, str(path))
   assert json.loads(path.read_text())["rl"]["loss"] == "decoupled_ppo"

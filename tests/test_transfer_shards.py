@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from asyncrl_jax import models, sharding
-from asyncrl_jax.transfer import shards
+from asyncrl_jax import models
+
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.weights import shards
 from tests.helpers import sharp_params
 
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

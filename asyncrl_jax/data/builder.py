@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
-from asyncrl_jax import paths
+from asyncrl_jax.infra import paths
 from asyncrl_jax.data import arithmetic
 
 def _features():

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from asyncrl_jax import sharding as sharding_lib
+from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.transformer import KVCache, Transformer
 

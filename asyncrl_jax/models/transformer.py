@@ -19,7 +19,7 @@ One module serves training and decoding:
   holds one block, not ``num_layers`` copies of it; ``hidden_only=True`` returns the final hidden states and the output projection instead of the
   logits, for a log-softmax that never holds ``[B, T, V]`` (``rl.logprobs``).
 
-Parameters carry logical axis names (see ``asyncrl_jax.sharding``); outside this module they are a plain
+Parameters carry logical axis names (see ``asyncrl_jax.infra.sharding``); outside this module they are a plain
 nested dict of arrays.
 """
 

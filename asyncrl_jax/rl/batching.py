@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from asyncrl_jax import bucketing
+from asyncrl_jax.infra import bucketing
 
 DEFAULT_ROW_BUCKETS = bucketing.ROW_BUCKETS
 
@@ -124,7 +124,7 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
   ``advantage`` is broadcast over the completion. ``token_reward`` (value advantages, see
-  ``asyncrl_jax.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere: the
+  ``asyncrl_jax.learner.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere: the
   ``advantages`` field then holds per-token rewards, which the learner's critic turns into advantages.
   ``min_new_tokens``: the first that many completion tokens were sampled with the stop tokens banned
   (``eos_banned``; None when 0). ``weight``: the loss weight of every token (``loss_weight``; None

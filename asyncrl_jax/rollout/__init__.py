@@ -2,7 +2,7 @@
 
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.models.sampling import SamplingSettings
-from asyncrl_jax.rollout.server import DecodeServer
-from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rollout.decode_loop import DecodeServer
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
 
 __all__ = ["Engine", "SamplingSettings", "DecodeServer", "RolloutRequest", "Trajectory"]

@@ -29,9 +29,9 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncrl_jax import models
-from asyncrl_jax import sharding as sharding_lib
-from asyncrl_jax.bucketing import bounded_traces
-from asyncrl_jax.jetstream_compat import engine_api, tokenizer_pb2
+from asyncrl_jax.infra import sharding as sharding_lib
+from asyncrl_jax.infra.bucketing import bounded_traces
+from asyncrl_jax.rollout.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rollout.compile_cache import ShapedPrefill
 from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from asyncrl_jax.jetstream_compat import tokenizer_api
+from asyncrl_jax.rollout.jetstream_compat import tokenizer_api
 from asyncrl_jax.rollout.prefill_plan import bucket_length
 from asyncrl_jax.tokenization import Tokenizer
 

@@ -8,8 +8,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from asyncrl_jax import bucketing
-from asyncrl_jax.bucketing import PREFILL_BUCKETS
+from asyncrl_jax.infra import bucketing
+from asyncrl_jax.infra.bucketing import PREFILL_BUCKETS
 
 
 def bucket_length(n: int, max_len: int, buckets: Sequence[int] = PREFILL_BUCKETS) -> int:

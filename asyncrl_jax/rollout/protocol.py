@@ -66,9 +66,9 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.transfer import shards
-from asyncrl_jax.transfer.remote import Source
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.weights import shards
+from asyncrl_jax.weights.remote import Source
 
 PACKAGE = "asyncrl.rollout.v1"
 # Largest message either side sends or accepts (a Submit of 512 prompts of 1024 tokens is ~2 MB, a

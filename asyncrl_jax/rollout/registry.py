@@ -25,9 +25,9 @@ from typing import Optional
 
 import grpc
 
-from asyncrl_jax import auth
+from asyncrl_jax.infra import auth
 from asyncrl_jax.rollout import protocol
-from asyncrl_jax.rollout.service import serve
+from asyncrl_jax.rollout.grpc_service import serve
 
 M = protocol.MESSAGES
 

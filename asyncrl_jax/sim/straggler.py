@@ -11,7 +11,7 @@ its slot for ``L`` steps.
 * **Asynchronous**: every slot takes the next trajectory as soon as it finishes one, subject to the
   AReaL admission bound ``floor(n / batch) <= version + eta`` for the ``n``-th trajectory (0-based); the
   learner trains batch after batch while generation continues. Batches are either blocks in admission
-  order (what ``asyncrl_jax.controller`` does: the count bound is then a hard staleness bound) or the
+  order (what ``asyncrl_jax.controller.controller`` does: the count bound is then a hard staleness bound) or the
   oldest ``batch`` finished trajectories (AReaL's buffer; staleness of a straggler is then unbounded).
   An interrupt (weight update) may cost every in-flight slot ``interrupt_cost`` steps of re-prefill.
 

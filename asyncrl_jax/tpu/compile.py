@@ -122,9 +122,12 @@ def learner_programs(config, model_config, devices, *, row_len: Optional[int] = 
   """The learner built from shapes on ``devices``, and ``(name, fn, args, resident_outside)`` of each
   program a version runs: ``resident_outside`` is what the role holds beside the program that is not
   among its arguments (bytes per chip)."""
-  from asyncrl_jax import bucketing, memory, models, sharding  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import bucketing
+  from asyncrl_jax.tools import memory
+  from asyncrl_jax.infra import sharding
   import jax  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.learner import Learner  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.learner.learner import Learner  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(devices, config.mesh.learner.to_dict(), role="mesh.learner")
   learner = Learner(model_config, models.abstract_params(model_config), mesh, config,
                     versions=int(config.steps))
@@ -154,7 +157,7 @@ def decode_programs(config, model_config, devices, *, shapes: str = "covering",
                     steps_per_call: int = 16):
   """One decode server's engine from shapes on ``devices`` (one host), and ``(name, fn, args, 0)``
   of its programs (``Engine.programs``): its parameters and decode state are arguments of each."""
-  from asyncrl_jax import sharding  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import sharding  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rollout.engine import engine_from_config  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
   engine = engine_from_config(config, mesh, model_config)
@@ -276,7 +279,8 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
   require_libtpu()
   import jax  # pylint: disable=import-outside-toplevel
   from importlib import metadata  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import memory, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tools import memory
   from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
   m = models.config_of(config)
   rollout_accelerator = rollout_accelerator or accelerator

@@ -15,7 +15,7 @@ declare -A ASYNCRL_DEFAULTS=(
   [JAX_TPU]="jax[tpu]==0.10.2" [PYTHON]="python3.11"
   [COORDINATOR_PORT]="8476" [REGISTRY_PORT]="8477" [ROLLOUT_PORT]="8478"
   [REMOTE_DIR]="asyncrl_jax"
-  [IMAGE]=""  # the container image, for GKE only (python -m asyncrl_jax.gke)
+  [IMAGE]=""  # the container image, for GKE only (python -m asyncrl_jax.tools.gke)
 )
 
 DRY_RUN=0

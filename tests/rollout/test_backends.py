@@ -6,9 +6,9 @@ import time
 import types
 
 from asyncrl_jax.rollout import protocol
-from asyncrl_jax.rollout.backends import RemoteRollout
+from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rollout.trajectory import RolloutRequest
+from asyncrl_jax.rl.trajectory import RolloutRequest
 
 
 class FakeClient:
@@ -321,7 +321,7 @@ def test_requests_wait_for_a_server_and_the_backend_fails_when_none_comes():
 
 def _trajectory(request_id: str, incarnation: int):
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rollout.trajectory import Trajectory  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.trajectory import Trajectory  # pylint: disable=import-outside-toplevel
   return Trajectory(trajectory_id=request_id, prompt_id="", group_id=0, prompt_tokens=np.asarray([1, 2]),
                     completion_tokens=np.asarray([3]), logprobs=np.asarray([-0.5]), versions=np.asarray([0]),
                     finish_reason="eos", logprob_source="sampling", sampling={}, tokenizer_id="t",

@@ -6,7 +6,8 @@ import pytest
 from scipy import stats
 
 from tests.helpers import sharp_params
-from asyncrl_jax import models, sharding
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import Engine, SamplingSettings
 from asyncrl_jax.models.sampling import sample, sampling_logits

@@ -6,10 +6,10 @@ import pytest
 
 from tests.helpers import sharp_params
 from asyncrl_jax import models
-from asyncrl_jax.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
+from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.models.generate import greedy_generate
-from asyncrl_jax.export import ExportError, load_export, write_orbax
-from asyncrl_jax.serve import engine_for_checkpoint, start_server
+from asyncrl_jax.tools.export import ExportError, load_export, write_orbax
+from asyncrl_jax.tools.serve import engine_for_checkpoint, start_server
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)
@@ -72,7 +72,7 @@ def test_a_directory_without_an_export_is_named(tmp_path):
 
 def test_serving_with_a_token_refuses_calls_without_it(tmp_path):
   import grpc
-  from asyncrl_jax import auth  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import auth  # pylint: disable=import-outside-toplevel
   write_orbax(CFG, jax.device_get(sharp_params(CFG, 1)), str(tmp_path))
   engine, engine_params = engine_for_checkpoint(str(tmp_path), tokenizer_path="", slots=2,
                                                 max_prefill_length=16, max_target_length=32,

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import NoStopTokenizer, sharp_params
-from asyncrl_jax import models, sharding
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
 from asyncrl_jax.tokenization import ArithmeticTokenizer

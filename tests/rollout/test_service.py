@@ -13,12 +13,13 @@ import pytest
 
 from tests.helpers import sharp_params
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import models, sharding
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol
-from asyncrl_jax.rollout.backends import RemoteRollout, eligible
-from asyncrl_jax.rollout.service import RolloutClient, RolloutService, serve
-from asyncrl_jax.transfer import new_uuid, shards
-from asyncrl_jax.transfer.remote import Source, WeightSender
+from asyncrl_jax.rollout.remote import RemoteRollout, eligible
+from asyncrl_jax.rollout.grpc_service import RolloutClient, RolloutService, serve
+from asyncrl_jax.weights import new_uuid, shards
+from asyncrl_jax.weights.remote import Source, WeightSender
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -233,7 +234,7 @@ def test_a_newer_learner_incarnation_takes_over_at_an_older_version_and_its_pred
   and drop the older one's queue, sequences in flight and undelivered trajectories; an older one's
   notices and requests are refused. Draining refuses work and gives the queue back."""
   import grpc
-  from asyncrl_jax.rollout.trajectory import DRAINED  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.trajectory import DRAINED  # pylint: disable=import-outside-toplevel
   params = sharp_params(CFG, 0)
   mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
   engine = Engine(CFG, mesh=mesh, num_slots=2, max_prefill_length=16, max_target_length=48,

@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from asyncrl_jax import update as update_lib
-from asyncrl_jax.evaluation import Evaluator
+from asyncrl_jax.learner import updater as update_lib
+from asyncrl_jax.rl.evaluation import Evaluator
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import batching
@@ -76,7 +76,7 @@ def rejection_sampling_fine_tune(
     raise ValueError("rejection sampling needs sampled completions (rollout.temperature > 0)")
   if max_seconds is not None and not 0 < max_seconds < float("inf"):
     raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
-  from asyncrl_jax.sft import nll_loss  # pylint: disable=import-outside-toplevel  (sft's CLI imports us)
+  from asyncrl_jax.sft.supervised import nll_loss  # pylint: disable=import-outside-toplevel  (sft's CLI imports us)
   optimizer = update_lib.make_optimizer(learning_rate=learning_rate, total_steps=max_steps,
                                         grad_clip=grad_clip, schedule="constant")
   updater = update_lib.Updater(model_config, params, mesh, optimizer, token_budget=token_budget,

@@ -18,8 +18,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax import models
-from asyncrl_jax import sharding as sharding_lib
-from asyncrl_jax import update as update_lib
+from asyncrl_jax.infra import sharding as sharding_lib
+from asyncrl_jax.learner import updater as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import token_logprobs
@@ -50,7 +50,7 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   ``schedule``: ``cosine`` decays ``learning_rate`` to 10% over ``steps``; ``constant`` keeps it (for
   continuing a finished warm start at its final rate). ``max_seconds`` stops early at a wall-time budget
   (each step is then waited for, so the budget is measured, not dispatched). Gradients are clipped to
-  global norm ``grad_clip``. Each step is one update of the shared update loop (``asyncrl_jax.update``,
+  global norm ``grad_clip``. Each step is one update of the shared update loop (``asyncrl_jax.learner.updater``,
   as the learner's): the batch is packed into fixed-shape micro-batches whose gradients are summed.
   Returns ``(params, last loss)``; the number of steps run is passed to ``progress`` last.
   """
@@ -91,14 +91,14 @@ def _fine_tune(config, model_config, params, mesh, builder, tokenizer, workdir: 
                learning_rate: float, schedule: str, max_seconds: Optional[float],
                rft: Optional[dict]) -> tuple:
   """The CLI's training: on demonstrations (``warm_start``), or, with ``rft`` (the ``samples``,
-  ``prompts_per_round`` and ``steps_per_round`` of ``asyncrl_jax.rft``), on the model's own correct
+  ``prompts_per_round`` and ``steps_per_round`` of ``asyncrl_jax.sft.rejection``), on the model's own correct
   samples of the train split's prompts. Prints progress; returns (params, last loss, steps, summary
   fields)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rft import rejection_sampling_fine_tune  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.rewards import reward_fn  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.sft.rejection import rejection_sampling_fine_tune  # pylint: disable=import-outside-toplevel
   steps = max(config.learner.warm_start_steps, 1)
   common = dict(learning_rate=learning_rate, token_budget=config.learner.token_budget,
                 max_seconds=max_seconds, grad_clip=config.learner.grad_clip,
@@ -136,8 +136,8 @@ def main(argv=None) -> None:
   import os  # pylint: disable=import-outside-toplevel
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
   config_flag = cli.define_config_flag()
@@ -150,7 +150,7 @@ def main(argv=None) -> None:
   evaluate = flags.DEFINE_bool("evaluate", False, "Held-out accuracy before and after (as the main job "
                                "measures it); written to WORKDIR/sft_summary.json.")
   rft = flags.DEFINE_bool("rft", False, "Rejection-sampling fine-tuning instead of demonstrations: "
-                          "train on the model's own correct samples of the RL prompts (asyncrl_jax.rft), "
+                          "train on the model's own correct samples of the RL prompts (asyncrl_jax.sft.rejection), "
                           "at the constant rate of --schedule=constant.")
   rft_samples = flags.DEFINE_integer("rft_samples", 4, "--rft: completions drawn per prompt.")
   rft_prompts = flags.DEFINE_integer("rft_prompts_per_round", 128, "--rft: prompts sampled per round.")

@@ -1,8 +1,8 @@
-"""Plain serving with JetStream: ``python -m asyncrl_jax.serve --checkpoint=DIR [--port=9000]``.
+"""Plain serving with JetStream: ``python -m asyncrl_jax.tools.serve --checkpoint=DIR [--port=9000]``.
 
 Runs JetStream's own orchestrator (``jetstream.core.orchestrator.Driver``, interleaved prefill and
 generate on one engine) and gRPC server (``jetstream.core.server_lib.JetStreamServer``) over our engine
-on an exported checkpoint (Hugging Face or Orbax, written by ``asyncrl_jax.export``), so
+on an exported checkpoint (Hugging Face or Orbax, written by ``asyncrl_jax.tools.export``), so
 JetStream's standard ``Decode`` RPC and client tools work against the model.
 
 Notes on JetStream 0.2.2 behaviour (not ours to change):
@@ -28,14 +28,16 @@ import grpc
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import auth, sharding
-from asyncrl_jax.export import load_export
-from asyncrl_jax.jetstream_compat import orchestrator, server_lib
+from asyncrl_jax.infra import auth
+
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.tools.export import load_export
+from asyncrl_jax.rollout.jetstream_compat import orchestrator, server_lib
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.models.sampling import SamplingSettings
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export: Hugging Face (config.json + safetensors) "
-                                  "or Orbax (model_config.json + params/), see asyncrl_jax.export.")
+                                  "or Orbax (model_config.json + params/), see asyncrl_jax.tools.export.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", "", "Directory with tokenizer.json; '' = built-in "
                                  "(or the checkpoint directory if it holds a tokenizer.json).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind.")
@@ -51,7 +53,7 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 def start_server(engine: Engine, params, *, host: str = "127.0.0.1", port: int = 0, threads: int = 16,
                  token: Optional[str] = None) -> tuple[server_lib.JetStreamServer, int]:
   """Starts JetStream's orchestrator + gRPC server over ``engine``; returns it and the bound port.
-  A non-loopback ``host`` needs a ``token``, which every call must then carry (``asyncrl_jax.auth``:
+  A non-loopback ``host`` needs a ``token``, which every call must then carry (``asyncrl_jax.infra.auth``:
   metadata ``x-asyncrl-token``)."""
   auth.require(host, token, "--host")
   if port == 0:

@@ -14,7 +14,7 @@ incompatibilities with the environment this project pins, both handled here and 
 Importing ``jetstream.core.orchestrator`` also reconfigures the root logger (DEBUG level, a stdout
 handler). We undo that so importing JetStream does not flood the user's console.
 
-Use ``from asyncrl_jax.jetstream_compat import engine_api`` (etc.) instead of importing ``jetstream``
+Use ``from asyncrl_jax.rollout.jetstream_compat import engine_api`` (etc.) instead of importing ``jetstream``
 directly.
 """
 

@@ -24,11 +24,11 @@ from concurrent import futures
 from typing import Callable, Optional, Sequence
 
 from asyncrl_jax.rollout import protocol
-from asyncrl_jax.rollout.service import RolloutClient
+from asyncrl_jax.rollout.grpc_service import RolloutClient
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.rollout.local_backend import LocalRollout  # noqa: F401  (one import for both)
-from asyncrl_jax.transfer import TransferStats, new_uuid
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rollout.local import LocalRollout  # noqa: F401  (one import for both)
+from asyncrl_jax.weights import TransferStats, new_uuid
 
 log = logging.getLogger(__name__)
 

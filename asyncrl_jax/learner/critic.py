@@ -32,8 +32,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax import models
-from asyncrl_jax import sharding as sharding_lib
-from asyncrl_jax import update as update_lib
+from asyncrl_jax.infra import sharding as sharding_lib
+from asyncrl_jax.learner import updater as update_lib
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import advantages as adv_lib

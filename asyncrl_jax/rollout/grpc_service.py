@@ -36,11 +36,13 @@ from typing import Iterator, Optional, Sequence
 
 import grpc
 
-from asyncrl_jax import auth, faults
+from asyncrl_jax.infra import auth
+
+from asyncrl_jax.infra import faults
 from asyncrl_jax.rollout import protocol
-from asyncrl_jax.rollout.server import DecodeServer
-from asyncrl_jax.rollout.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.transfer.remote import WeightReceiver
+from asyncrl_jax.rollout.decode_loop import DecodeServer
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.weights.remote import WeightReceiver
 
 log = logging.getLogger(__name__)
 M = protocol.MESSAGES

@@ -34,7 +34,7 @@ import dataclasses
 import math
 import re
 
-from asyncrl_jax import bucketing
+from asyncrl_jax.infra import bucketing
 from asyncrl_jax.models.config import ModelConfig
 
 GiB = 2**30

@@ -9,7 +9,7 @@ Writes ``DIR/metrics.jsonl``, TensorBoard events in ``DIR/tb``, ``DIR/progress.p
 ``DIR/trained_prompts.jsonl`` and ``DIR/summary.json`` (``runlog.RunLog``). Killed at any point, the
 same command resumes from the last checkpoint (``checkpoint.RunCheckpointer``).
 
-Over several learner processes (``asyncrl_jax.distributed``: ``ASYNCRL_COORDINATOR`` etc., or nothing
+Over several learner processes (``asyncrl_jax.infra.distributed``: ``ASYNCRL_COORDINATOR`` etc., or nothing
 on Cloud TPU), process 0 runs everything above and the others follow its ops
 (``learner_group.LearnerGroup``); decode servers are then other processes (``rollout.servers``) that
 register with process 0 (``rollout.registry``).
@@ -35,23 +35,28 @@ import jax
 from absl import app, flags, logging
 
 from asyncrl_jax import config as config_lib
-from asyncrl_jax import auth, distributed, faults, models, paths, sharding
-from asyncrl_jax.checkpoint import RunCheckpointer
-from asyncrl_jax.controller import Controller, SamplingMismatch
+from asyncrl_jax import models
+from asyncrl_jax.infra import auth
+from asyncrl_jax.infra import distributed
+from asyncrl_jax.infra import faults
+from asyncrl_jax.infra import paths
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.train.checkpoint import RunCheckpointer
+from asyncrl_jax.controller.controller import Controller, SamplingMismatch
 from asyncrl_jax.data import builder as builder_lib
 from asyncrl_jax.data import pipeline
-from asyncrl_jax.evaluation import RunEvaluation
-from asyncrl_jax.learner import Learner, NonFiniteError
-from asyncrl_jax.learner_group import LearnerGroup
-from asyncrl_jax.publishing import Publisher
-from asyncrl_jax.rewards import reward_fn
+from asyncrl_jax.rl.evaluation import RunEvaluation
+from asyncrl_jax.learner.learner import Learner, NonFiniteError
+from asyncrl_jax.learner.group import LearnerGroup
+from asyncrl_jax.controller.schedule import Publisher
+from asyncrl_jax.rl.rewards import reward_fn
 from asyncrl_jax.rl.health import HealthMonitor, Thresholds
-from asyncrl_jax.rollout.backends import LocalRollout, RemoteRollout
+from asyncrl_jax.rollout.remote import LocalRollout, RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.registry import Registry
-from asyncrl_jax.rollout.service import RolloutClient
-from asyncrl_jax.runlog import RunLog, say
-from asyncrl_jax.sft import warm_start
+from asyncrl_jax.rollout.grpc_service import RolloutClient
+from asyncrl_jax.train.runlog import RunLog, say
+from asyncrl_jax.sft.supervised import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
 
 _CONFIG = cli.define_config_flag()

@@ -14,11 +14,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from asyncrl_jax import models, sharding
+from asyncrl_jax import models
+
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.generate import generate
 from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import batching
-from asyncrl_jax.transfer import local_transfer
+from asyncrl_jax.weights import local_transfer
 
 
 class Evaluator:

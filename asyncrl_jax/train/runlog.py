@@ -6,7 +6,7 @@ history, the run's running totals, and at the end ``DIR/summary.json``, ``DIR/pr
 printed summary table. On resume it keeps the records up to the checkpoint resumed from (``resume``);
 on a fresh start it removes an earlier run's (``start_fresh``).
 
-``DIR`` may be a bucket (``gs://bucket/run``): every file goes through ``asyncrl_jax.paths``, where
+``DIR`` may be a bucket (``gs://bucket/run``): every file goes through ``asyncrl_jax.infra.paths``, where
 appending a record to an object rewrites it whole (``paths.append_text``), and TensorBoard's event file
 is kept in memory and uploaded whole on each of the writer's flushes (every two minutes, and at close).
 """
@@ -22,8 +22,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from asyncrl_jax import learner as learner_lib
-from asyncrl_jax import paths
+from asyncrl_jax.learner import learner as learner_lib
+from asyncrl_jax.infra import paths
 from asyncrl_jax.rollout.stats import DecodeStats
 
 

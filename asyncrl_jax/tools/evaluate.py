@@ -1,11 +1,11 @@
 """Evaluating an exported policy: ``python -m asyncrl_jax eval --checkpoint=DIR --data=FILE``.
 
-``DIR`` is an export (``asyncrl_jax.export``: Hugging Face or Orbax). ``FILE`` is a JSONL or Parquet
+``DIR`` is an export (``asyncrl_jax.tools.export``: Hugging Face or Orbax). ``FILE`` is a JSONL or Parquet
 math set in the AIME / MATH-500 layout: one problem per record, ``problem`` (or ``question``) and
 ``answer``. Reports greedy accuracy and pass@1 over ``--samples`` sampled completions per problem
 (temperature / top-p / top-k as given), scored with ``math-verify`` (``--reward=math``) or the built-in
 task's exact answer (``--reward=arithmetic``), and writes them to ``--out`` as JSON when given.
-``DIR``, ``FILE`` and ``--out`` may be in a bucket (``gs://...``, through ``asyncrl_jax.paths``).
+``DIR``, ``FILE`` and ``--out`` may be in a bucket (``gs://...``, through ``asyncrl_jax.infra.paths``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import io
 import json
 import sys
 
-from asyncrl_jax import cli, paths
+from asyncrl_jax import cli
+
+from asyncrl_jax.infra import paths
 
 cli.ensure_cpu_devices(1)
 
@@ -53,11 +55,12 @@ def evaluate_export(checkpoint: str, problems: list[dict], *, tokenizer_path: st
                     max_new_tokens: int = 1024, reward: str = "math", seed: int = 0) -> dict:
   """Greedy accuracy and pass@1 of an export on ``problems``."""
   import jax  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax import models, sharding  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.evaluation import Evaluator  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.export import load_export, local_export  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import sharding
+  from asyncrl_jax.rl.evaluation import Evaluator  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tools.export import load_export, local_export  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.models.sampling import SamplingSettings  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rewards import reward_fn  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
   with local_export(checkpoint) as checkpoint:
     if not tokenizer_path and paths.exists(paths.join(checkpoint, "tokenizer.json")):

@@ -4,7 +4,7 @@ see ``rl.staleness``). The main loop (``train``) asks; the rollout backend moves
 
 from __future__ import annotations
 
-from asyncrl_jax.transfer import TransferStats
+from asyncrl_jax.weights import TransferStats
 
 
 class Publisher:

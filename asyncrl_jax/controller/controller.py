@@ -43,12 +43,12 @@ import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
 from asyncrl_jax.models.sampling import SamplingSettings
-from asyncrl_jax.workloads import LengthWorkload
-from asyncrl_jax.rewards import RewardWorker
+from asyncrl_jax.data.workloads import LengthWorkload
+from asyncrl_jax.rl.rewards import RewardWorker
 from asyncrl_jax.rl import advantages, batching
 from asyncrl_jax.rl.shaping import overlong_penalty, uniform
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
-from asyncrl_jax.rollout.trajectory import DRAINED, RolloutRequest, Trajectory
+from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory
 from asyncrl_jax.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class Controller:
     self.skipped_prompts = 0  # over max_prompt_len: never decoded, their group trained as failed
     self.scale_by_std = scale_by_std
     # "group": group-relative advantages computed here; "value": each trajectory's reward on its last
-    # token, for the learner's critic (asyncrl_jax.critic), so no trajectory waits for another's
+    # token, for the learner's critic (asyncrl_jax.learner.critic), so no trajectory waits for another's
     self.advantage = advantage
     self.reward_source = reward_source
     if filter_uniform_groups and advantage != "group":

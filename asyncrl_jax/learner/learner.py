@@ -3,14 +3,14 @@
 One ``train(sequences, version=v)`` call is one policy version: the global batch (trained at version
 ``v``, which must be the learner's own) is split into ``learner.ppo_minibatches`` minibatches, each
 packed into fixed-shape micro-batches under ``learner.token_budget`` and applied as one optimizer
-update of the shared update loop (``asyncrl_jax.update``), normalised by that minibatch's policy-token
+update of the shared update loop (``asyncrl_jax.learner.updater``), normalised by that minibatch's policy-token
 count so each token weighs the same (``rl.aggregation='sequence_mean'`` sets per-token loss weights so
 that each trajectory weighs the same). Decoupled PPO's prox log-probs are those of the weights before
 the version's first update: the first minibatch reads them off its own forward pass (held constant),
 and only later minibatches need a separate prox pass, run before any update; with the default single
 minibatch there is no prox pass at all.
 
-With ``rl.advantage="value"`` the learner also owns a critic (``asyncrl_jax.critic``): per version it
+With ``rl.advantage="value"`` the learner also owns a critic (``asyncrl_jax.learner.critic``): per version it
 turns the batch's per-token rewards into advantages with the value model before any update, the
 policy trains on those, and the value model then takes its own optimizer steps; the first
 ``rl.value_pretrain_versions`` versions train the value model alone.
@@ -30,9 +30,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from asyncrl_jax import bucketing
-from asyncrl_jax import critic as critic_lib
-from asyncrl_jax import update as update_lib
+from asyncrl_jax.infra import bucketing
+from asyncrl_jax.learner import critic as critic_lib
+from asyncrl_jax.learner import updater as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, selection
 from asyncrl_jax.rl.logprobs import token_logprobs

@@ -11,7 +11,9 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from asyncrl_jax import faults, paths
+from asyncrl_jax.infra import faults
+
+from asyncrl_jax.infra import paths
 
 
 class Checkpointer:

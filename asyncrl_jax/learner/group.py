@@ -30,10 +30,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from asyncrl_jax import faults, models
+from asyncrl_jax import models
+
+from asyncrl_jax.infra import faults
 from asyncrl_jax.rl.batching import SequenceData
-from asyncrl_jax.transfer import shards
-from asyncrl_jax.transfer.remote import Source, WeightSender
+from asyncrl_jax.weights import shards
+from asyncrl_jax.weights.remote import Source, WeightSender
 
 log = logging.getLogger(__name__)
 

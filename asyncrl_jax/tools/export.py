@@ -10,7 +10,7 @@ the newest), restoring the policy parameters only (not the optimizer state), on 
 * ``orbax``: a params-only Orbax checkpoint in ``DIR/params`` (``orbax.checkpoint.StandardCheckpointer``
   restores it without this project's code) and the model config in ``DIR/model_config.json``.
 
-The run and ``DIR`` may be buckets (``gs://...``, through ``asyncrl_jax.paths``). A Hugging Face export
+The run and ``DIR`` may be buckets (``gs://...``, through ``asyncrl_jax.infra.paths``). A Hugging Face export
 is written locally and then copied up, and read back through a local copy (``local_export``).
 """
 
@@ -23,7 +23,9 @@ import sys
 import tempfile
 from typing import Iterator
 
-from asyncrl_jax import cli, paths
+from asyncrl_jax import cli
+
+from asyncrl_jax.infra import paths
 
 FORMATS = ("hf", "orbax")
 

@@ -1,6 +1,6 @@
 """GKE manifests for one experiment, from the same env file as the Cloud TPU scripts.
 
-  python -m asyncrl_jax.gke --env launch/tpu/examples/qwen2_5_1_5b_v5p.env --out manifests/
+  python -m asyncrl_jax.tools.gke --env launch/tpu/examples/qwen2_5_1_5b_v5p.env --out manifests/
   kubectl apply -f manifests/
 
 Writes two JobSets (``jobset.x-k8s.io/v1alpha2``; the JobSet controller must be installed in the

@@ -1,0 +1,1 @@
+"""Infrastructure every role uses: paths, auth, processes, faults, shardings, shape buckets."""

@@ -1,0 +1,1 @@
+"""The learner: the jitted update, the critic, the multi-process group, and the publishing of weights."""

@@ -1,0 +1,1 @@
+"""Supervised warm start and rejection-sampling fine-tuning."""

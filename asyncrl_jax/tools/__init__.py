@@ -1,0 +1,1 @@
+"""Entry points around a run: info, memory estimate, evaluation, export, serving, GKE manifests."""

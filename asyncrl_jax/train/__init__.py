@@ -1,0 +1,1 @@
+"""The main job: asynchronous RL of the policy, from prompts to checkpoints."""
