@@ -7,14 +7,16 @@ Commands:
   export   the policy a run trained, as a Hugging Face or params-only Orbax checkpoint
   eval     an exported policy on a JSONL/Parquet math set: greedy accuracy and pass@1
   serve    JetStream serving of an exported checkpoint
-  info     print the validated config and model size
+  info     print the validated config and model size (and, for TPU slices, the memory per chip)
+  gke      Kubernetes manifests for a GKE TPU node pool from a launch env file
 """
 
 import sys
 
-COMMANDS = {"train": "asyncrl_jax.train.job", "sft": "asyncrl_jax.sft.supervised", "decode": "asyncrl_jax.rollout.main",
+COMMANDS = {"train": "asyncrl_jax.train.job", "sft": "asyncrl_jax.sft.main", "decode": "asyncrl_jax.rollout.main",
             "serve": "asyncrl_jax.tools.serve", "info": "asyncrl_jax.tools.info",
-            "export": "asyncrl_jax.tools.export", "eval": "asyncrl_jax.tools.evaluate"}
+            "export": "asyncrl_jax.tools.export", "eval": "asyncrl_jax.tools.evaluate",
+            "gke": "asyncrl_jax.tools.gke"}
 
 
 def main() -> None:

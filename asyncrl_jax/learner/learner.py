@@ -36,8 +36,9 @@ from asyncrl_jax.learner import updater as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, selection
 from asyncrl_jax.rl.logprobs import token_logprobs
-from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
+from asyncrl_jax.rl.objective import LossSettings, has_min_length, micro_batch_loss
 from asyncrl_jax.rl.staleness import VersionMismatch
+from asyncrl_jax.tokenization import load_tokenizer
 
 
 def idle_fraction(learner_seconds: float, seconds: float) -> float:
@@ -99,6 +100,13 @@ class NonFiniteError(FloatingPointError):
   """A loss, gradient or parameter of a version was NaN or inf (the message names which)."""
 
 
+def run_stop_ids(config) -> tuple:
+  """The run's tokenizer's stop tokens where the loss needs them (a minimum length bans them), else ()."""
+  if not has_min_length(config):
+    return ()
+  return tuple(load_tokenizer(config.data.tokenizer_path).stop_ids)
+
+
 class Learner:
   """The policy's params and optimizer state on the learner mesh, and the count of trained versions."""
 
@@ -108,7 +116,7 @@ class Learner:
     learning-rate schedule (which counts optimizer updates: ``policy_updates``)."""
     self.model_config = model_config
     self.mesh = mesh
-    self.settings = LossSettings.from_config(config)
+    self.settings = LossSettings.from_config(config, stop_ids=run_stop_ids(config))
     self.minibatches = config.learner.ppo_minibatches
     self.aggregation = config.rl.aggregation
     self.version = version

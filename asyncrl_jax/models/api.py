@@ -209,5 +209,16 @@ def decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: 
                                       jnp.asarray(positions_bt, jnp.int32), cache)
 
 
+def aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
+  """Shifts next-token values ``[B, T-1]`` (predicted at ``t - 1``) to ``[B, T]`` and zeroes every
+  position without context in its segment."""
+  valid = (segment_ids_bt[:, 1:] == segment_ids_bt[:, :-1]) & (segment_ids_bt[:, 1:] > 0)
+  pad = jnp.zeros_like(logp_bt[:, :1])
+  logp = jnp.concatenate([pad, jnp.where(valid, logp_bt, 0.0)], axis=1)
+  if not with_entropy:
+    return logp
+  return logp, jnp.concatenate([pad, jnp.where(valid, entropy_bt, 0.0)], axis=1)
+
+
 def count_params(params: Any) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

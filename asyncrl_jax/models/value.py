@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.rl.logprobs import aligned  # (values line up with log-probs, one shared shift)
+from asyncrl_jax.models.api import aligned  # (values line up with log-probs, one shared shift)
 
 ATTENTION = "attn"  # the name of every layer's attention block in the policy's parameters
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
+from asyncrl_jax.models.api import aligned  # (shared with the value head: one shift)
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.sampling import ban_stop_tokens, truncated_logits
 
@@ -97,17 +98,6 @@ def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperatu
   (m, s, sl, picked), _ = jax.lax.scan(step, (zeros + _MASKED, zeros, zeros, zeros), (heads, starts))
   lse = m + jnp.log(s)
   return picked - lse, lse - sl / s
-
-
-def aligned(logp_bt, entropy_bt, segment_ids_bt, with_entropy: bool):
-  """Shifts next-token values ``[B, T-1]`` (predicted at ``t - 1``) to ``[B, T]`` and zeroes every
-  position without context in its segment."""
-  valid = (segment_ids_bt[:, 1:] == segment_ids_bt[:, :-1]) & (segment_ids_bt[:, 1:] > 0)
-  pad = jnp.zeros_like(logp_bt[:, :1])
-  logp = jnp.concatenate([pad, jnp.where(valid, logp_bt, 0.0)], axis=1)
-  if not with_entropy:
-    return logp
-  return logp, jnp.concatenate([pad, jnp.where(valid, entropy_bt, 0.0)], axis=1)
 
 
 def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,

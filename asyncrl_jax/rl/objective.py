@@ -49,7 +49,12 @@ class LossSettings:
   eos_ban_ids: tuple = ()
 
   @classmethod
-  def from_config(cls, config) -> "LossSettings":
+  def from_config(cls, config, stop_ids=()) -> "LossSettings":
+    """``stop_ids``: the run's tokenizer's stop tokens (read by the caller: the maths reads no files),
+    needed when the run sets a minimum length (``has_min_length``)."""
+    if has_min_length(config) and not stop_ids:
+      raise ValueError("the run sets a minimum length (rollout.min_new_tokens or rollout.length_workload): "
+                       "the loss needs the tokenizer's stop_ids to ban them where the decode server did")
     temperature, top_k, top_p = SamplingSettings.from_config(config).recorded()
     return cls(loss=config.rl.loss, eps_clip=config.rl.eps_clip, eps_low=config.rl.eps_low,
                eps_high=config.rl.eps_high,
@@ -62,7 +67,7 @@ class LossSettings:
                remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
                attention_chunk=int(config.learner.attention_chunk),
                scan_layers=bool(config.learner.scan_layers),
-               eos_ban_ids=eos_ban_ids(config))
+               eos_ban_ids=eos_ban_ids(config, stop_ids))
 
 
   @property
@@ -85,13 +90,15 @@ def corrections_from_config(config) -> losses.Corrections:
                             dual_clip=_finite_or_none(c.dual_clip))
 
 
-def eos_ban_ids(config) -> tuple:
-  """The stop tokens of the run's tokenizer when its requests can carry a minimum length
-  (``rollout.min_new_tokens`` or ``rollout.length_workload``), else ()."""
-  if not (config.rollout.min_new_tokens or config.rollout.length_workload):
-    return ()
-  from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
-  return tuple(sorted(int(i) for i in load_tokenizer(config.data.tokenizer_path).stop_ids))
+def has_min_length(config) -> bool:
+  """Whether the run's requests can carry a minimum length (``rollout.min_new_tokens`` or
+  ``rollout.length_workload``), which bans the stop tokens until it is reached."""
+  return bool(config.rollout.min_new_tokens or config.rollout.length_workload)
+
+
+def eos_ban_ids(config, stop_ids) -> tuple:
+  """The tokenizer's ``stop_ids`` when the run's requests can carry a minimum length, else ()."""
+  return tuple(sorted(int(i) for i in stop_ids)) if has_min_length(config) else ()
 
 
 def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model: ModelConfig,

@@ -1,6 +1,6 @@
 """``python -m asyncrl_jax.sft``: the supervised warm start (``asyncrl_jax.sft.supervised``)."""
 
-from asyncrl_jax.sft.supervised import main
+from asyncrl_jax.sft.main import main
 
 if __name__ == "__main__":
   main()

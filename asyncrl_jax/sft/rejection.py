@@ -32,6 +32,7 @@ from asyncrl_jax.rl.evaluation import Evaluator
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import batching
+from asyncrl_jax.sft.supervised import nll_loss
 from asyncrl_jax.tokenization import Tokenizer
 
 
@@ -76,7 +77,6 @@ def rejection_sampling_fine_tune(
     raise ValueError("rejection sampling needs sampled completions (rollout.temperature > 0)")
   if max_seconds is not None and not 0 < max_seconds < float("inf"):
     raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
-  from asyncrl_jax.sft.supervised import nll_loss  # pylint: disable=import-outside-toplevel  (sft's CLI imports us)
   optimizer = update_lib.make_optimizer(learning_rate=learning_rate, total_steps=max_steps,
                                         grad_clip=grad_clip, schedule="constant")
   updater = update_lib.Updater(model_config, params, mesh, optimizer, token_budget=token_budget,
