@@ -30,12 +30,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from asyncrl_jax import models
-
 from asyncrl_jax.infra import faults
+from asyncrl_jax.learner.publisher import WeightPublisher
 from asyncrl_jax.rl.batching import SequenceData
-from asyncrl_jax.weights import shards
-from asyncrl_jax.weights.remote import Source, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -94,29 +91,18 @@ class LearnerGroup:
     self.ckpt = checkpointer
     self.processes = jax.process_count()
     self.is_leader = jax.process_index() == 0
-    self.planned = self.blocks = self.sender = self.addresses = None
     # what every process runs for an ``evaluate`` op (a follower's; process 0 passes its own)
     self.on_evaluate: Optional[Callable[[], object]] = None
-    if transfer_host is not None:  # remote decode servers: plan the blocks once, start a sender
-      leaves = jax.tree.leaves(learner.params)
-      # decode servers hold the weights in their serving dtypes (bfloat16 kernels): the cast is the
-      # sender's, so half the bytes cross
-      dtypes = jax.tree.leaves(models.serving_dtypes(learner.model_config))
-      self.planned = shards.plan(leaves, [x.sharding for x in leaves], dtypes)
-      self.blocks = shards.blocks_by_process(self.planned)
-      self.sender = WeightSender(f"{transfer_host}:0")
-      self.addresses = self._gather_addresses(self.sender.address)
+    self.publisher: Optional[WeightPublisher] = None  # remote decode servers only
+    if transfer_host is not None:
+      self.publisher = WeightPublisher(learner, transfer_host, processes=self.processes,
+                                       gather=self._gather_addresses, offer_op=self.offer)
 
   def _gather_addresses(self, mine: str) -> list[str]:
     if self.processes == 1:
       return [mine]
     rows = np.asarray(multihost_utils.process_allgather(_encode(mine)))
     return [bytes(r).rstrip(b"\0").decode() for r in rows]
-
-  def sources(self, uuid: int) -> list[Source]:
-    """Where the receiver of offer ``uuid`` pulls from: one source per learner process that offers
-    blocks."""
-    return [Source(self.addresses[p], uuid, tuple(b)) for p, b in sorted(self.blocks.items())]
 
   # ------------------------------------------------------------------ ops (process 0 calls these)
 
@@ -136,9 +122,9 @@ class LearnerGroup:
     return self.learner.train(sequences, version=version)
 
   def offer(self, version: int, uuids: Sequence[int]) -> None:
-    """Every learner process offers its blocks of the current weights once under each uuid (one per
-    receiver: random, drawn by the caller, so that only a receiver told the uuid can pull); returns
-    once all have (so that a receiver told of the version finds every source ready)."""
+    """The publisher's offer as an op: every learner process offers its blocks of the current weights
+    (``WeightPublisher.offer_here``); returns once all have (so that a receiver told of the version
+    finds every source ready)."""
     if self.processes > 1:  # (as uint32 halves: without jax_enable_x64 a broadcast int64 is cut to 32 bits)
       halves = np.asarray(uuids, np.uint64).view(np.uint32) if uuids else None
       self._broadcast(OFFER, version, {"data": halves} if uuids else None, (len(uuids),))
@@ -204,9 +190,8 @@ class LearnerGroup:
   # ------------------------------------------------------------------ both sides
 
   def _offer(self, version: int, uuids: Sequence[int]) -> None:
-    if uuids:
-      self.learner.check_version(version, "the weight offer")
-      self.sender.offer(self.learner.params, self.planned, *uuids)
+    if self.publisher is not None:
+      self.publisher.offer_here(version, uuids)
     if self.processes > 1:
       multihost_utils.sync_global_devices(f"offered v{version}")
 

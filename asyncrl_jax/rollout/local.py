@@ -1,5 +1,5 @@
-"""The rollout backend with its decode server in this process (``backends`` has the interface and the
-remote one): weights move with ``jax.device_put``."""
+"""One decode server in this process: a ``RolloutBackend`` (``rollout.backend``) whose weights move
+with ``jax.device_put``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from typing import Callable
 
 from asyncrl_jax import models
+from asyncrl_jax.rollout.backend import BackendReport
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.decode_loop import DecodeServer
 from asyncrl_jax.rollout.stats import DecodeStats
@@ -64,6 +65,10 @@ class LocalRollout:
 
   def decode_stats(self) -> DecodeStats:
     return self.server.stats.copy()  # a snapshot: the decode loop's thread keeps counting
+
+  def report(self) -> BackendReport:
+    """(No faults to report: the server is this process; no bytes cross processes.)"""
+    return BackendReport()
 
   def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
     self.server.stream_to(on_trajectory)

@@ -1,16 +1,6 @@
-"""Where the controller's rollouts run: decode servers in this process, or in other processes.
-
-Both backends offer the same narrow interface to the main loop:
-``submit(*requests)``, ``update_weights(learner_params, version) -> TransferStats`` (its ``seconds``:
-how long the learner was blocked publishing), ``transfer_seconds`` (of the newest version fully
-delivered), ``num_servers``, ``version``,
-``start(on_trajectory)``, ``stop()``, ``error``, ``wait_until_warm()`` and ``decode_stats()`` (the
-decode servers' cumulative counters, summed: a ``DecodeStats``). A backend is built first, the
-controller on top of it (``submit``), and ``start`` then names where finished trajectories go: no
-construction cycle. ``version`` is the version of the weights last handed to the decode servers: it
-lags the learner's while a push is under way, and admission counts with it, so a rollout admitted
-"at version v" never starts under older weights.
-"""
+"""Decode servers in other processes, reached over the rollout gRPC service: a ``RolloutBackend``
+(``rollout.backend``) that places work, watches liveness, lets servers join, and has the learner's
+publisher deliver each version's weights."""
 
 from __future__ import annotations
 
@@ -24,11 +14,11 @@ from concurrent import futures
 from typing import Callable, Optional, Sequence
 
 from asyncrl_jax.rollout import protocol
+from asyncrl_jax.rollout.backend import BackendReport
 from asyncrl_jax.rollout.grpc_service import RolloutClient
 from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
-from asyncrl_jax.rollout.local import LocalRollout  # noqa: F401  (one import for both)
-from asyncrl_jax.weights import TransferStats, new_uuid
+from asyncrl_jax.weights import Publisher, TransferStats, new_uuid
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +86,14 @@ class RemoteRollout:
     version v" never starts under older weights.
   """
 
-  def __init__(self, servers: Sequence, group, *, push_timeout: float = 300.0,
+  def __init__(self, servers: Sequence, publisher: Publisher, *, push_timeout: float = 300.0,
                connect_timeout: float = 120.0, deadline: float = 30.0, heartbeat: float = 1.0,
                push_retries: int = 2, orphan_timeout: float = 600.0, registry=None,
-               client: Callable[[str], RolloutClient] = RolloutClient, incarnation: int = 0):
+               client: Callable[[str], RolloutClient] = RolloutClient, incarnation: int = 0,
+               registry_server=None):
     if not servers:
       raise ValueError("RemoteRollout needs at least one decode server")
-    self.group = group
+    self.publisher = publisher
     self.push_timeout, self.deadline, self.heartbeat = push_timeout, deadline, heartbeat
     self.push_retries, self.orphan_timeout = push_retries, orphan_timeout
     self.registry = registry
@@ -116,14 +107,14 @@ class RemoteRollout:
     self._unplaced: list[RolloutRequest] = []  # requests waiting for a live server
     self._no_server_since: Optional[float] = None
     self.published: Optional[int] = None
-    self.bytes_by_source = [0] * group.processes  # pulled from each learner process, all versions
+    self.bytes_by_source = [0] * publisher.processes  # pulled from each learner process, all versions
     self.transfer_seconds = 0.0  # the slowest pull so far of the newest version pulled
     self._transfer_version = -1
     self._retired = DecodeStats(servers=0)  # last counters of servers that are gone
     self.faults = collections.Counter()  # servers_lost, servers_joined, requests_reassigned, ...
     self.events: list[dict] = []  # what happened to which server, when
     self.error: Optional[BaseException] = None
-    self.registry_server = None  # the learner's registry (gRPC server), stopped with the backend
+    self.registry_server = registry_server  # the learner's registry (gRPC server), stopped with us
     self._pool = futures.ThreadPoolExecutor(max_workers=8)
     for s in servers:
       server_id, address = (s, s) if isinstance(s, str) else (s.server_id, s.address)
@@ -348,7 +339,7 @@ class RemoteRollout:
 
   def _push(self, s: _Server, version: int, uuid: int) -> None:
     try:
-      reply = s.client.update_weights(version, self.group.sources(uuid), timeout=self.push_timeout,
+      reply = s.client.update_weights(version, self.publisher.sources(uuid), timeout=self.push_timeout,
                                       incarnation=self.incarnation)
     except Exception as e:  # pylint: disable=broad-except
       with self._lock:
@@ -373,7 +364,7 @@ class RemoteRollout:
     if not servers:
       return
     uuids = [new_uuid() for _ in servers]
-    self.group.offer(version, uuids)
+    self.publisher.offer(version, uuids)
     for s, uuid in zip(servers, uuids):
       s.push_error = None
       s.pushes[version] = s.pusher.submit(self._push, s, version, uuid)
@@ -474,6 +465,10 @@ class RemoteRollout:
         pass
       return dataclasses.replace(s.stats, servers=1)
     return sum(self._pool.map(one, self._live()), self._retired)
+
+  def report(self) -> BackendReport:
+    with self._lock:
+      return BackendReport(dict(self.faults), list(self.events), list(self.bytes_by_source))
 
   def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
     self._on_trajectory = on_trajectory

@@ -51,7 +51,8 @@ from asyncrl_jax.learner.group import LearnerGroup
 from asyncrl_jax.controller.schedule import Publisher
 from asyncrl_jax.rl.rewards import reward_fn
 from asyncrl_jax.rl.health import HealthMonitor, Thresholds
-from asyncrl_jax.rollout.remote import LocalRollout, RemoteRollout
+from asyncrl_jax.rollout.local import LocalRollout
+from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.registry import Registry
 from asyncrl_jax.rollout.grpc_service import RolloutClient
@@ -171,12 +172,11 @@ def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: 
                                                      workdir, token, incarnation)
     r = config.rollout
     # servers that register later (restarted, perhaps elsewhere) join through the registry
-    backend = RemoteRollout(servers, group, push_timeout=r.push_timeout, deadline=r.server_deadline,
-                            heartbeat=min(1.0, r.server_deadline / 4), push_retries=r.push_retries,
+    backend = RemoteRollout(servers, group.publisher, push_timeout=r.push_timeout,
+                            deadline=r.server_deadline, heartbeat=min(1.0, r.server_deadline / 4), push_retries=r.push_retries,
                             orphan_timeout=r.register_timeout, registry=registry,
                             client=lambda address: RolloutClient(address, token),
-                            incarnation=incarnation)
-    backend.registry_server = registry_server
+                            incarnation=incarnation, registry_server=registry_server)
     t = time.time()
     backend.update_weights(learner.params, learner.version)  # servers start with no weights
     backend.wait_for_pulls(learner.version)
@@ -443,7 +443,7 @@ def run(config, workdir: str) -> dict:
     ckpt.close()  # (waits for the last write)
   if final is None:  # preempted: the checkpoint is written, the summary is the resumed run's
     return {"preempted_at_version": learner.version}
-  alarms = []
+  alarms, report = [], backend.report()
   if isinstance(final, _AlarmStop):
     final, alarms = final.accuracy, [str(a) for a in final.alarms]
   summary = log.summary(
@@ -454,11 +454,10 @@ def run(config, workdir: str) -> dict:
       rejected_rollouts=dict(controller.rejected), retried_rollouts=controller.retried,
       reward_timeouts=getattr(data.reward, "timeouts", 0),  # (math-verify: scored 0, counted)
       reward_failures=getattr(data.reward, "failures", 0),
-      decode_server_faults=dict(getattr(backend, "faults", {})),
-      decode_server_events=list(getattr(backend, "events", [])),
+      decode_server_faults=report.faults, decode_server_events=report.events,
       learner_processes=jax.process_count(), decode_servers=backend.num_servers,
       stopped_on_alarm=alarms,
-      transfer_bytes_sent=list(getattr(backend, "bytes_by_source", [])),
+      transfer_bytes_sent=report.bytes_by_source,
       devices={"rollout": dict(meshes.rollout.shape) if meshes.rollout else meshes.remote,
                "learner": dict(meshes.learner.shape)})
   log.finish(summary)

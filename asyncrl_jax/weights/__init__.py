@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import time
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import jax
 
@@ -62,3 +62,19 @@ def new_uuid() -> int:
   """A fresh transfer uuid: random (not derived from the version), so that the transfer server,
   which has no authentication of its own, serves only a puller told the uuid by the control plane."""
   return secrets.randbits(62) + 1
+
+
+class Publisher(Protocol):
+  """What a rollout backend needs of the learner's weight publishing (``learner.publisher``
+  implements it): the number of learner processes, an offer of the current weights (``version``)
+  under one uuid per receiving server, and where the receiver of a uuid pulls from (the
+  ``remote.Source`` list it is told)."""
+
+  processes: int
+
+  def offer(self, version: int, uuids: Sequence[int]) -> None:
+    ...
+
+  def sources(self, uuid: int) -> list:
+    ...
+

@@ -46,6 +46,22 @@ class FakeClient:
     pass
 
 
+class FakePublisher:
+  """The learner's publisher (``weights.Publisher``) without weights: records the versions offered."""
+
+  def __init__(self, processes: int = 1):
+    self.processes = processes
+    self.offered = []
+
+  def offer(self, version, uuids):
+    del uuids
+    self.offered.append(version)
+
+  def sources(self, uuid):
+    del uuid
+    return []
+
+
 def _until(condition, timeout: float = 30.0) -> None:
   deadline = time.time() + timeout
   while not condition():
@@ -57,14 +73,12 @@ def _backend():
   """Two fake servers, a fast one and a slow one, both holding version 0 (as after the main job's
   first push)."""
   clients = {"fast": FakeClient("fast"), "slow": FakeClient("slow", slow=True)}
-  offered = []
-  group = types.SimpleNamespace(processes=1, offer=lambda v, receivers: offered.append(v),
-                                sources=lambda uuid: [])
-  backend = RemoteRollout(["fast", "slow"], group, push_timeout=30, client=clients.__getitem__)
+  publisher = FakePublisher()
+  backend = RemoteRollout(["fast", "slow"], publisher, push_timeout=30, client=clients.__getitem__)
   clients["slow"].release(0)
   backend.update_weights(None, 0)
   backend.wait_for_pulls(0)
-  return backend, clients, offered
+  return backend, clients, publisher.offered
 
 
 def test_publishing_does_not_wait_for_a_slow_pull_but_holds_at_most_two_versions():

@@ -1,0 +1,60 @@
+"""Both rollout backends implement ``RolloutBackend`` in full (the main loop probes nothing), and the
+fake publisher the backend tests use has the ``weights.Publisher`` interface the learner's
+``WeightPublisher`` implements."""
+
+import inspect
+import types
+
+import jax
+import pytest
+
+from tests.rollout.test_backends import FakeClient, FakePublisher
+from asyncrl_jax import models, sharding
+from asyncrl_jax.learner.publisher import WeightPublisher
+from asyncrl_jax.rollout import Engine
+from asyncrl_jax.rollout.backend import BackendReport, RolloutBackend
+from asyncrl_jax.rollout.local import LocalRollout
+from asyncrl_jax.rollout.remote import RemoteRollout
+from asyncrl_jax.weights import Publisher
+
+CFG = models.ModelConfig(vocab_size=17, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                         num_kv_heads=1, max_seq_len=32)
+
+
+def _members(protocol) -> set:
+  return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+
+
+def _backends():
+  mesh = sharding.make_mesh(jax.devices()[:1], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(CFG, mesh=mesh, num_slots=2, max_prefill_length=8, max_target_length=16,
+                  background_compile=False)
+  local = LocalRollout(engine, engine.load_params(), 0)
+  remote = RemoteRollout(["a"], FakePublisher(), client=lambda address: FakeClient(address))
+  return local, remote
+
+
+def test_both_backends_have_every_member_of_the_interface():
+  members = _members(RolloutBackend)
+  assert {"submit", "update_weights", "report", "maintain", "locate", "version", "error"} <= members
+  for backend in _backends():
+    try:
+      missing = sorted(m for m in members if not hasattr(backend, m))
+      assert not missing, f"{type(backend).__name__} lacks {missing}"
+      assert isinstance(backend, RolloutBackend)
+      assert isinstance(backend.report(), BackendReport)
+    finally:
+      backend.stop()
+  # negative control: an object without ``report`` is not a backend
+  partial = types.SimpleNamespace(**{m: None for m in members - {"report"}})
+  assert not isinstance(partial, RolloutBackend)
+
+
+def test_the_publisher_interface_is_what_the_learner_side_and_the_fake_implement():
+  members = _members(Publisher)
+  assert members == {"processes", "offer", "sources"}
+  for cls in (WeightPublisher, FakePublisher):
+    for name in members - {"processes"}:
+      assert callable(getattr(cls, name)), (cls, name)
+  assert "processes" in inspect.getsource(WeightPublisher.__init__)
+  assert FakePublisher().processes == 1
