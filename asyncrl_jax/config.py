@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable
 
 import ml_collections
 
-from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 from asyncrl_jax.data.workloads import LengthWorkload
+from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
 LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from asyncrl_jax import config as config_lib
-from asyncrl_jax.rl.objective import LossSettings
 from asyncrl_jax.models import ModelConfig
+from asyncrl_jax.rl.objective import LossSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from tests.helpers import random_sequences, sharp_params
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
+from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import sharding
-from asyncrl_jax.train.checkpoint import Checkpointer
 from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.models import api
 from asyncrl_jax.rl import batching
+from asyncrl_jax.train.checkpoint import Checkpointer
 
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)

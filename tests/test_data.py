@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from asyncrl_jax.data import builder as builder_lib
-from asyncrl_jax.data import pipeline
+from asyncrl_jax.data import builder as builder_lib, pipeline
 from asyncrl_jax.rl.rewards import MathReward, arithmetic_reward
 
 

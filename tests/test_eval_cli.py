@@ -9,9 +9,9 @@ import pytest
 
 from asyncrl_jax import models
 
+from asyncrl_jax.tokenization import load_tokenizer
 from asyncrl_jax.tools import evaluate as eval_cli
 from asyncrl_jax.tools.export import write_orbax
-from asyncrl_jax.tokenization import load_tokenizer
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)

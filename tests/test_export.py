@@ -9,13 +9,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
+from asyncrl_jax import config as config_lib, models
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.tools import export
 from asyncrl_jax.train import runlog
-from asyncrl_jax.infra import sharding
 from asyncrl_jax.train.checkpoint import Checkpointer
-from asyncrl_jax.learner.learner import Learner
 from tests.helpers import sharp_params
 from tests.test_paths import bucket  # noqa: F401  pylint: disable=unused-import
 

@@ -25,13 +25,11 @@ import pytest
 import torch
 import transformers
 
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
-from asyncrl_jax.data import builder as builder_lib
-from asyncrl_jax.data import pipeline
-from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
+from asyncrl_jax import config as config_lib, models
+from asyncrl_jax.data import builder as builder_lib, pipeline
 from asyncrl_jax.models.generate import greedy_generate
 from asyncrl_jax.rl.rewards import _math_verify, arithmetic_reward
+from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.tokenization import HFTokenizer
 from tests.models.hf_fixtures import make_bpe_tokenizer, make_hf_model, steer_next_tokens, torch_logits
 

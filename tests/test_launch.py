@@ -125,14 +125,15 @@ def test_setup_pins_the_commit_and_the_tpu_jax_build(tmp_path):
   assert "requirements.txt" in setup
 
 
-def test_delete_refuses_without_yes_when_stdin_is_not_a_terminal(tmp_path):
+def test_delete_refuses_without_yes_when_stdin_is_not_a_terminal_but_a_dry_run_needs_no_yes(tmp_path):
   env_file = _env_file(tmp_path)
-  out = subprocess.run(["bash", os.path.join(TPU, "delete.sh"), "--env", env_file, "--dry-run"],
+  out = subprocess.run(["bash", os.path.join(TPU, "delete.sh"), "--env", env_file],
                        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
-  assert out.returncode == 3 and "needs --yes" in out.stderr
+  assert out.returncode == 3 and "needs --yes" in out.stderr  # (refused before any gcloud call)
   assert "queued-resources delete" not in out.stdout
-  deletes = _dry("delete.sh", env_file, "--yes")
-  assert [c[4] for c in deletes] == ["delete", "delete"]
+  for extra in ((), ("--yes",)):  # a dry run changes nothing: it lists the deletes without --yes
+    deletes = _dry("delete.sh", env_file, *extra)
+    assert [c[4] for c in deletes] == ["delete", "delete"]
 
 
 def test_bad_env_files_are_refused_naming_the_problem(tmp_path):

@@ -8,14 +8,13 @@ import optax
 import pytest
 
 from tests.helpers import max_abs_diff, random_sequences, sharp_params
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
+from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.learner import Learner, make_optimizer
-from asyncrl_jax.rl.staleness import VersionMismatch
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
+from asyncrl_jax.rl.staleness import VersionMismatch
 
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)

@@ -19,12 +19,12 @@ from asyncrl_jax.infra import bucketing
 
 from asyncrl_jax.tools import memory
 
-from asyncrl_jax.infra import sharding
 from asyncrl_jax import config as config_lib
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.learner.updater import make_optimizer
 from asyncrl_jax.rl.batching import TokenBatch
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.learner.updater import make_optimizer
 
 
 def _bytes(tree) -> int:

@@ -13,10 +13,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import random_sequences, sharp_params
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
-from asyncrl_jax.infra import distributed
-from asyncrl_jax.infra import sharding
+from asyncrl_jax import config as config_lib, models
+from asyncrl_jax.infra import distributed, sharding
 from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.rl import batching

@@ -14,8 +14,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from asyncrl_jax import config as config_lib
 from asyncrl_jax.infra import paths
-from asyncrl_jax.train import runlog
 from asyncrl_jax.rollout.stats import DecodeStats
+from asyncrl_jax.train import runlog
 
 
 @pytest.fixture

@@ -7,16 +7,14 @@ import numpy as np
 import pytest
 
 from tests.helpers import sharp_params
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
+from asyncrl_jax import config as config_lib, models
+from asyncrl_jax.data import builder as builder_lib, pipeline
 from asyncrl_jax.infra import sharding
-from asyncrl_jax.data import builder as builder_lib
-from asyncrl_jax.data import pipeline
-from asyncrl_jax.rl.evaluation import Evaluator
 from asyncrl_jax.models.sampling import SamplingSettings
-from asyncrl_jax.sft.rejection import rejection_sampling_fine_tune, self_demonstrations
 from asyncrl_jax.rl import batching
+from asyncrl_jax.rl.evaluation import Evaluator
 from asyncrl_jax.rl.logprobs import token_logprobs
+from asyncrl_jax.sft.rejection import rejection_sampling_fine_tune, self_demonstrations
 from asyncrl_jax.tokenization import ArithmeticTokenizer
 
 TOK = ArithmeticTokenizer()

@@ -8,8 +8,7 @@ import pytest
 from asyncrl_jax import models
 
 from asyncrl_jax.infra import sharding
-from asyncrl_jax.weights import local_transfer, tree_bytes, new_uuid
-from asyncrl_jax.weights import shards
+from asyncrl_jax.weights import local_transfer, tree_bytes, new_uuid, shards
 from asyncrl_jax.weights.remote import Source, WeightReceiver, WeightSender
 
 CFG = models.ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -42,10 +42,10 @@ from typing import Callable, Optional
 import numpy as np
 
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
-from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.data.workloads import LengthWorkload
-from asyncrl_jax.rl.rewards import RewardWorker
+from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import advantages, batching
+from asyncrl_jax.rl.rewards import RewardWorker
 from asyncrl_jax.rl.shaping import overlong_penalty, uniform
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
 from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory

@@ -7,7 +7,7 @@ from __future__ import annotations
 from asyncrl_jax.weights import TransferStats
 
 
-class Publisher:
+class PublishSchedule:
   """Hands the learner's weights to the decode servers after each version: at once
   (``rl.staleness_mode="bounded"``), or, pinned, only once every rollout admitted under the weights
   they hold has finished (``rl.staleness``'s module docstring); the learner then trains no version

@@ -20,8 +20,8 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
-from asyncrl_jax.infra import paths
 from asyncrl_jax.data import arithmetic
+from asyncrl_jax.infra import paths
 
 def _features():
   return tfds.features.FeaturesDict({

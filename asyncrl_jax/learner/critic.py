@@ -36,8 +36,7 @@ from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.learner import updater as update_lib
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.models.config import ModelConfig
-from asyncrl_jax.rl import advantages as adv_lib
-from asyncrl_jax.rl import batching
+from asyncrl_jax.rl import advantages as adv_lib, batching
 
 
 def value_moments(values, returns, mask) -> jax.Array:

@@ -31,8 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax.infra import bucketing
-from asyncrl_jax.learner import critic as critic_lib
-from asyncrl_jax.learner import updater as update_lib
+from asyncrl_jax.learner import critic as critic_lib, updater as update_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, selection
 from asyncrl_jax.rl.logprobs import token_logprobs

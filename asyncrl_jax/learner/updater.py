@@ -25,8 +25,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from asyncrl_jax.infra import bucketing
 from asyncrl_jax import models
+from asyncrl_jax.infra import bucketing
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching

@@ -27,8 +27,8 @@ import optax
 from jax.sharding import Mesh
 
 from asyncrl_jax.models import api
-from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.api import aligned  # (values line up with log-probs, one shared shift)
+from asyncrl_jax.models.config import ModelConfig
 
 ATTENTION = "attn"  # the name of every layer's attention block in the policy's parameters
 

@@ -33,9 +33,9 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory, _Building
 from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory, _Building
 
 log = logging.getLogger(__name__)
 

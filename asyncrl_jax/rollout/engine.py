@@ -31,12 +31,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from asyncrl_jax import models
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.infra.bucketing import bounded_traces
-from asyncrl_jax.rollout.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.sampling import SamplingSettings, ban_stop_tokens, sample
 from asyncrl_jax.rollout.compile_cache import ShapedPrefill
+from asyncrl_jax.rollout.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer
 from asyncrl_jax.rollout.prefill_plan import prefill_shapes
-from asyncrl_jax.models.sampling import SamplingSettings, ban_stop_tokens, sample
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
 
 

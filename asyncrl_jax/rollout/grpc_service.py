@@ -39,9 +39,9 @@ import grpc
 from asyncrl_jax.infra import auth
 
 from asyncrl_jax.infra import faults
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.decode_loop import DecodeServer
-from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.weights.remote import WeightReceiver
 
 log = logging.getLogger(__name__)

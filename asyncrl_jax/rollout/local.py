@@ -7,11 +7,11 @@ import logging
 from typing import Callable
 
 from asyncrl_jax import models
-from asyncrl_jax.rollout.backend import BackendReport
-from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.rollout.decode_loop import DecodeServer
-from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rollout.backend import BackendReport
+from asyncrl_jax.rollout.decode_loop import DecodeServer
+from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.weights import TransferStats, local_transfer
 
 log = logging.getLogger(__name__)

@@ -38,11 +38,11 @@ from asyncrl_jax import models
 from asyncrl_jax.infra import auth
 
 from asyncrl_jax.infra import sharding
-from asyncrl_jax.rollout import registry
-from asyncrl_jax.rollout.engine import engine_from_config, server_seed
-from asyncrl_jax.rollout.decode_loop import DecodeServer
-from asyncrl_jax.rollout.grpc_service import RolloutService, serve
 from asyncrl_jax.rl.trajectory import DRAINED
+from asyncrl_jax.rollout import registry
+from asyncrl_jax.rollout.decode_loop import DecodeServer
+from asyncrl_jax.rollout.engine import engine_from_config, server_seed
+from asyncrl_jax.rollout.grpc_service import RolloutService, serve
 from asyncrl_jax.weights.remote import WeightReceiver
 
 _CONFIG = cli.define_config_flag()

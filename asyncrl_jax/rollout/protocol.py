@@ -65,8 +65,8 @@ import json
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.weights import shards
 from asyncrl_jax.weights.remote import Source
 

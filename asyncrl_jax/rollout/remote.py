@@ -13,11 +13,11 @@ import time
 from concurrent import futures
 from typing import Callable, Optional, Sequence
 
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.backend import BackendReport
 from asyncrl_jax.rollout.grpc_service import RolloutClient
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.weights import Publisher, TransferStats, new_uuid
 
 log = logging.getLogger(__name__)

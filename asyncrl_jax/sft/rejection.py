@@ -28,10 +28,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax.learner import updater as update_lib
-from asyncrl_jax.rl.evaluation import Evaluator
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import batching
+from asyncrl_jax.rl.evaluation import Evaluator
 from asyncrl_jax.sft.supervised import nll_loss
 from asyncrl_jax.tokenization import Tokenizer
 

@@ -31,10 +31,10 @@ from absl import app, flags, logging
 from asyncrl_jax.infra import auth
 
 from asyncrl_jax.infra import sharding
-from asyncrl_jax.tools.export import load_export
-from asyncrl_jax.rollout.jetstream_compat import orchestrator, server_lib
-from asyncrl_jax.rollout.engine import Engine
 from asyncrl_jax.models.sampling import SamplingSettings
+from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.jetstream_compat import orchestrator, server_lib
+from asyncrl_jax.tools.export import load_export
 
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "An export: Hugging Face (config.json + safetensors) "
                                   "or Orbax (model_config.json + params/), see asyncrl_jax.tools.export.")

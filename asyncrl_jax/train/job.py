@@ -34,31 +34,25 @@ from typing import Optional
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
-from asyncrl_jax.infra import auth
-from asyncrl_jax.infra import distributed
-from asyncrl_jax.infra import faults
-from asyncrl_jax.infra import paths
-from asyncrl_jax.infra import sharding
-from asyncrl_jax.train.checkpoint import RunCheckpointer
+from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.controller.controller import Controller, SamplingMismatch
-from asyncrl_jax.data import builder as builder_lib
-from asyncrl_jax.data import pipeline
-from asyncrl_jax.rl.evaluation import RunEvaluation
-from asyncrl_jax.learner.learner import Learner, NonFiniteError
+from asyncrl_jax.controller.schedule import PublishSchedule
+from asyncrl_jax.data import builder as builder_lib, pipeline
+from asyncrl_jax.infra import auth, distributed, faults, paths, sharding, progress as progress_lib
 from asyncrl_jax.learner.group import LearnerGroup
-from asyncrl_jax.controller.schedule import Publisher
-from asyncrl_jax.rl.rewards import reward_fn
+from asyncrl_jax.learner.learner import Learner, NonFiniteError
+from asyncrl_jax.rl.evaluation import RunEvaluation
 from asyncrl_jax.rl.health import HealthMonitor, Thresholds
-from asyncrl_jax.rollout.local import LocalRollout
-from asyncrl_jax.rollout.remote import RemoteRollout
+from asyncrl_jax.rl.rewards import reward_fn
 from asyncrl_jax.rollout.engine import engine_from_config
-from asyncrl_jax.rollout.registry import Registry
 from asyncrl_jax.rollout.grpc_service import RolloutClient
-from asyncrl_jax.train.runlog import RunLog, say
+from asyncrl_jax.rollout.local import LocalRollout
+from asyncrl_jax.rollout.registry import Registry
+from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.sft.supervised import warm_start
 from asyncrl_jax.tokenization import load_tokenizer
+from asyncrl_jax.train.checkpoint import RunCheckpointer
+from asyncrl_jax.train.runlog import RunLog, say
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summaries.")
@@ -85,11 +79,10 @@ class _Data:
 
 def _warm_start(config, learner: Learner, data: _Data, evaluate: RunEvaluation) -> dict:
   """Supervised warm start of a randomly initialised policy; returns its meta figures."""
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   meta = {"untrained_eval_accuracy": evaluate(learner.params)[0] if evaluate else None}
   t = time.time()
-  bar = tqdm(total=config.learner.warm_start_steps, desc="warm start (supervised)", unit="step",
-             file=sys.stdout, dynamic_ncols=True)
+  bar = progress_lib.progress(total=config.learner.warm_start_steps, desc="warm start (supervised)",
+                             unit="step")
 
   def progress(step, loss):
     bar.update(step - bar.n)
@@ -227,7 +220,7 @@ def _train(config, group: LearnerGroup, controller, backend, evaluate, log: RunL
 def _train_versions(config, group: LearnerGroup, controller, backend, evaluate, log: RunLog, ckpt,
                     meta: dict, profile: _Profile):
   learner = group.learner
-  publisher = Publisher(config, backend, controller, learner)
+  publisher = PublishSchedule(config, backend, controller, learner)
   monitor = HealthMonitor(Thresholds.from_config(config), log.history)  # (replayed on resume)
   if publisher.pinned and learner.version:
     logging.warning("rl.staleness_mode=pinned resumed at version %d: the next %d batches are decoded "

@@ -22,8 +22,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from asyncrl_jax.learner import learner as learner_lib
 from asyncrl_jax.infra import paths
+from asyncrl_jax.infra.progress import progress
+from asyncrl_jax.learner import learner as learner_lib
 from asyncrl_jax.rollout.stats import DecodeStats
 
 
@@ -177,10 +178,9 @@ class RunLog:
   def start_rl(self, version: int, decode_stats: DecodeStats) -> None:
     """RL starts now at ``version``; decode counters count from ``decode_stats`` (remote decode servers
     may have been up, idle, for a while)."""
-    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
     self._writer = _summary_writer(paths.join(self.workdir, "tb"))
-    self._bar = tqdm(total=self.steps, initial=version, desc=f"async RL (eta={self.eta}, {self.loss})",
-                     unit="step", file=sys.stdout, dynamic_ncols=True)
+    self._bar = progress(total=self.steps, initial=version, desc=f"async RL (eta={self.eta}, {self.loss})",
+                         unit="step")
     self._decode_base, self.t_rl = decode_stats, time.time()
     process_memory()  # (compilations count from here)
 

@@ -27,8 +27,7 @@ from typing import Any, Sequence
 import jax
 from jax.experimental import transfer as jax_transfer
 
-from asyncrl_jax.weights import TransferStats, tree_bytes
-from asyncrl_jax.weights import shards
+from asyncrl_jax.weights import TransferStats, tree_bytes, shards
 
 # Bulk-transport sockets per server. Both ends must use the same number: a sender with more bulk
 # sockets than its receiver crashes the receiver's transport (seen with jax 0.10.2 on CPU).

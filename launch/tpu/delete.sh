@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Deletes both queued resources and their TPU VMs (everything on their disks is lost; WORKDIR in
-# gs:// stays). Asks first; --yes skips the question, and without a terminal --yes is required.
+# gs:// stays). Asks first; --yes skips the question, and without a terminal --yes is required
+# (--dry-run, which changes nothing, needs neither).
 #
 #   bash launch/tpu/delete.sh --env FILE [--yes] [--dry-run]
 set -euo pipefail

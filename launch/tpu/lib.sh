@@ -138,8 +138,13 @@ worker_ips() {  # internal IPs of a node's workers, one per line (placeholders u
     --format='value(networkEndpoints[].ipAddress)' | tr ';' '\n'
 }
 
-confirm() {  # confirm PROMPT: yes with --yes; else asks on a terminal; refuses when stdin is not one
+confirm() {  # confirm PROMPT: yes with --yes or --dry-run (which changes nothing); else asks on a
+  # terminal; refuses when stdin is not one
   [ "$ASSUME_YES" -eq 1 ] && return 0
+  if [ "$DRY_RUN" -eq 1 ]; then
+    echo "[dry run] would ask: $1" >&2
+    return 0
+  fi
   if [ ! -t 0 ]; then
     echo "refusing: $1 needs --yes when stdin is not a terminal" >&2
     exit 3

@@ -11,16 +11,16 @@ import pytest
 
 from tests.helpers import NoStopTokenizer, sharp_params
 from asyncrl_jax import models
-from asyncrl_jax.infra import sharding
 from asyncrl_jax.controller.controller import Controller, SamplingMismatch
 from asyncrl_jax.data.pipeline import PromptStream
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.sampling import OUTSIDE, truncated_logits
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
 from asyncrl_jax.rl.staleness import StalenessManager
-from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
 from asyncrl_jax.rl.trajectory import Trajectory
+from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
 from asyncrl_jax.tokenization import ArithmeticTokenizer
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
+from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.rl.logprobs import chunked_logsoftmax, token_logprobs
 from tests.helpers import sharp_params
 

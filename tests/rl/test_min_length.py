@@ -10,17 +10,15 @@ import numpy as np
 import pytest
 
 from tests.helpers import NoStopTokenizer, sharp_params
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
-from asyncrl_jax.learner import group as learner_group
-from asyncrl_jax.infra import sharding
+from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.controller.controller import check_trajectory
+from asyncrl_jax.data.workloads import LengthWorkload
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.learner import group as learner_group
 from asyncrl_jax.models.sampling import OUTSIDE, ban_stop_tokens
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
-from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
-from asyncrl_jax.rollout import protocol
-from asyncrl_jax.data.workloads import LengthWorkload
+from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)

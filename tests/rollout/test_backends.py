@@ -5,10 +5,10 @@ import threading
 import time
 import types
 
+from asyncrl_jax.rl.trajectory import RolloutRequest
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.rollout.stats import DecodeStats
-from asyncrl_jax.rl.trajectory import RolloutRequest
 
 
 class FakeClient:

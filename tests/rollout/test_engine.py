@@ -8,9 +8,9 @@ from scipy import stats
 from tests.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.infra import sharding
+from asyncrl_jax.models.sampling import sample, sampling_logits
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rollout import Engine, SamplingSettings
-from asyncrl_jax.models.sampling import sample, sampling_logits
 
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)

@@ -6,8 +6,8 @@ import pytest
 
 from tests.helpers import sharp_params
 from asyncrl_jax import models
-from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.models.generate import greedy_generate
+from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.tools.export import ExportError, load_export, write_orbax
 from asyncrl_jax.tools.serve import engine_for_checkpoint, start_server
 

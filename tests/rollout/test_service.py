@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import sharp_params
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
+from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol
-from asyncrl_jax.rollout.remote import RemoteRollout, eligible
 from asyncrl_jax.rollout.grpc_service import RolloutClient, RolloutService, serve
+from asyncrl_jax.rollout.remote import RemoteRollout, eligible
 from asyncrl_jax.weights import new_uuid, shards
 from asyncrl_jax.weights.remote import Source, WeightSender
 

@@ -8,10 +8,8 @@ import sys
 
 import pytest
 
-from asyncrl_jax import config as config_lib
-from asyncrl_jax import models
-from asyncrl_jax.tpu import chips
-from asyncrl_jax.tpu import compile as tpu_compile
+from asyncrl_jax import config as config_lib, models
+from asyncrl_jax.tpu import chips, compile as tpu_compile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
