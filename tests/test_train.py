@@ -402,7 +402,8 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   ckpt = ["--config.checkpoint.every_steps=2", "--config.learner.eval_every=5", "--config.data.eval_problems=8"]
   env = {"ASYNCRL_HEARTBEAT_SECONDS": "5"}
 
-  proc = _twin_start(run, 2, 2, steps, *ckpt, env=env)
+  # a fresh start warm-starts on process 0's devices and broadcasts the weights
+  proc = _twin_start(run, 2, 2, steps, *ckpt, "--config.learner.warm_start_steps=3", env=env)
   _wait_until(proc, lambda: logged() >= 3, "version 3 was logged")
   t = time.time()
   os.kill(int((run / "learners" / "pid-1").read_text()), signal.SIGTERM)
@@ -413,6 +414,7 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   # (a checkpoint of 2 processes is written by both: that it is complete shows they agreed on it)
   assert "2 learner process(es)" in out and "2 decode server(s) registering at 127.0.0.1:" in out
   assert "at version 0 (over 2 learner processes)" in out  # the initial evaluation
+  assert "[warm start (supervised)] 3/3 step" in out  # (a log: plain progress lines, no bar)
 
   (run / "learners" / "pid-1").unlink()  # (the first start's)
   proc = _twin_start(run, 2, 2, steps, *ckpt, flags=["--no-watch"],

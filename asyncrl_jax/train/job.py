@@ -40,7 +40,7 @@ from asyncrl_jax.controller.schedule import PublishSchedule
 from asyncrl_jax.data import builder as builder_lib, pipeline
 from asyncrl_jax.infra import auth, distributed, faults, paths, sharding, progress as progress_lib
 from asyncrl_jax.learner.group import LearnerGroup
-from asyncrl_jax.learner.learner import Learner, NonFiniteError
+from asyncrl_jax.learner.learner import NonFiniteError
 from asyncrl_jax.rl.evaluation import RunEvaluation
 from asyncrl_jax.rl.health import HealthMonitor, Thresholds
 from asyncrl_jax.rl.rewards import reward_fn
@@ -50,6 +50,7 @@ from asyncrl_jax.rollout.local import LocalRollout
 from asyncrl_jax.rollout.registry import Registry
 from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.sft.supervised import warm_start
+from asyncrl_jax.train import learner_side
 from asyncrl_jax.tokenization import load_tokenizer
 from asyncrl_jax.train.checkpoint import RunCheckpointer
 from asyncrl_jax.train.runlog import RunLog, say
@@ -77,51 +78,53 @@ class _Data:
                                      shard_index=0, shard_count=1), workdir)
 
 
-def _warm_start(config, learner: Learner, data: _Data, evaluate: RunEvaluation) -> dict:
-  """Supervised warm start of a randomly initialised policy; returns its meta figures."""
-  meta = {"untrained_eval_accuracy": evaluate(learner.params)[0] if evaluate else None}
-  t = time.time()
-  bar = progress_lib.progress(total=config.learner.warm_start_steps, desc="warm start (supervised)",
-                             unit="step")
+def _warm_start(config, data: _Data, evaluate: Optional[RunEvaluation]):
+  """Process 0's supervised warm start of a randomly initialised policy (``learner_side.set_up``
+  calls it with the weights and the mesh to train them on); returns (params, its meta figures)."""
 
-  def progress(step, loss):
-    bar.update(step - bar.n)
-    bar.set_postfix(loss=f"{loss:.3f}")
+  def run(model_config, params, mesh):
+    one = jax.process_count() == 1  # (over several processes it runs on process 0's devices alone)
+    meta = {"untrained_eval_accuracy": evaluate(params)[0] if evaluate and one else None}
+    t = time.time()
+    bar = progress_lib.progress(total=config.learner.warm_start_steps, desc="warm start (supervised)",
+                                unit="step")
 
-  learner.params, meta["warm_start_loss"] = warm_start(
-      learner.model_config, learner.params, learner.mesh,
-      pipeline.read_split(builder_lib.demonstrations_from_config(config, data.workdir), "train"),
-      data.tokenizer, steps=config.learner.warm_start_steps, batch_size=config.learner.warm_start_batch,
-      learning_rate=config.learner.warm_start_lr, seed=config.seed,
-      token_budget=config.learner.token_budget, progress=progress, grad_clip=config.learner.grad_clip)
-  bar.close()  # the RL optimizer state is still the untouched initial one
-  meta["warm_start_seconds"] = time.time() - t
-  return meta
+    def progress(step, loss):
+      bar.update(step - bar.n)
+      bar.set_postfix(loss=f"{loss:.3f}")
+
+    params, meta["warm_start_loss"] = warm_start(
+        model_config, params, mesh,
+        pipeline.read_split(builder_lib.demonstrations_from_config(config, data.workdir), "train"),
+        data.tokenizer, steps=config.learner.warm_start_steps, batch_size=config.learner.warm_start_batch,
+        learning_rate=config.learner.warm_start_lr, seed=config.seed,
+        token_budget=config.learner.token_budget, progress=progress, grad_clip=config.learner.grad_clip)
+    bar.close()  # the RL optimizer state is still the untouched initial one
+    meta["warm_start_seconds"] = time.time() - t
+    return params, meta
+
+  return run
 
 
 def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
-  """The learner, restored from the last checkpoint or initialised (and warm-started), and its
-  held-out evaluation; returns (learner, evaluation or None, engine or None, meta)."""
-  model_config, params = models.from_config(config, meshes.learner)
-  learner = Learner(model_config, params, meshes.learner, config, versions=config.steps)
-  del params
+  """Process 0's learner side (``learner_side.set_up``: restored from the last checkpoint or
+  initialised and warm-started), its engine when the decode server is in this process, and its
+  held-out evaluation; returns (learner, group, evaluation or None, engine or None, meta)."""
+  model_config = models.config_of(config)
   engine = engine_from_config(config, meshes.rollout, model_config) if meshes.rollout else None
   if engine is not None and config.rollout.warm_up:
     engine.warm_up()  # in the background, during evaluation and warm start
   evaluate = RunEvaluation(config, model_config, meshes, data.tokenizer, problems=data.eval_problems,
-                         reward=data.reward) if config.learner.eval_every else None
-  meta = ckpt.restore_run(learner, data.prompts)
-  if meta is not None:
-    log.resume(learner.version)
-    say(f"resumed from checkpoint at policy version {learner.version}")
+                           reward=data.reward) if config.learner.eval_every else None
+  side = learner_side.set_up(config, meshes, ckpt, prompts=data.prompts,
+                             warm_start=_warm_start(config, data, evaluate),
+                             eval_prompt_ids=evaluate.evaluator.prompt_ids if evaluate else None)
+  if side.resumed:
+    log.resume(side.learner.version)
+    say(f"resumed from checkpoint at policy version {side.learner.version}")
   else:
     log.start_fresh()
-    meta = {}
-    if config.learner.warm_start_steps and not config.model.hf_path:  # (one learner process only)
-      meta = _warm_start(config, learner, data, evaluate)
-      if learner.critic is not None:  # the value model starts from the policy RL starts from
-        learner.critic.reset(learner.params)
-  return learner, evaluate, engine, meta
+  return side.learner, side.group, evaluate, engine, side.meta or {}
 
 
 def _initial_evaluation(config, group: LearnerGroup, evaluate: Optional[RunEvaluation], meta: dict) -> None:
@@ -312,30 +315,17 @@ def _checkpointer(config, workdir: str) -> RunCheckpointer:
                          async_save=config.checkpoint.async_save)
 
 
-def _check_multi_process(config) -> None:
-  if jax.process_count() == 1:
-    return
-  if config.learner.warm_start_steps and not config.model.hf_path:
-    raise config_lib.ConfigError(f"learner.warm_start_steps={config.learner.warm_start_steps}: the supervised warm "
-                     "start runs in one learner process; warm-start once (python -m asyncrl_jax.sft) "
-                     "and set model.hf_path, or set learner.warm_start_steps=0")
-
-
 def _follow(config, workdir: str) -> dict:
-  """Learner processes other than 0: the same learner and checkpoint, then process 0's ops. Every
-  collective step comes in process 0's order (checkpointer, model, restore, senders)."""
+  """Learner processes other than 0: the same learner side (``learner_side.set_up``, whose
+  collectives come in process 0's order), then process 0's ops."""
   meshes = sharding.role_meshes(config)
   ckpt = _checkpointer(config, workdir)
-  model_config, params = models.from_config(config, meshes.learner)
-  learner = Learner(model_config, params, meshes.learner, config, versions=config.steps)
-  del params
-  ckpt.restore_run(learner, None)
-  group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host)
+  side = learner_side.set_up(config, meshes, ckpt)
+  learner, group = side.learner, side.group
   if config.learner.eval_every:  # process 0's held-out prompts; only it holds their answers
-    evaluate = RunEvaluation(config, model_config, meshes, load_tokenizer(config.data.tokenizer_path),
-                           prompt_ids=group.share_token_lists(None))
+    evaluate = RunEvaluation(config, learner.model_config, meshes, load_tokenizer(config.data.tokenizer_path),
+                             prompt_ids=side.eval_prompt_ids)
     group.on_evaluate = lambda: evaluate.run(learner)
-  _warm_up(config, learner)
   _take_sigterm(group)
   try:
     group.follow()
@@ -359,15 +349,6 @@ def _abandon() -> None:
   os._exit(1)  # pylint: disable=protected-access
 
 
-def _warm_up(config, learner: Learner) -> None:
-  """Every learner process compiles its micro-batch shapes now, in the same order (``learner.warm_up``)."""
-  if config.learner.warm_up:
-    t = time.time()
-    n = learner.warm_up(config.data.max_prompt_len + config.data.max_completion_len)
-    if jax.process_index() == 0:
-      say(f"learner warm: {n} micro-batch shapes compiled in {time.time() - t:.1f}s (learner.warm_up)")
-
-
 _EARLY_SIGTERM = threading.Event()
 
 
@@ -380,7 +361,6 @@ def _take_sigterm(group: LearnerGroup) -> None:
 
 def run(config, workdir: str) -> dict:
   """The main job in this process: all of it on learner process 0, ``_follow`` on the others."""
-  _check_multi_process(config)
   token = auth.load_token(config.rollout.auth_token_file) if config.rollout.servers else None
   if config.rollout.servers:  # (refused before any setup: binding beyond loopback needs a token)
     auth.require(config.rollout.host, token, "rollout.host")
@@ -393,11 +373,7 @@ def run(config, workdir: str) -> dict:
   say(meshes.describe())
   data = _Data.from_config(config, workdir)
   ckpt = _checkpointer(config, workdir)
-  learner, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
-  group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
-  if evaluate is not None and group.processes > 1:
-    group.share_token_lists(evaluate.evaluator.prompt_ids)
-  _warm_up(config, learner)
+  learner, group, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
   try:
     _initial_evaluation(config, group, evaluate, meta)
   except Exception:  # pylint: disable=broad-except
