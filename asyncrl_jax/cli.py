@@ -28,7 +28,7 @@ def limit_malloc_arenas(n: int = MALLOC_ARENAS) -> None:
   start), before any thread starts. With its default of 8 per core, the many threads of a learner or
   decode server (gRPC, rewards, checkpoint writes, XLA) each spread host allocations over their own
   arena, and host RSS crept up 2-5% over 250 versions of the built-in job; capped at 2 it stayed
-  within 1.2% (NOTES.md, "Host memory")."""
+  within 1.2% (docs/decisions/0026-cap-malloc-arenas.md)."""
   if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
     return
   try:

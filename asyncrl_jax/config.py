@@ -179,7 +179,7 @@ def _rl_section() -> ml_collections.ConfigDict:
       # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
       # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
       # 1, no cap: in the eta 8 probe the cap alone (AReaL's 5) removed the stale tokens that correct the
-      # policy's current mistakes and an unbounded w let a few tokens steer the update (NOTES.md).
+      # policy's current mistakes and an unbounded w let a few tokens steer the update (docs/decisions/0004).
       behav_weight_cap=float("inf"), behav_weight_floor=0.0, behav_weight_clip=1.0,
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
       # advantage="value" (SAO's single rollout): the learner's value model (the policy's trunk and a

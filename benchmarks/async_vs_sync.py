@@ -61,11 +61,11 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
+from asyncrl_jax.data.workloads import LengthWorkload  # noqa: E402
 from asyncrl_jax.learner.learner import idle_fraction as learner_idle_fraction  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.rollout.stats import DecodeStats  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
 from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402
-from asyncrl_jax.data.workloads import LengthWorkload  # noqa: E402
 from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
                       "slot, as the seed's 512 over 128, so the free-training headroom is the seed's shape)")
   p.add_argument("--profile", default=None, metavar="ETA",
                  help="write a jax profiler trace of 3 versions (after the skipped ones) of the arm at "
-                      "this eta to WORKDIR/eta<ETA>/profile (README: Benchmarks, where the time goes)")
+                      "this eta to WORKDIR/eta<ETA>/profile (docs/operations.md: where the time goes)")
   args = p.parse_args(argv)
   pinning = hasattr(os, "sched_setaffinity")  # Linux
   if args.workload == "lognormal":

@@ -36,8 +36,8 @@ import numpy as np  # noqa: E402
 
 from asyncrl_jax import models  # noqa: E402
 
-from asyncrl_jax.infra import sharding
 from asyncrl_jax.config import base_config  # noqa: E402
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.learner import Learner  # noqa: E402
 from asyncrl_jax.rl import batching  # noqa: E402
 from asyncrl_jax.rl.logprobs import compute_logprobs  # noqa: E402

@@ -39,11 +39,11 @@ from absl import flags  # noqa: E402
 
 from asyncrl_jax import models  # noqa: E402
 
+from asyncrl_jax.data.workloads import LengthWorkload  # noqa: E402
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.learner import Learner  # noqa: E402
 from asyncrl_jax.rl import batching  # noqa: E402
 from asyncrl_jax.rollout.engine import engine_from_config  # noqa: E402
-from asyncrl_jax.data.workloads import LengthWorkload  # noqa: E402
 
 PROMPT_LEN = 20  # tokens: about the built-in task's prompts
 

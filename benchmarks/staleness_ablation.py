@@ -522,7 +522,7 @@ def probe(args) -> int:
            "largest importance weight the loss applied (w for decoupled PPO, the ratio to the behaviour "
            "policy for PPO and DIS). A rerun resumes finished arms, so arms may come from earlier "
            "commits with the same losses.\n\nThe cause (benchmarks/objective_diagnosis.py on a recorded run "
-           "without a guard; NOTES.md): no bug (behaviour log-probs match recomputation to 2e-5, also "
+           "without a guard; docs/decisions/0004): no bug (behaviour log-probs match recomputation to 2e-5, also "
            "across interrupted generations; the gradient matches a numpy reference). Under eta 8 the "
            "weight w = pi_prox / pi_behav is heavy-tailed (maximum 100-350) and the ~1% of tokens with "
            "w > 5 carry 50-100% of the gradient norm. Unbounded, they include good tokens already "

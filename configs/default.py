@@ -9,7 +9,7 @@ Expected on 2 CPU cores (2026-11-29 and 2026-12-01): 8-12 minutes in all, by mac
 (4 samples, T=1) 0.34-0.35 after the 150-step supervised warm start -> 0.47-0.50 after 200
 asynchronous RL versions (eta 2, max staleness seen 2); greedy accuracy 0.62-0.63 -> 0.59-0.63.
 RL recipe: sequence-mean loss aggregation, AdamW 1e-4 with 20 warmup steps (token-mean and higher
-rates lost accuracy: NOTES.md).
+rates lost accuracy: docs/decisions/0007).
 Overrides: --config.rl.max_staleness=0 (synchronous), --config.rl.loss=dis, --config.steps=50, ...
 """
 

@@ -105,7 +105,7 @@ while kill -0 "${pids[0]}" 2>/dev/null; do
       reaped[$j]=1
       if wait "${pids[$j]}"; then rc=0; else rc=$?; fi
       if [ "$rc" -ne 0 ] && [ "$j" -ge "$P" ]; then
-        # the learner drops a dead decode server and goes on with the others (README: Failure modes)
+        # the learner drops a dead decode server and goes on with the others (docs/failure-modes.md)
         echo "[local.sh] ${names[$j]} exited ($rc); the learner goes on without it" >&2
       elif [ "$rc" -ne 0 ] && [ "$WATCH" -eq 1 ]; then
         log="$WORKDIR/learners/learner-$j.log"

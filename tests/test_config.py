@@ -48,7 +48,7 @@ def test_every_config_validates(path):
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
 def test_shipped_configs_set_the_behaviour_weight_guards_the_readme_states(path):
-  """Decoupled PPO without a guard fell below naive PPO at eta 8 (NOTES.md): every shipped config must
+  """Decoupled PPO without a guard fell below naive PPO at eta 8 (docs/decisions/0004): every shipped config must
   carry the cap, floor and truncation the README documents, and a config that changes them must say so
   there."""
   with open(os.path.join(ROOT, "README.md")) as f:
@@ -60,7 +60,7 @@ def test_shipped_configs_set_the_behaviour_weight_guards_the_readme_states(path)
     stated[field] = float(found.group(1))
   cfg = config_lib.validate(_load(path))
   assert {k: cfg.rl[k] for k in stated} == stated
-  assert cfg.rl.behav_weight_clip == 1.0  # the truncation is what the probe supports (NOTES.md)
+  assert cfg.rl.behav_weight_clip == 1.0  # the truncation is what the probe supports (docs/decisions/0004)
 
 
 def test_guards_parse_from_the_command_line_and_inf_turns_them_off():

@@ -174,7 +174,7 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   few tokens steer the update; dropped above a cap (AReaL's guard), the stale tokens that the policy
   has come to prefer although they scored badly, which carry most of the corrective signal, are lost.
   The shipped configs truncate instead (``behav_weight_clip=1``): no stale token weighs more than a
-  fresh one (NOTES.md, "Decoupled PPO under staleness").
+  fresh one (docs/decisions/0004-decoupled-ppo-with-truncated-behaviour-weight.md).
 
   Args:
     logp: [B, T] log pi_theta, differentiable.
