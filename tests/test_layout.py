@@ -14,7 +14,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 LAYERS = [
     {"infra"},
     {"models", "tokenization", "data", "weights"},
-    {"config", "cli"},
+    {"config", "config_schema", "cli"},
     {"rl"},
     {"controller", "learner", "rollout"},
     {"train", "sft"},

@@ -1,0 +1,243 @@
+"""The one experiment-config schema: every field with its default and, in a comment beside it, its
+meaning (``docs/configuration.md`` is generated from these comments by ``tools/config_doc.py``), and
+the allowed values of the fields that take one of a few. ``asyncrl_jax.config`` validates.
+
+Sections:
+  model       architecture (or ``hf_path``: take it from a Hugging Face checkpoint directory)
+  data        task, prompt / completion lengths, dataset location
+  rollout     decode-server slots and sampling settings
+  learner     batch, optimizer, token budget for dynamic micro-batching
+  rl          objective (``loss``), clipping, staleness bound ``max_staleness`` (eta), advantages
+  mesh        device split between rollout and learner, and each role's mesh shape
+  checkpoint  Orbax checkpointing cadence
+  monitor     the health monitor's thresholds (signatures of collapse, ``rl.health``)
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+AGGREGATIONS = ("token_mean", "sequence_mean")
+LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
+STALENESS_MODES = ("bounded", "pinned")
+ADVANTAGES = ("group", "value")
+DTYPES = ("float32", "bfloat16", "float16")
+TASKS = ("arithmetic", "jsonl", "tfds")
+LOGPROB_SOURCES = ("sampling", "model")
+
+
+class ConfigError(ValueError):
+  """A configuration value is not allowed. The message names the field."""
+
+
+def _model_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      hf_path="",  # when set, architecture and weights come from this HF directory
+      # a Qwen2/Llama-family decoder (the built-in default: 2 layers, d=128); head_dim 0 =
+      # hidden_size / num_heads
+      vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
+      num_kv_heads=2, head_dim=0, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
+      # dtype: activations and matmuls (decode servers also hold the weights in it, norm scales
+      # excepted); param_dtype: the learner's stored weights and optimizer state
+      tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",
+  ))
+
+
+def _data_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      task="arithmetic",  # built-in task; "jsonl" / "tfds" read prepared math data
+      path="",  # file or TFDS data_dir for non-built-in tasks
+      tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
+      max_prompt_len=48, max_completion_len=160,  # tokens; longer prompts are skipped and counted
+      min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
+      # built-in task: > 0 draws the supervised warm start's demonstrations from chains of 2 to this
+      # many terms, apart from the RL prompts (min_terms..max_terms): no demonstration of the long
+      # chains RL must solve. 0: the warm start reads the task's own train split
+      demo_max_terms=0,
+      num_train=20000, num_test=500,  # built-in task: problems per split
+      seed=0,  # built-in task: generator seed of the problems (the run's seed drives everything else)
+      eval_problems=256,  # held-out problems per evaluation
+      eval_samples=4,  # sampled completions per held-out problem (pass@1); 0 = greedy accuracy only
+  ))
+
+
+def _rollout_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      num_slots=32,  # per decode server (one per rollout host, or per decode-server process)
+      temperature=1.0, top_p=1.0, top_k=0,
+      logprob_source="sampling",  # behaviour log-probs of the transformed (sampling) distribution
+      # no stop token before this many completion tokens (a sampling setting: the learner applies the
+      # same ban to its log-probs)
+      min_new_tokens=0,
+      # a synthetic length workload for throughput measurements, e.g.
+      # "lognormal:median=32,sigma=1.15,cap=640": each request generates exactly a drawn number of
+      # tokens (its minimum and maximum length); "" = off (asyncrl_jax.data.workloads)
+      length_workload="",
+      host="127.0.0.1", port=0,  # where servers listen (the learner's registry and senders too)
+      # decode-server processes the learner waits for; they register with learner process 0 at
+      # rollout.learner_address (the learner listens on rollout.host:rollout.registry_port; 0 = any
+      # free port, written to WORKDIR/registry_address). 0 servers = decode in the learner's process
+      servers=0, registry_port=0, learner_address="",
+      register_timeout=600.0,  # seconds the learner waits for rollout.servers to register
+      # a decode server repeats its registration this often, so that a learner restarted from its
+      # checkpoint (same registry address: set rollout.registry_port) re-attaches to it
+      register_interval=5.0,
+      # on SIGTERM a decode server takes no new work and gives its queue back, lets its sequences in
+      # flight finish for at most this many seconds, delivers them, and exits 0
+      drain_timeout=15.0,
+      push_timeout=300.0,  # seconds a decode server may take to pull a version of the weights
+      # a decode server that has not answered a health check for this many seconds (killed, stalled)
+      # is dropped: its requests go to the others, and no weight push waits for it
+      server_deadline=30.0,
+      push_retries=2,  # a failed pull is retried (new uuid, newest version) this often, then dropped
+      # a rollout that comes back failed or malformed is resubmitted under its id this often, then
+      # trained as a failed rollout (reward 0, counted)
+      max_retries=2,
+      # a shared secret every gRPC call must carry (a file; or ASYNCRL_AUTH_TOKEN): required when
+      # rollout.host is not a loopback address. No TLS: keep the traffic on the private network
+      auth_token_file="",
+      # on new weights: "recompute" re-prefills every in-flight sequence under them (exact); "keep_cache"
+      # continues on the KV cache the older weights wrote (no re-prefill; the recorded log-probs are
+      # still those of the distribution each token was drawn from); "drain" lets the sequences in
+      # flight finish under the old weights and starts none until they have (non-interruptible)
+      on_weight_update="recompute",
+      # compile every batched-prefill shape (new prompts, re-prefills) in the background at start, so
+      # decoding rarely waits for a compilation
+      warm_up=True,
+      # prefill attention this many queries at a time (0: all at once; a re-prefill of every slot at
+      # the longest length then holds [slots, heads, length, length] scores)
+      attention_chunk=0,
+      # tokens (rows x width) per batched-prefill call at most, single rows excepted (0: no cap)
+      prefill_tokens=0,
+  ))
+
+
+def _learner_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      batch_size=32,  # trajectories per policy update (B in the staleness bound)
+      token_budget=4096,  # tokens per micro-batch (dynamic micro-batching)
+      # AdamW (cosine decay to 10% over the run's optimizer updates, after warmup_steps); gradients
+      # clipped to this global norm
+      learning_rate=3e-4, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999,
+      ppo_minibatches=1,  # optimizer updates per global batch (prox is fixed for all of them)
+      eval_every=10,  # policy versions between held-out evaluations (0: never, not even before RL)
+      warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
+      warm_start_batch=128, warm_start_lr=1e-3,  # the warm start's batch (sequences) and peak rate
+      # memory, not maths: recompute each block in the backward pass; log-softmax over the vocabulary
+      # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits); attention
+      # this many queries at a time (0: all at once, through [rows, heads, width, width] scores);
+      # one loop over the layers (lax.scan of their stacked parameters) instead of one copy of the
+      # block per layer: a program the size of one layer, compiled in a fraction of the time, and one
+      # the TPU compiler cannot reorder into holding every layer's activations at once
+      remat=False, vocab_chunk=0, attention_chunk=0, scan_layers=False,
+      # compile every micro-batch shape (one per row-length bucket up to the longest sequence) at
+      # start, applying nothing, so that no version stalls on a compilation mid-run
+      warm_up=True,
+      # stop (with a checkpoint, exit 1, naming the signal) at the first alarm of the health monitor
+      stop_on_alarm=False,
+      # a jax profiler trace of the whole process (decode, learner, host) over profile_versions
+      # policy versions from profile_start, in WORKDIR/profile (-1: none)
+      profile_start=-1, profile_versions=3,
+  ))
+
+
+def _correction_section() -> ml_collections.ConfigDict:
+  """Off-policy corrections on top of any rl.loss (``rl.losses.Corrections``); all off by default."""
+  return ml_collections.ConfigDict(dict(
+      # the importance ratio the corrections read: "current" pi_theta / pi_behav, "prox" pi_prox / pi_behav
+      ratio="current",
+      tis_cap=float("inf"),  # truncated IS: each token's loss times min(ratio, cap) (inf: off)
+      icepop_low=0.0, icepop_high=float("inf"),  # IcePop: tokens with a ratio outside [low, high] weigh 0
+      # sequences whose geometric-mean ratio is outside [low, high] weigh 0 (0, inf: off)
+      seq_mask_low=0.0, seq_mask_high=float("inf"),
+      dual_clip=float("inf"),  # PPO's dual clip c > 1 for negative advantages (inf: off)
+  ))
+
+
+def _rl_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      # ppo: PPO on the behaviour ratio; ppo_recompute: PPO with the old log-probs recomputed under the
+      # weights before the update (ignores the behaviour policy: the seeds' naive baseline);
+      # decoupled_ppo: AReaL; dis: SAO's masked importance sampling
+      loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
+      # bounded: tokens are at most max_staleness versions old (AReaL's bound; how old they are depends
+      # on the roles' speeds); pinned: every token trained at version v was sampled by version
+      # exactly max(0, v - max_staleness) (for ablations: no interrupted generations, weights reach
+      # the decode servers only between batches)
+      staleness_mode="bounded",
+      # DIS masks only the tokens whose drift agrees with their advantage (rl.losses.dis_loss)
+      dis_sign_aware=False,
+      # data shaping (DAPO; controller): drop groups whose rewards are all equal and fill the batch
+      # from the next groups; give completions cut by the length budget loss weight 0; a soft
+      # penalty on the reward over the last overlong_penalty_len tokens of the budget (0: none)
+      filter_uniform_groups=False, overlong_filter=False, overlong_penalty_len=0,
+      correction=_correction_section(),
+      # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
+      # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
+      # 1, no cap: in the eta 8 probe the cap alone (AReaL's 5) removed the stale tokens that correct the
+      # policy's current mistakes and an unbounded w let a few tokens steer the update (docs/decisions/0004).
+      behav_weight_cap=float("inf"), behav_weight_floor=0.0, behav_weight_clip=1.0,
+      # group: GRPO's group-mean baseline over group_size samples per prompt (divided by the group's
+      # std with scale_by_std); value: a learned baseline with GAE(gamma, gae_lambda)
+      advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,
+      # advantage="value" (SAO's single rollout): the learner's value model (the policy's trunk and a
+      # scalar head), its optimizer steps per version on the clipped value loss, the versions at the
+      # start that train it alone (the policy is published unchanged), and whether its attention
+      # parameters stay frozen
+      value_learning_rate=3e-4, value_updates=2, value_clip=0.2, value_pretrain_versions=10,
+      value_freeze_attention=False,
+      # token_mean: every policy token of the batch weighs the same (long completions weigh more);
+      # sequence_mean: every trajectory weighs the same (its tokens share 1 / its length)
+      aggregation="token_mean",
+  ))
+
+
+def _mesh_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      rollout_fraction=0.75,  # share of devices for decode servers (3:1 as in AReaL)
+      # True: decode servers and learner share every device, taking turns (one-device machines, and the
+      # colocated synchronous baseline); rollout_fraction is then unused
+      colocate=False,
+      # each role's mesh axes (-1: the devices left over); parameters split over fsdp x tensor,
+      # rows over data x fsdp
+      learner=ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
+      rollout=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),  # per decode server
+  ))
+
+
+def _monitor_section() -> ml_collections.ConfigDict:
+  """The health monitor's thresholds (``rl.health``): each signature of collapse alarms past its
+  bound (0 or inf: off); averages over the last ``window`` versions."""
+  return ml_collections.ConfigDict(dict(
+      window=5,  # versions averaged
+      reward_drop=0.15,  # batch reward below its best window average by this much
+      eval_drop=0.10,  # held-out accuracy below its best evaluation by this much
+      entropy_floor=0.2,  # mean token entropy below this fraction of its first window's
+      entropy_ceiling=1.5,  # ... or above this multiple of it
+      truncated_max=0.5,  # share of completions cut by the length budget above this
+      ratio_p99_max=10.0,  # 99th percentile of pi_theta / pi_behav above this
+      masked_max=0.5,  # share of policy tokens given weight 0 above this
+  ))
+
+
+def _checkpoint_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      # a checkpoint every this many policy versions, the newest kept, written in the background
+      every_steps=20, max_to_keep=3, async_save=True,
+  ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every field with its default. Experiments override; they never add fields."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # the run's seed: initial weights, prompt order, sampling
+  c.steps = 100  # learner updates (policy versions) to train for
+  c.model = _model_section()
+  c.data = _data_section()
+  c.rollout = _rollout_section()
+  c.learner = _learner_section()
+  c.rl = _rl_section()
+  c.mesh = _mesh_section()
+  c.checkpoint = _checkpoint_section()
+  c.monitor = _monitor_section()
+  return c
