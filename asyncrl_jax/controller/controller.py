@@ -48,6 +48,7 @@ from asyncrl_jax.rl import advantages, batching
 from asyncrl_jax.rl.rewards import RewardWorker
 from asyncrl_jax.rl.shaping import overlong_penalty, uniform
 from asyncrl_jax.rl.staleness import StalenessManager, VersionMismatch, within_bound
+from asyncrl_jax.controller.checks import SamplingMismatch, check_trajectory, sampling_mismatch  # noqa: F401
 from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory
 from asyncrl_jax.tokenization import Tokenizer
 
@@ -56,23 +57,6 @@ log = logging.getLogger(__name__)
 
 class StalenessError(RuntimeError):
   """A batch would train on data older than rl.max_staleness (a bug, never expected)."""
-
-
-class SamplingMismatch(RuntimeError):
-  """A decode server sampled with other settings than the learner computes its log-probs for: its
-  behaviour log-probs are of another distribution, so the run cannot go on (the message names the
-  decode server and the field)."""
-
-
-def sampling_mismatch(t: Trajectory, sampling: dict) -> str:
-  """What in ``t``'s recorded sampling settings differs from ``sampling`` (the learner's), or ""."""
-  for field, want in sampling.items():
-    got = t.logprob_source if field == "logprob_source" else t.sampling.get(field)
-    if got != want:
-      return (f"decode server {t.server_id or '?'!r} sampled {t.trajectory_id} with "
-              f"rollout.{field}={got!r}, but the learner computes log-probs for "
-              f"rollout.{field}={want!r}; start the decode servers with the learner's rollout settings")
-  return ""
 
 
 @dataclasses.dataclass
@@ -104,36 +88,6 @@ class TrainingBatch:
   filtered_groups: int = 0  # groups skipped to form this batch (rl.filter_uniform_groups)
   overlong_filtered: int = 0  # trajectories given loss weight 0 (rl.overlong_filter)
   overlong_penalty: float = 0.0  # mean soft overlong penalty added to the rewards (rl.overlong_penalty_len)
-
-
-def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int
-                     ) -> str:
-  """Why ``t`` (returned for ``request``) cannot be trained, or "" if it can. Failed and aborted
-  trajectories are not checked here (they carry no usable tokens)."""
-  n = len(t.completion_tokens)
-  if list(t.prompt_tokens) != list(request.prompt_tokens):
-    return "prompt differs from the request's"
-  if n == 0:
-    return "no completion tokens"
-  if n > request.max_new_tokens:
-    return f"{n} completion tokens, more than max_new_tokens={request.max_new_tokens}"
-  recorded_min = t.sampling.get("min_new_tokens", 0)
-  if recorded_min != request.min_new_tokens:
-    return (f"sampled with min_new_tokens={recorded_min!r}, but the request asked for "
-            f"{request.min_new_tokens}")
-  if n < request.min_new_tokens:
-    return f"{n} completion tokens, fewer than min_new_tokens={request.min_new_tokens}"
-  if len(t.logprobs) != n or len(t.versions) != n:
-    return f"{n} tokens but {len(t.logprobs)} log-probs and {len(t.versions)} versions"
-  if t.completion_tokens.min() < 0 or t.completion_tokens.max() >= vocab_size:
-    return f"a token outside the vocabulary [0, {vocab_size})"
-  if not np.all(np.isfinite(t.logprobs)) or t.logprobs.max() > 1e-3:
-    return "a log-prob that is not finite or is positive"
-  if t.versions.min() < 0 or np.any(np.diff(t.versions) < 0):
-    return "versions that decrease along the sequence (or are negative)"
-  if t.versions.max() > newest_version:
-    return f"a token of version {int(t.versions.max())}, newer than the learner's {newest_version}"
-  return ""
 
 
 class Controller:

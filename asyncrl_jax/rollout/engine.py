@@ -184,16 +184,15 @@ class Engine(engine_api.Engine):
     return self.place_params(models.init_params(self.config, jax.random.key(self._seed), mesh=self._mesh))
 
   def param_spec(self):
-    """The parameters' shapes, serving dtypes (``models.serving_dtypes``: the compute dtype, norm
-    scales as stored) and rollout shardings (``jax.ShapeDtypeStruct`` leaves): what a weight pull
-    needs to know, without any weights."""
+    """The parameters' shapes, serving dtypes (``models.serving_dtypes``) and rollout shardings
+    (``jax.ShapeDtypeStruct`` leaves): what a weight pull needs to know, without any weights."""
     return jax.tree.map(lambda a, dt, s: jax.ShapeDtypeStruct(a.shape, dt, sharding=s),
                         models.abstract_params(self.config), models.serving_dtypes(self.config),
                         self.param_shardings)
 
   def place_params(self, params):
-    """Puts a parameter pytree (from any mesh or the host) onto this engine's rollout sharding, in
-    its serving dtypes (cast where it lies, so a float32 copy never lands here)."""
+    """A parameter pytree (any mesh, or the host) on the rollout sharding, in the serving dtypes
+    (cast where it lies: a float32 copy never lands here)."""
     return jax.device_put(models.serving_params(self.config, params), self.param_shardings)
 
   def get_prefix_destination_sharding(self) -> Any:

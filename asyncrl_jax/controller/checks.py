@@ -1,0 +1,57 @@
+"""What a trajectory must be for the controller to train it: well formed for its request
+(``check_trajectory``: its prompt, lengths, tokens in the vocabulary, finite log-probs, versions that
+never decrease nor come from the future) and sampled with the settings the learner computes its
+log-probs for (``sampling_mismatch``: otherwise the run stops with ``SamplingMismatch``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+
+
+class SamplingMismatch(RuntimeError):
+  """A decode server sampled with other settings than the learner computes its log-probs for: its
+  behaviour log-probs are of another distribution, so the run cannot go on (the message names the
+  decode server and the field)."""
+
+
+def sampling_mismatch(t: Trajectory, sampling: dict) -> str:
+  """What in ``t``'s recorded sampling settings differs from ``sampling`` (the learner's), or ""."""
+  for field, want in sampling.items():
+    got = t.logprob_source if field == "logprob_source" else t.sampling.get(field)
+    if got != want:
+      return (f"decode server {t.server_id or '?'!r} sampled {t.trajectory_id} with "
+              f"rollout.{field}={got!r}, but the learner computes log-probs for "
+              f"rollout.{field}={want!r}; start the decode servers with the learner's rollout settings")
+  return ""
+
+
+def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int
+                     ) -> str:
+  """Why ``t`` (returned for ``request``) cannot be trained, or "" if it can. Failed and aborted
+  trajectories are not checked here (they carry no usable tokens)."""
+  n = len(t.completion_tokens)
+  if list(t.prompt_tokens) != list(request.prompt_tokens):
+    return "prompt differs from the request's"
+  if n == 0:
+    return "no completion tokens"
+  if n > request.max_new_tokens:
+    return f"{n} completion tokens, more than max_new_tokens={request.max_new_tokens}"
+  recorded_min = t.sampling.get("min_new_tokens", 0)
+  if recorded_min != request.min_new_tokens:
+    return (f"sampled with min_new_tokens={recorded_min!r}, but the request asked for "
+            f"{request.min_new_tokens}")
+  if n < request.min_new_tokens:
+    return f"{n} completion tokens, fewer than min_new_tokens={request.min_new_tokens}"
+  if len(t.logprobs) != n or len(t.versions) != n:
+    return f"{n} tokens but {len(t.logprobs)} log-probs and {len(t.versions)} versions"
+  if t.completion_tokens.min() < 0 or t.completion_tokens.max() >= vocab_size:
+    return f"a token outside the vocabulary [0, {vocab_size})"
+  if not np.all(np.isfinite(t.logprobs)) or t.logprobs.max() > 1e-3:
+    return "a log-prob that is not finite or is positive"
+  if t.versions.min() < 0 or np.any(np.diff(t.versions) < 0):
+    return "versions that decrease along the sequence (or are negative)"
+  if t.versions.max() > newest_version:
+    return f"a token of version {int(t.versions.max())}, newer than the learner's {newest_version}"
+  return ""
