@@ -1,10 +1,9 @@
 """A JetStream engine (``jetstream.engine.engine_api.Engine``, google-jetstream 0.2.2) for our model.
 
-The decode state holds fixed-shape slots: a KV cache ``[S, L, K, H]`` per layer, the next-token logits of
-every slot, and each slot's position. One ``generate`` call samples one token for every slot from its
-stored logits (so the first token after a prefill comes from the prompt's last logits), runs the model on
-those tokens, and stores the new logits. Steps are jitted with the decode state donated, so the cache is
-updated in place.
+The decode state holds fixed-shape slots: a KV cache ``[S, L, K, H]`` per layer, every slot's
+next-token logits and position. One ``generate`` call samples one token for every slot from its stored
+logits (the first token after a prefill comes from the prompt's last logits), runs the model on those
+tokens and stores the new logits; jitted with the decode state donated (the cache updates in place).
 
 Beyond the JetStream API, the RL decode server uses:
 
