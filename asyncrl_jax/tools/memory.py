@@ -23,7 +23,7 @@ terms in bytes:
 
 Parameters and optimizer state are split over ``fsdp x tensor``, rows over ``data x fsdp``, heads and
 the MLP width over ``tensor``. The terms count the buffers a step's program holds at its peak; XLA may
-fuse some away or keep a few copies more (``tests/test_memory.py`` compares the totals with XLA's own
+fuse some away or keep a few copies more (``tests/tools/test_memory.py`` compares the totals with XLA's own
 ``compile().memory_analysis()`` on CPU). ``ACCELERATORS`` lists HBM per chip, so that
 ``python -m asyncrl_jax info --config=... --accelerator=v5p-8`` says whether each role fits.
 """

@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl_jax import models
 from asyncrl_jax.models import safetensors_io
-from tests.models.hf_fixtures import make_hf_model
+from tests.fixtures.hf_models import make_hf_model
 
 
 @pytest.fixture(scope="module")

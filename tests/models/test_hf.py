@@ -11,7 +11,7 @@ import transformers
 
 from asyncrl_jax import models
 from asyncrl_jax.models import safetensors_io
-from tests.models.hf_fixtures import make_hf_model, torch_logits
+from tests.fixtures.hf_models import make_hf_model, torch_logits
 
 
 def _tokens(vocab, shape=(3, 17), seed=1):

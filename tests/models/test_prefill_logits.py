@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl_jax import models
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 
 CFG = models.ModelConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)

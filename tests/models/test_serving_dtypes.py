@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import models
 
 CFG = models.ModelConfig(vocab_size=33, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.models import api
 from asyncrl_jax.models.value import (explained_variance, init_value_params, token_values,

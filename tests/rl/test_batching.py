@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import max_abs_diff, sharp_params
+from tests.fixtures.helpers import max_abs_diff, sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import NoStopTokenizer, sharp_params
+from tests.fixtures.helpers import NoStopTokenizer, sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.controller.controller import Controller, SamplingMismatch
 from asyncrl_jax.data.pipeline import PromptStream

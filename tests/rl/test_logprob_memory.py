@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.rl.logprobs import chunked_logsoftmax, token_logprobs
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 
 CFG = models.ModelConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)

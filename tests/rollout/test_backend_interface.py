@@ -8,7 +8,7 @@ import types
 import jax
 import pytest
 
-from tests.rollout.test_backends import FakeClient, FakePublisher
+from tests.rollout.test_remote import FakeClient, FakePublisher
 from asyncrl_jax import models, sharding
 from asyncrl_jax.learner.publisher import WeightPublisher
 from asyncrl_jax.rollout import Engine

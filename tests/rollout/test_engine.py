@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.sampling import sample, sampling_logits

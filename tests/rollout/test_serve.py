@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.models.generate import greedy_generate
 from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc

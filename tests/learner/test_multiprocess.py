@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import random_sequences, sharp_params
+from tests.fixtures.helpers import random_sequences, sharp_params
 from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import distributed, sharding
 from asyncrl_jax.learner.learner import Learner
@@ -20,7 +20,7 @@ from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.rl import batching
 from asyncrl_jax.tokenization.builtin import ArithmeticTokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=128)
 
@@ -105,7 +105,7 @@ def _free_port() -> int:
 def _two_processes(out: str, *args: str) -> None:
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.multiprocess_learner", str(i), "2", str(port),
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.fixtures.multiprocess_learner", str(i), "2", str(port),
                              out, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
   logs = []
@@ -280,7 +280,7 @@ def test_weights_move_shard_to_shard_between_unlike_layouts(tmp_path):
   from asyncrl_jax.weights import shards  # pylint: disable=import-outside-toplevel
   out, port = str(tmp_path), _free_port()
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  cmd = [sys.executable, "-m", "tests.multiprocess_transfer"]
+  cmd = [sys.executable, "-m", "tests.fixtures.multiprocess_transfer"]
   procs = [subprocess.Popen(cmd + ["learner", str(i), str(port), out], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   procs.append(subprocess.Popen(cmd + ["server", out], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -31,9 +31,9 @@ from asyncrl_jax.models.generate import greedy_generate
 from asyncrl_jax.rl.rewards import _math_verify, arithmetic_reward
 from asyncrl_jax.rollout.jetstream_compat import jetstream_pb2, jetstream_pb2_grpc
 from asyncrl_jax.tokenization import HFTokenizer
-from tests.models.hf_fixtures import make_bpe_tokenizer, make_hf_model, steer_next_tokens, torch_logits
+from tests.fixtures.hf_models import make_bpe_tokenizer, make_hf_model, steer_next_tokens, torch_logits
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERSIONS, BATCH, GROUP = 3, 8, 4
 MAX_PROMPT, MAX_COMPLETION = 32, 16
 # every answer is 1 or 2: "What is 5-4?" -> "1"

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import random_sequences, sharp_params
+from tests.fixtures.helpers import random_sequences, sharp_params
 from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.learner import Learner

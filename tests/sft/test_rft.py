@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.data import builder as builder_lib, pipeline
 from asyncrl_jax.infra import sharding

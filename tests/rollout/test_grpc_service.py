@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings, protocol

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.helpers import max_abs_diff, random_sequences, sharp_params
+from tests.fixtures.helpers import max_abs_diff, random_sequences, sharp_params
 from asyncrl_jax import config as config_lib, models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.learner import Learner, make_optimizer

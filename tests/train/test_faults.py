@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.test_train import ROOT, TWIN, _env, _trained_prompts
+from tests.train.test_train import ROOT, TWIN, _env, _trained_prompts
 
 
 def _free_port() -> int:

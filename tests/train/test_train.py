@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config.learner.warm_start_steps=2", "--config.data.num_train=300", "--config.data.num_test=20",
         "--config.data.eval_problems=12", "--config.learner.batch_size=16", "--config.rl.group_size=4",
         "--config.rollout.num_slots=12", "--config.data.max_completion_len=24",
@@ -85,7 +85,7 @@ def test_async_run_end_to_end(tmp_path):
     assert 0.0 <= summary[key] <= 1.0, key
   assert all("eval_greedy_accuracy" in m for m in metrics if "eval_accuracy" in m)
   # (in 4 short versions the decode server waits for the learner most of the time, so the figure
-  # may be near 0 here; its formula is checked by hand in tests/rollout/test_server.py)
+  # may be near 0 here; its formula is checked by hand in tests/rollout/test_decode_loop.py)
   assert 0.0 <= summary["decode_slot_utilization"] <= 1.0
   # cumulative decode counters: everything trained was decoded first
   assert metrics[-1]["decode_tokens"] >= sum(m["trained_tokens"] for m in metrics)

@@ -14,7 +14,7 @@ from asyncrl_jax.infra import auth
 from asyncrl_jax.rollout import protocol, registry
 from asyncrl_jax.rollout.grpc_service import RolloutClient
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = models.ModelConfig(vocab_size=17, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)
 TOKEN = "0123456789abcdef-secret"

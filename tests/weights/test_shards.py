@@ -11,7 +11,7 @@ from asyncrl_jax import models
 
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.weights import shards
-from tests.helpers import sharp_params
+from tests.fixtures.helpers import sharp_params
 
 CFG = models.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, max_seq_len=64)

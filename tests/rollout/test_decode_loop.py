@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.helpers import NoStopTokenizer, sharp_params
+from tests.fixtures.helpers import NoStopTokenizer, sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs

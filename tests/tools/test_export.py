@@ -15,8 +15,8 @@ from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.tools import export
 from asyncrl_jax.train import runlog
 from asyncrl_jax.train.checkpoint import Checkpointer
-from tests.helpers import sharp_params
-from tests.test_paths import bucket  # noqa: F401  pylint: disable=unused-import
+from tests.fixtures.helpers import sharp_params
+from tests.infra.test_paths import bucket  # noqa: F401  pylint: disable=unused-import
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
 
 def test_hf_export_loads_in_transformers_with_our_logits(run, tmp_path):
   transformers = pytest.importorskip("transformers")
-  from tests.models.hf_fixtures import torch_logits  # pylint: disable=import-outside-toplevel
+  from tests.fixtures.hf_models import torch_logits  # pylint: disable=import-outside-toplevel
   workdir, model_config, saved = run
   result = export.export(str(workdir), str(tmp_path / "hf"), fmt="hf")
   assert result["step"] == 3 and {"config.json", "model.safetensors"} <= set(result["files"])

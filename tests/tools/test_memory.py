@@ -231,7 +231,7 @@ def test_info_reports_each_role_and_whether_it_fits():
 def _shipped_configs():
   import glob  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
-  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
   for path in sorted(glob.glob(os.path.join(root, "*.py"))):
     module = config_lib.config_module(path)
     if hasattr(module, "ACCELERATORS"):

@@ -10,7 +10,7 @@ import yaml
 
 from asyncrl_jax.tools import gke
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "launch", "tpu", "examples", "qwen2_5_1_5b_v5p.env")
 
 

@@ -126,7 +126,7 @@ def test_math_verify_reward_and_timeout():
 
 
 def test_reward_workers_survive_answers_that_explode_or_kill_them():
-  from tests import reward_faults  # pylint: disable=import-outside-toplevel
+  from tests.fixtures import reward_faults  # pylint: disable=import-outside-toplevel
   for fn, counted in ((reward_faults.hog, "failures"), (reward_faults.die, "failures")):
     reward = MathReward(timeout=60.0, max_memory=2 ** 30, verify=fn)
     try:

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from tests.helpers import max_abs_diff, sharp_params
+from tests.fixtures.helpers import max_abs_diff, sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.sft.supervised import demonstration, warm_start
