@@ -1,6 +1,7 @@
 """When the learner's weights go to the decode servers: after every version (``rl.staleness_mode=
 "bounded"``), or only once the rollouts admitted under the published weights are all in (``"pinned"``,
-see ``rl.staleness``). The main loop (``train``) asks; the rollout backend moves the weights."""
+see ``rl.staleness``). The main loop (``train``) asks; the rollout backend (``rollout.backend``'s
+interface) moves the weights."""
 
 from __future__ import annotations
 
@@ -42,4 +43,4 @@ class PublishSchedule:
 
   def rollout_params(self):
     """The decode servers' copy of the learner's current weights, when they hold them (else None)."""
-    return None if self.behind else getattr(self.backend, "rollout_params", None)
+    return None if self.behind else self.backend.local_params()

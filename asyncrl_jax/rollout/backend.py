@@ -74,6 +74,10 @@ class RolloutBackend(Protocol):
   def report(self) -> BackendReport:
     """Faults, events and bytes per learner process so far."""
 
+  def local_params(self):
+    """The decode server's copy of the current weights when it is in this process (the held-out
+    evaluation decodes with it instead of making another), else None."""
+
   def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
     """Starts delivering finished trajectories to ``on_trajectory``."""
 

@@ -66,6 +66,9 @@ class LocalRollout:
   def decode_stats(self) -> DecodeStats:
     return self.server.stats.copy()  # a snapshot: the decode loop's thread keeps counting
 
+  def local_params(self):
+    return self.rollout_params
+
   def report(self) -> BackendReport:
     """(No faults to report: the server is this process; no bytes cross processes.)"""
     return BackendReport()

@@ -466,6 +466,10 @@ class RemoteRollout:
       return dataclasses.replace(s.stats, servers=1)
     return sum(self._pool.map(one, self._live()), self._retired)
 
+  def local_params(self):
+    """(None: the decode servers are other processes.)"""
+    return None
+
   def report(self) -> BackendReport:
     with self._lock:
       return BackendReport(dict(self.faults), list(self.events), list(self.bytes_by_source))

@@ -8,7 +8,8 @@ import types
 import jax
 import pytest
 
-from tests.rollout.test_remote import FakeClient, FakePublisher
+from tests.fixtures.fakes import FakeBackend, FakePublisher
+from tests.rollout.test_remote import FakeClient
 from asyncrl_jax import models, sharding
 from asyncrl_jax.learner.publisher import WeightPublisher
 from asyncrl_jax.rollout import Engine
@@ -25,6 +26,10 @@ def _members(protocol) -> set:
   return {n for n in vars(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
 
 
+def missing_members(obj, members) -> list:
+  return sorted(m for m in members if not hasattr(obj, m))
+
+
 def _backends():
   mesh = sharding.make_mesh(jax.devices()[:1], dict(data=-1, fsdp=1, tensor=1))
   engine = Engine(CFG, mesh=mesh, num_slots=2, max_prefill_length=8, max_target_length=16,
@@ -39,12 +44,13 @@ def test_both_backends_have_every_member_of_the_interface():
   assert {"submit", "update_weights", "report", "maintain", "locate", "version", "error"} <= members
   for backend in _backends():
     try:
-      missing = sorted(m for m in members if not hasattr(backend, m))
+      missing = missing_members(backend, members)
       assert not missing, f"{type(backend).__name__} lacks {missing}"
       assert isinstance(backend, RolloutBackend)
       assert isinstance(backend.report(), BackendReport)
     finally:
       backend.stop()
+  assert isinstance(FakeBackend(), RolloutBackend) and not missing_members(FakeBackend(), members)
   # negative control: an object without ``report`` is not a backend
   partial = types.SimpleNamespace(**{m: None for m in members - {"report"}})
   assert not isinstance(partial, RolloutBackend)

@@ -6,6 +6,7 @@ import time
 import types
 
 from asyncrl_jax.rl.trajectory import RolloutRequest
+from tests.fixtures.fakes import FakePublisher
 from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.rollout.stats import DecodeStats
@@ -44,22 +45,6 @@ class FakeClient:
 
   def close(self):
     pass
-
-
-class FakePublisher:
-  """The learner's publisher (``weights.Publisher``) without weights: records the versions offered."""
-
-  def __init__(self, processes: int = 1):
-    self.processes = processes
-    self.offered = []
-
-  def offer(self, version, uuids):
-    del uuids
-    self.offered.append(version)
-
-  def sources(self, uuid):
-    del uuid
-    return []
 
 
 def _until(condition, timeout: float = 30.0) -> None:
