@@ -18,6 +18,7 @@ These are the compiler's projections, not measurements on a TPU.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -40,13 +41,29 @@ class LibtpuMissing(RuntimeError):
 
 
 def require_libtpu() -> None:
-  """Raises ``LibtpuMissing`` unless libtpu can be imported; quiets its hardware probing."""
+  """Raises ``LibtpuMissing`` unless libtpu can be imported."""
   try:
     import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
   except ImportError:
     raise LibtpuMissing(INSTALL_HINT) from None
+
+
+@contextlib.contextmanager
+def _quiet_libtpu():
+  """libtpu's hardware probing quieted while it describes a topology, and the environment restored
+  afterwards: left set, ``TPU_WORKER_HOSTNAMES`` would tell a process started later from this one
+  (a main job) that it runs on a TPU VM."""
+  before = {key: os.environ.get(key) for key in _QUIET}
   for key, value in _QUIET.items():
     os.environ.setdefault(key, value)
+  try:
+    yield
+  finally:
+    for key, value in before.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
 
 
 def topology_devices(kind: str, chips: int) -> list:
@@ -54,8 +71,9 @@ def topology_devices(kind: str, chips: int) -> list:
   require_libtpu()
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu.chips import topology_name  # pylint: disable=import-outside-toplevel
-  return list(topologies.get_topology_desc(topology_name=topology_name(kind, chips),
-                                           platform="tpu").devices)
+  with _quiet_libtpu():
+    return list(topologies.get_topology_desc(topology_name=topology_name(kind, chips),
+                                             platform="tpu").devices)
 
 
 def per_device_bytes(tree) -> int:

@@ -142,6 +142,13 @@ def test_with_libtpu_installed_jax_still_runs_on_the_cpu():
   assert out.stdout.split() == ["cpu", "8"]
 
 
+def test_compiling_leaves_no_tpu_settings_for_processes_started_later(report):
+  """libtpu is quieted with TPU_* variables only while it describes a topology: left set, they make a
+  main job started from this process (a test, a benchmark) take itself for a TPU VM."""
+  del report  # (compiled in this process)
+  assert not {"TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"} & set(os.environ)
+
+
 def test_the_benchmark_table_reads_a_report(report):
   """``benchmarks/tpu_compile.py``'s section: one row per program, the verdicts and the projection."""
   from benchmarks import tpu_compile as bench  # pylint: disable=import-outside-toplevel
