@@ -16,6 +16,7 @@ def test_eight_devices_available():
   assert len(jax.devices()) == 8
 
 
+@pytest.mark.slow(46)
 @pytest.mark.parametrize("num_devices,shape", [
     (8, dict(data=2, fsdp=2, tensor=2)),
     (8, dict(data=1, fsdp=-1, tensor=1)),  # pure FSDP over all 8

@@ -78,6 +78,7 @@ def _per_sequence(learner, sequences, arrays):
   return [out[i] for i in range(len(sequences))]
 
 
+@pytest.mark.slow(100)
 @pytest.mark.parametrize("gamma", [1.0, 0.9])
 def test_advantages_are_the_discounted_reward_minus_an_independent_value_forward(gamma):
   learner = _learner(_config(gamma=gamma, gae_lambda=1.0))
@@ -101,6 +102,7 @@ def test_advantages_are_the_discounted_reward_minus_an_independent_value_forward
   assert checked > 100 and np.std(np.concatenate(values)) > 0.05  # the values are not trivial
 
 
+@pytest.mark.slow(49)
 def test_the_policy_trains_on_the_critics_advantages():
   """The policy update sees ``R - V``, not the rewards: a critic that predicts every reward exactly
   leaves zero advantages, so the policy loss and its gradient are 0."""
@@ -126,6 +128,7 @@ def test_the_policy_trains_on_the_critics_advantages():
     np.testing.assert_allclose(a, b, atol=2e-6)  # (AdamW's weight decay alone moves them a little)
 
 
+@pytest.mark.slow(26)
 def test_value_pretraining_lowers_the_value_loss_and_leaves_the_policy_unchanged():
   config = _config(value_pretrain_versions=6, value_updates=2, value_learning_rate=1e-3)
   learner = _learner(config)
@@ -145,6 +148,7 @@ def test_value_pretraining_lowers_the_value_loss_and_leaves_the_policy_unchanged
   assert jax.tree.structure(learner.params) == jax.tree.structure(before)
 
 
+@pytest.mark.slow(46)
 def test_exact_resume_of_the_value_model(tmp_path):
   config = _config(value_pretrain_versions=1)
   learner = _learner(config)
@@ -174,6 +178,7 @@ def test_exact_resume_of_the_value_model(tmp_path):
   ckpt.close()
 
 
+@pytest.mark.slow(72)
 def test_held_out_explained_variance_by_hand():
   learner = _learner(_config())
   sequences = _rewarded(8)

@@ -67,6 +67,7 @@ def _reference(params, sequences, config, prox_after_update=False):
 
 
 
+@pytest.mark.slow(123)
 @pytest.mark.parametrize("loss,minibatches", [("decoupled_ppo", 1), ("decoupled_ppo", 2), ("dis", 2),
                                               ("ppo", 1)])
 def test_learner_update_equals_written_out_reference(loss, minibatches):
@@ -96,6 +97,7 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
     assert max_abs_diff(wrong, want) > 10 * tolerance
 
 
+@pytest.mark.slow(23)
 def test_selection_monitor_buckets_tokens_by_their_staleness():
   """Trained at version 3 on tokens sampled at versions 3, 2 and 1. The behaviour log-probs equal the
   current policy's except on the version-1 tokens, where they are 1 nat too high (ratio e^-1, below
@@ -134,6 +136,7 @@ def test_prox_is_current_refuses_a_prox_argument():
                      prox_is_current=True)
 
 
+@pytest.mark.slow(18)
 def test_update_steps_trace_once_per_micro_batch_shape():
   """The train step is bounded by the shapes packing allows: row buckets 32 and 64 under a 64-token
   budget. Both run; a micro-batch of another shape (what a bypassed bucketing would produce) trips it."""
@@ -156,6 +159,7 @@ def test_update_steps_trace_once_per_micro_batch_shape():
     learner.train(short, version=2)
 
 
+@pytest.mark.slow(43)
 def test_warm_up_compiles_every_micro_batch_shape_and_changes_nothing():
   """After ``warm_up`` (row buckets 32 and 64 under a 64-token budget), parameters and optimizer
   state are unchanged bit for bit, and training on both shapes, with a prox pass, compiles nothing."""
@@ -180,6 +184,7 @@ def test_warm_up_compiles_every_micro_batch_shape_and_changes_nothing():
   assert runlog.process_memory()["xla_compiles"] == compiled
 
 
+@pytest.mark.slow(42)
 @pytest.mark.parametrize("poison", ["advantage"])  # (a NaN behaviour log-prob acts the same way)
 def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure(poison):
   """A NaN in one sequence's advantages (or behaviour log-prob) makes the loss and gradients
@@ -209,6 +214,7 @@ def test_a_non_finite_update_is_not_applied_and_names_the_version_and_the_figure
   assert max_abs_diff(learner.params, before[0]) > 0
 
 
+@pytest.mark.slow(41)
 def test_the_learning_rate_schedule_counts_optimizer_updates_not_versions():
   """8 versions of 4 minibatches are 32 optimizer updates: the cosine runs over all of them, from the
   peak at update 0 to the floor (10%) at update 31, the last update of the last version. Counting
@@ -233,6 +239,7 @@ def test_the_learning_rate_schedule_counts_optimizer_updates_not_versions():
   assert m["learning_rate"] == pytest.approx(floor, rel=1e-6)
 
 
+@pytest.mark.slow(34)
 @pytest.mark.parametrize("freeze_attention", [False, True])
 def test_adamw_moments_are_sharded_like_the_parameters(freeze_attention):
   """On an FSDP mesh each device holds 1/N of every parameter and of AdamW's two moments; left to jit,

@@ -20,6 +20,7 @@ def _rand_tokens(shape, seed=0):
   return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=shape).astype(np.int32)
 
 
+@pytest.mark.slow(19)
 def test_prefill_then_steps_match_full_forward(params):
   tokens = _rand_tokens((3, 20))
   full = np.asarray(models.logits(CFG, params, tokens))
@@ -94,6 +95,7 @@ def test_bad_tokens_rejected(params):
     models.init_cache(CFG, 1, 65)
 
 
+@pytest.mark.slow(17)
 def test_fused_greedy_generate_matches_full_forward_argmax(params):
   from asyncrl_jax.models.generate import greedy_generate
   prompts = [_rand_tokens((1, n), seed=20 + n)[0] for n in (4, 7, 2)]

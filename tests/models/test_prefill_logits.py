@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from asyncrl_jax import models
 from tests.fixtures.helpers import sharp_params
@@ -21,6 +22,7 @@ def _prefill(params, tokens, at):
   return models.apply_decode(CFG, params, tokens, positions, models.init_cache(CFG, b, p), logits_at_b=at)
 
 
+@pytest.mark.slow(17)
 def test_logits_at_one_position_equal_the_full_forwards_there():
   params = sharp_params(CFG, 3)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (3, 20)), jnp.int32)
@@ -96,6 +98,7 @@ def test_a_slot_prefill_writes_its_rows_of_the_cache_and_nothing_else():
     assert not np.array_equal(np.asarray(g)[[1, 4], :16], np.asarray(before)[[1, 4], :16])
 
 
+@pytest.mark.slow(25)
 def test_a_slot_prefill_builds_no_second_cache():
   params = sharp_params(DEEP, 3)
   cache = jax.eval_shape(lambda: models.init_cache(DEEP, 16, 128))

@@ -42,6 +42,7 @@ def test_kernels_are_served_in_the_compute_dtype_and_norm_scales_as_stored():
     assert set(leaves) == {jnp.dtype(want)}
 
 
+@pytest.mark.slow(22)
 def test_the_served_weights_give_the_learners_logits_bit_for_bit(params):
   served = models.serving_params(CFG, params)
   stored = sum(x.nbytes for x in jax.tree.leaves(params))

@@ -39,6 +39,7 @@ def _packed():
   return a, b, tokens, positions, segments
 
 
+@pytest.mark.slow(27)
 def test_values_are_the_hidden_state_before_each_token_through_the_head(value_params):
   a, b, tokens, positions, segments = _packed()
   v = np.asarray(token_values(CFG, value_params, tokens, positions, segments))

@@ -97,6 +97,7 @@ def test_prox_logprobs_equal_log_softmax_of_full_forward(params):
   assert np.all(logp[batch.segment_ids == 0] == 0.0)
 
 
+@pytest.mark.slow(41)
 @pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo", "dis"])
 def test_packed_micro_batches_equal_padded_batch(params, loss):
   rng = np.random.default_rng(3)
@@ -175,6 +176,7 @@ def _old_advantage_rescaling(sequences):
           for s, n in zip(sequences, counts)]
 
 
+@pytest.mark.slow(22)
 @pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo", "dis"])
 def test_loss_weights_equal_the_old_advantage_rescaling(params, loss):
   """Sequence-mean as per-token loss weights gives the same loss and gradients, for every loss,

@@ -74,6 +74,7 @@ SETTINGS += [SamplingSettings(temperature=1.0, top_p=p, top_k=k, logprob_source=
              for p, k in ((1.0, 0), (0.9, 5))]
 
 
+@pytest.mark.slow(74)
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.logprob_source}-T{s.temperature}"
                          f"-p{s.top_p}-k{s.top_k}")
 def test_at_version_0_the_learner_computes_the_recorded_behaviour_log_probs(params, settings):
@@ -109,6 +110,7 @@ def test_truncated_logits_match_a_numpy_reference():
     np.testing.assert_allclose(out, want, rtol=1e-6)
 
 
+@pytest.mark.slow(44)
 def test_a_token_outside_the_learners_truncated_set_weighs_nothing_and_gives_no_nan(params):
   """With top_k=4 only 4 of 17 tokens are in the set: every other sampled token gets weight 0, the loss
   and its gradient stay finite, and they equal those of the batch with those tokens masked out (the

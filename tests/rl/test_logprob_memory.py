@@ -71,6 +71,7 @@ def _batch(rows=3, width=24):
   return tokens, jnp.asarray(positions, jnp.int32), jnp.asarray(segments)
 
 
+@pytest.mark.slow(20)
 @pytest.mark.parametrize("remat,chunk", [(False, 256), (True, 999)])  # chunks alone; both
 def test_token_logprobs_and_their_gradients_do_not_depend_on_the_memory_options(remat, chunk):
   params = sharp_params(CFG, 3)
@@ -173,6 +174,7 @@ def test_blockwise_attention_holds_one_block_of_scores():
   assert blockwise < dense / 4 and blockwise < 6 * block  # a few copies of one block, per pass
 
 
+@pytest.mark.slow(55)
 @pytest.mark.parametrize("remat", [False, True])
 def test_scanned_layers_give_the_unrolled_values_and_gradients(remat):
   """``scan_layers``: the blocks as one loop over their stacked parameters compute what the unrolled

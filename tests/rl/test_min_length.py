@@ -85,6 +85,7 @@ SETTINGS = [SamplingSettings(temperature=1.0), SamplingSettings(temperature=0.6,
             SamplingSettings(temperature=1.0, logprob_source="model")]
 
 
+@pytest.mark.slow(23)
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s.logprob_source}-T{s.temperature}"
                          f"-p{s.top_p}-k{s.top_k}")
 def test_the_learner_applies_the_minimum_length_ban_of_the_behaviour_policy(params, stop_id, settings):

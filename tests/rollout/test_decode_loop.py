@@ -102,6 +102,7 @@ def test_interrupted_trajectories_record_versions_and_new_logprobs(params_a, par
   assert server.stats.interrupted_sequences == 4
 
 
+@pytest.mark.slow(23)
 def test_greedy_interrupt_continues_exactly_as_a_fresh_prefill(params_a, params_b):
   _, request, t = _greedy_with_update(params_a, params_b, "recompute")
   m = int(np.argmax(t.versions == 7))
@@ -140,6 +141,7 @@ def test_keep_cache_update_continues_on_the_old_cache_without_re_prefill(params_
   assert seq[len(prompt):] != want
 
 
+@pytest.mark.slow(24)
 @pytest.mark.parametrize("mode", ["recompute", "keep_cache", "drain"])
 def test_requests_submitted_after_an_update_never_see_the_old_weights(params_a, params_b, mode):
   # The controller publishes version 1 and then admits work for it; the loop may be between taking

@@ -63,6 +63,7 @@ def test_greedy_engine_equals_full_forward_greedy(params):
       seq.append(nxt)
 
 
+@pytest.mark.slow(20)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_recorded_logprobs_equal_recomputation(params, temperature):
   engine = _engine(params, SamplingSettings(temperature=temperature), seed=3)
@@ -98,6 +99,7 @@ def test_inserting_into_a_busy_batch_does_not_disturb_other_slots(params):
   assert got == list(alone[0])
 
 
+@pytest.mark.slow(40)
 @pytest.mark.parametrize("settings", [
     SamplingSettings(temperature=1.0),
     SamplingSettings(temperature=0.5),
@@ -202,6 +204,7 @@ def test_prefill_plan_cover_every_busy_slot_once_at_a_wide_enough_bucket():
     assert sum(r * w + 256 for _, r, w in groups) <= one_call + 256 * bool(busy)
 
 
+@pytest.mark.slow(38)
 @pytest.mark.parametrize("options", [{}, dict(attention_chunk=8, prefill_tokens=64)])
 def test_refill_recomputes_every_busy_slot_as_a_full_forward(params, options):
   """Slots of very different lengths (several groups), one idle: after a refill under new weights each
@@ -280,6 +283,7 @@ def test_warm_up_compiles_every_prefill_shape_without_weights(params):
                                       "refill": {(r, w) for r in (1, 4) for w in (16, 32, 48)}}
 
 
+@pytest.mark.slow(18)
 def test_prefills_trace_once_per_allowed_shape_and_one_more_shape_trips_the_bound(params):
   """Warm-up traces every allowed refill shape (compiling from abstract arguments); a later call at
   one of them reuses that trace, and a shape outside the bucketing exceeds the bound."""
@@ -329,6 +333,7 @@ def test_prefills_split_their_rows_over_the_data_axis(params, name):
   assert ",".join(map(str, layer)) not in moved, (layer, moved)
 
 
+@pytest.mark.slow(21)
 def test_a_tensor_parallel_engine_splits_its_kv_cache_over_the_heads():
   """On a tensor-parallel server each device holds its kv heads' share of the cache, as it holds its
   share of the key and value projections (a cache replicated over ``tensor`` made the 7B decode

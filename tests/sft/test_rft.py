@@ -63,6 +63,7 @@ def _nll(params, sequences):
   return total / n
 
 
+@pytest.mark.slow(44)
 def test_rejection_sampling_trains_on_the_models_own_accepted_samples():
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
   params = sharp_params(CFG, 3, scale=1.0)

@@ -64,6 +64,7 @@ def _reference(params, examples, grad_clip):
   return optax.apply_updates(params, updates)
 
 
+@pytest.mark.slow(29)
 @pytest.mark.parametrize("grad_clip", [1e6, 0.05])
 def test_one_step_equals_written_out_reference(grad_clip):
   params = jax.device_get(sharp_params(CFG, 1, scale=1.5))

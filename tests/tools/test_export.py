@@ -37,6 +37,7 @@ def run(tmp_path_factory):
   return workdir, model_config, saved
 
 
+@pytest.mark.slow(23)
 def test_hf_export_loads_in_transformers_with_our_logits(run, tmp_path):
   transformers = pytest.importorskip("transformers")
   from tests.fixtures.hf_models import torch_logits  # pylint: disable=import-outside-toplevel

@@ -85,6 +85,7 @@ def _xla_decode_server(config, m) -> int:
   return max(held(step), held(refill))
 
 
+@pytest.mark.slow(25)
 @pytest.mark.parametrize("name,vocab_chunk,attention_chunk",
                          [("narrow", 0, 0), ("wide", 256, 0), ("wide", 256, 64)])
 def test_the_learner_estimate_is_within_20_percent_of_xla(name, vocab_chunk, attention_chunk):

@@ -48,6 +48,7 @@ def report(request):
   return config, tpu_compile.compile_config(config, learner, rollout, progress=lambda _: None)
 
 
+@pytest.mark.slow(99)
 def test_every_program_of_both_roles_is_compiled(report):
   config, r = report
   names = [p["name"] for p in r["roles"]["learner"]["programs"]]
@@ -65,6 +66,7 @@ def test_every_program_of_both_roles_is_compiled(report):
   del config
 
 
+@pytest.mark.slow(15)
 def test_flops_are_the_model_flops_with_loops_counted(report):
   """The gradient step's FLOPs per chip against 6 x parameters x tokens plus attention (plus the
   forward pass again, rematerialised); the decode chunk's against 16 steps of 2 x parameters per
@@ -87,6 +89,7 @@ def test_flops_are_the_model_flops_with_loops_counted(report):
   assert chunk["xla_flops"] < 0.2 * chunk["flops"]
 
 
+@pytest.mark.slow(15)
 def test_the_decode_chunk_runs_no_collectives_and_the_learner_gathers_its_shards(report):
   """Data-parallel decode servers hold whole weights: a decode step that all-gathers them is a bug.
   The FSDP learner all-gathers parameters (inside the layer loop) and reduces gradients."""
@@ -97,6 +100,7 @@ def test_the_decode_chunk_runs_no_collectives_and_the_learner_gathers_its_shards
   assert "all-reduce" in grad or "reduce-scatter" in grad
 
 
+@pytest.mark.slow(15)
 def test_the_projection_has_rates_and_the_planner_ratio(report):
   _, r = report
   p = r["projection"]
@@ -111,6 +115,7 @@ def _info(*args, env=None):
                         env=dict(os.environ, **(env or {})))
 
 
+@pytest.mark.slow(15)
 def test_a_token_budget_that_cannot_fit_is_refused_naming_the_learner():
   """Four full-length rows per chip with attention unchunked (their [heads, 16384, 16384] scores)
   do not fit a 32 GiB v6e chip: exit 1, the learner and its program named. (One row per chip fits,
@@ -142,6 +147,7 @@ def test_with_libtpu_installed_jax_still_runs_on_the_cpu():
   assert out.stdout.split() == ["cpu", "8"]
 
 
+@pytest.mark.slow(15)
 def test_compiling_leaves_no_tpu_settings_for_processes_started_later(report):
   """libtpu is quieted with TPU_* variables only while it describes a topology: left set, they make a
   main job started from this process (a test, a benchmark) take itself for a TPU VM."""
@@ -149,6 +155,7 @@ def test_compiling_leaves_no_tpu_settings_for_processes_started_later(report):
   assert not {"TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"} & set(os.environ)
 
 
+@pytest.mark.slow(50)
 def test_the_benchmark_table_reads_a_report(report):
   """``benchmarks/tpu_compile.py``'s section: one row per program, the verdicts and the projection."""
   from benchmarks import tpu_compile as bench  # pylint: disable=import-outside-toplevel

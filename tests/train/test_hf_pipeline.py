@@ -144,6 +144,7 @@ def exports(run, tmp_path_factory):
   return types.SimpleNamespace(hf=out / "hf", orbax=out / "orbax")
 
 
+@pytest.mark.slow(30)
 def test_the_main_job_trains_on_the_jsonl_problems_with_math_verify_rewards(run, inputs):
   assert run.config["model"]["hf_path"] == inputs.model_dir and run.config["data"]["task"] == "jsonl"
   assert run.summary["steps"] == VERSIONS and run.summary["trained_tokens"] > 0
@@ -169,6 +170,7 @@ def test_the_main_job_trains_on_the_jsonl_problems_with_math_verify_rewards(run,
   assert all(0 < n <= MAX_COMPLETION for r in run.prompts for n in r["completion_lengths"])
 
 
+@pytest.mark.slow(30)
 def test_hf_export_loads_in_transformers_with_the_runs_logits(exports, final, inputs):
   model_config, params = final
   assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(
@@ -191,6 +193,7 @@ def test_hf_export_loads_in_transformers_with_the_runs_logits(exports, final, in
   assert list(want) == prompt
 
 
+@pytest.mark.slow(30)
 def test_orbax_export_restores_with_orbax_alone_to_the_runs_final_params(exports, final, inputs):
   model_config, params = final
   restored = ocp.StandardCheckpointer().restore(str(exports.orbax / "params"))  # no target, no project code
@@ -218,6 +221,7 @@ def _decode_text(stub, text: str, max_tokens: int):
   return tokens, "".join(pieces)
 
 
+@pytest.mark.slow(30)
 @pytest.mark.parametrize("fmt", ["hf", "orbax"])
 def test_serve_on_each_export_gives_our_greedy_tokens(exports, final, inputs, fmt):
   import grpc  # pylint: disable=import-outside-toplevel
@@ -255,6 +259,7 @@ def test_serve_on_each_export_gives_our_greedy_tokens(exports, final, inputs, fm
   assert text == inputs.tokenizer.decode(want[:n])
 
 
+@pytest.mark.slow(30)
 def test_jsonl_math_files_in_the_problem_layout_import(tmp_path):
   data = tmp_path / "math_train.jsonl"
   data.write_text("".join(json.dumps({"problem": p["question"], "answer": p["answer"]}) + "\n"

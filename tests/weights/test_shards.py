@@ -38,6 +38,7 @@ def _move(params, target_mesh):
                                      for i, (x, t) in enumerate(zip(leaves, targets))])
 
 
+@pytest.mark.slow(47)
 @pytest.mark.parametrize("source,target", [
     (dict(fsdp=4), dict(tensor=2)),  # more source blocks than target devices
     (dict(fsdp=2), dict(tensor=2)),  # the twin's unlike layouts
