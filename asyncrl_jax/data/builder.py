@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
@@ -131,11 +132,19 @@ def final_answer(answer) -> str:
   return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
 
 
+def _prepare(builder) -> None:
+  """``download_and_prepare`` with TFDS's progress bars only on a terminal (in a log file their
+  redraws become one line of carriage returns)."""
+  if not sys.stdout.isatty():
+    tfds.disable_progress_bar()
+  builder.download_and_prepare()
+
+
 def build_arithmetic(data_dir: str, *, num_train: int, num_test: int, seed: int, min_terms: int,
                      max_terms: int) -> ArithmeticReasoning:
   builder = ArithmeticReasoning(num_train=num_train, num_test=num_test, seed=seed, min_terms=min_terms,
                                 max_terms=max_terms, data_dir=data_dir, file_format="array_record")
-  builder.download_and_prepare()
+  _prepare(builder)
   return builder
 
 
@@ -144,7 +153,7 @@ def build_math(data_dir: str, files: dict, **keys) -> MathQA:
   if missing:
     raise FileNotFoundError(f"math data files not found: {missing}")
   builder = MathQA(files=files, data_dir=data_dir, file_format="array_record", **keys)
-  builder.download_and_prepare()
+  _prepare(builder)
   return builder
 
 

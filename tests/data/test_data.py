@@ -1,5 +1,6 @@
 """Data: the TFDS builders (array_record, no TensorFlow), the grain prompt stream, rewards."""
 
+import types
 import json
 
 import pytest
@@ -135,3 +136,22 @@ def test_reward_workers_survive_answers_that_explode_or_kill_them():
       assert reward("7", "7") == 1.0  # the pool still works (a dead worker was replaced)
     finally:
       reward.close()
+
+
+def test_tfds_progress_bars_are_off_when_stdout_is_not_a_terminal(monkeypatch):
+  import io  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.data import builder as builder_lib  # pylint: disable=import-outside-toplevel
+  calls = []
+  monkeypatch.setattr(builder_lib.tfds, "disable_progress_bar", lambda: calls.append("off"))
+  prepared = types.SimpleNamespace(download_and_prepare=lambda: calls.append("prepared"))
+
+  class Terminal(io.StringIO):
+    def isatty(self):
+      return True
+
+  for stream, want in ((io.StringIO(), ["off", "prepared"]), (Terminal(), ["prepared"])):
+    calls.clear()
+    monkeypatch.setattr(sys, "stdout", stream)
+    builder_lib._prepare(prepared)  # pylint: disable=protected-access
+    assert calls == want
