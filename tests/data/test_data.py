@@ -1,7 +1,7 @@
 """Data: the TFDS builders (array_record, no TensorFlow), the grain prompt stream, rewards."""
 
-import types
 import json
+import types
 
 import pytest
 
