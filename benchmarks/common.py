@@ -45,13 +45,15 @@ def machine() -> dict:
 
 
 def _commit() -> str:
-  """The repository's commit (``+changes`` when the working tree differs from it), or "unknown"."""
+  """The repository's commit (``+changes`` when the working tree differs from it outside the result
+  files the benchmarks write), or "unknown"."""
   import subprocess  # pylint: disable=import-outside-toplevel
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                           text=True, check=True, timeout=10).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            ":!benchmarks/results", ":!benchmarks/RESULTS.md"], cwd=root,
                            capture_output=True, text=True, check=True, timeout=10).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return "unknown"
