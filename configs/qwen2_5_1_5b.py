@@ -21,7 +21,7 @@ device (AReaL: 30720-32768 per GPU), so ``learner.token_budget`` = 16 x 32768.
 Memory (``python -m asyncrl_jax info --config=configs/qwen2_5_1_5b.py --accelerator=v5p-32
 --rollout_accelerator=v5p-8 --compile``: the TPU compiler's figures, docs/tpu.md): each role fits its
 chips with 20% of HBM to spare: the learner's largest program needs 11.9 GiB per chip with its
-resident state, a decode server's 33.6 GiB. That takes remat, a chunked log-softmax, blockwise attention and the
+resident state, a decode server's 28.9 GiB. That takes remat, a chunked log-softmax, blockwise attention and the
 layers as one scan (``learner.scan_layers``: unrolled, the compiler held 71.6 GiB) in the learner,
 and on the decode servers blockwise prefill attention and re-prefill calls of at most 4 full-length
 rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do

@@ -14,7 +14,7 @@ model over their 4 chips (tensor=4: 28 query and 4 kv heads both divide).
 Memory (``python -m asyncrl_jax info --config=configs/r1_distill_qwen_7b_v5p.py
 --accelerator=v5p-64 --rollout_accelerator=v5p-8 --compile``: the TPU compiler's figures,
 docs/tpu.md): each role fits its chips with 20% of HBM to spare: the learner's largest program
-needs 26.1 GiB per chip with its resident state, a decode server's 59.6 GiB.
+needs 26.1 GiB per chip with its resident state, a decode server's 53.8 GiB.
 """
 
 from asyncrl_jax.config import config_module
