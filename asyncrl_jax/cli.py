@@ -15,9 +15,27 @@ def ensure_cpu_devices(n: int) -> None:
   stderr, for a process that seems stuck; and caps glibc's malloc arenas, ``limit_malloc_arenas``.)"""
   faulthandler.register(signal.SIGUSR1, all_threads=True)
   limit_malloc_arenas()
+  skip_absent_tpu()
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def skip_absent_tpu() -> None:
+  """With libtpu installed (``launch/setup.sh --test`` or ``--tpu-compile``, to compile for TPUs here)
+  on a machine without a TPU, JAX would still try the TPU backend at start and print libtpu's
+  errors about its missing hardware. Unless ``JAX_PLATFORMS`` is set, or a CUDA plugin is installed
+  (a GPU machine), such a machine then runs on the CPU without trying. A TPU VM (``/dev/accel*`` or
+  ``/dev/vfio``, or ``TPU_WORKER_HOSTNAMES``) is left alone."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+    return
+  if os.environ.get("TPU_WORKER_HOSTNAMES") is not None or os.path.exists("/dev/vfio") or \
+      any(name.startswith("accel") for name in os.listdir("/dev") if os.path.isdir("/dev")):
+    return
+  if any(importlib.util.find_spec(p) is not None for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+    return
+  os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 MALLOC_ARENAS = 2

@@ -147,6 +147,21 @@ def test_with_libtpu_installed_jax_still_runs_on_the_cpu():
   assert out.stdout.split() == ["cpu", "8"]
 
 
+def test_entry_points_do_not_try_the_tpu_backend_on_a_machine_without_one():
+  """libtpu installed, no TPU here: an entry point's start (``cli.ensure_cpu_devices``) runs on the
+  CPU without libtpu's errors about its missing hardware; without it, JAX tries the TPU first
+  (the negative control: libtpu's complaint is there)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_PLATFORMS", "TPU_"))}
+  code = "import jax; print(jax.devices()[0].platform)"
+  runs = {}
+  for name, prefix in (("entry", "from asyncrl_jax import cli; cli.ensure_cpu_devices(2); "), ("bare", "")):
+    runs[name] = subprocess.run([sys.executable, "-c", prefix + code], capture_output=True, text=True,
+                                timeout=300, env=env, cwd=ROOT)
+    assert runs[name].returncode == 0 and runs[name].stdout.split() == ["cpu"], runs[name].stderr[-2000:]
+  assert "TPU" not in runs["entry"].stderr, runs["entry"].stderr[-2000:]
+  assert "TPU" in runs["bare"].stderr
+
+
 @pytest.mark.slow(15)
 def test_compiling_leaves_no_tpu_settings_for_processes_started_later(report):
   """libtpu is quieted with TPU_* variables only while it describes a topology: left set, they make a
