@@ -15,7 +15,7 @@ LAYERS = [
     {"infra"},
     {"models", "tokenization", "data", "weights"},
     {"config", "config_schema", "cli"},
-    {"rl"},
+    {"rl", "envs"},
     {"controller", "learner", "rollout"},
     {"train", "sft"},
     {"tools", "tpu", "sim", "__main__"},

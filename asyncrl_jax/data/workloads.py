@@ -25,6 +25,32 @@ import numpy as np
 KINDS = ("lognormal",)
 
 
+def parse_fields(text: str, what: str, *, kinds, required, optional=(), example: str) -> dict:
+  """``"KIND:key=number,..."`` -> ``{key: float}``: ``KIND`` one of ``kinds``, every ``required`` key
+  given, no key outside ``required`` and ``optional``; a bad spec is named with ``what`` and
+  ``example``."""
+  kind, _, rest = text.partition(":")
+  if kind.strip() not in kinds:
+    raise ValueError(f"{what} {text!r}: kind {kind.strip()!r} must be one of {tuple(kinds)} "
+                     f"(write it as {example})")
+  fields = {}
+  for item in filter(None, rest.split(",")):
+    key, eq, value = item.partition("=")
+    key = key.strip()
+    if not eq or key not in (*required, *optional):
+      keys = [k + "=" for k in (*required, *optional)]
+      raise ValueError(f"{what} {text!r}: {item!r} is not "
+                       + (f"{', '.join(keys[:-1])} or {keys[-1]}" if len(keys) > 1 else keys[0]))
+    try:
+      fields[key] = float(value)
+    except ValueError:
+      raise ValueError(f"{what} {text!r}: {key}={value!r} is not a number") from None
+  missing = set(required) - set(fields)
+  if missing:
+    raise ValueError(f"{what} {text!r}: missing {', '.join(sorted(missing))} (write it as {example})")
+  return fields
+
+
 @dataclasses.dataclass(frozen=True)
 class LengthWorkload:
   median: float
@@ -47,23 +73,12 @@ class LengthWorkload:
     """``"lognormal:median=M,sigma=S,cap=C"`` (all three needed), or None for ""."""
     if not text:
       return None
-    kind, _, rest = text.partition(":")
-    fields = {}
-    for item in filter(None, rest.split(",")):
-      key, eq, value = item.partition("=")
-      if not eq or key.strip() not in ("median", "sigma", "cap"):
-        raise ValueError(f"length workload {text!r}: {item!r} is not median=, sigma= or cap=")
-      try:
-        fields[key.strip()] = float(value)
-      except ValueError:
-        raise ValueError(f"length workload {text!r}: {key.strip()}={value!r} is not a number") from None
-    missing = {"median", "sigma", "cap"} - set(fields)
-    if missing:
-      raise ValueError(f"length workload {text!r}: missing {', '.join(sorted(missing))} (write it as "
-                       "lognormal:median=32,sigma=1.15,cap=640)")
+    fields = parse_fields(text, "length workload", kinds=KINDS, required=("median", "sigma", "cap"),
+                          example="lognormal:median=32,sigma=1.15,cap=640")
     if fields["cap"] != int(fields["cap"]):
       raise ValueError(f"length workload {text!r}: cap={fields['cap']} is not an integer")
-    return cls(median=fields["median"], sigma=fields["sigma"], cap=int(fields["cap"]), kind=kind.strip())
+    return cls(median=fields["median"], sigma=fields["sigma"], cap=int(fields["cap"]),
+               kind=text.partition(":")[0].strip())
 
   @property
   def spec(self) -> str:

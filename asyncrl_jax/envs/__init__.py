@@ -1,0 +1,4 @@
+"""Environments for multi-turn, tool-using episodes: the interface (``base``), the registry that builds
+them by name, the worker pool that runs their steps off the decode loop with a timeout each
+(``pool``), and the built-in tools (``calculator``, ``python_tool``) with optional latency
+(``latency``) for benchmarks."""

@@ -1,0 +1,142 @@
+"""The environment building blocks: the registry, the safe calculator, the Python tool's limits, the
+latency spec and the step pool's timeouts and errors."""
+
+import ast
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from asyncrl_jax.envs import base, calculator, latency, pool, python_tool
+
+
+@base.register("test-echo")
+class Echo:
+  stop = ("</call>",)
+
+  def __init__(self, prefix: str = ">"):
+    self.prefix = prefix
+
+  def reset(self, problem):
+    return problem["question"]
+
+  def step(self, action):
+    return base.StepResult(observation=self.prefix + action, done=True, reward=1.0)
+
+
+def test_the_registry_builds_by_name_and_names_what_is_wrong():
+  env = base.make("test-echo", prefix="#")
+  assert env.reset({"question": "q"}) == "q" and env.step("a").observation == "#a"
+  with pytest.raises(ValueError, match=r"unknown environment 'nope'; registered: \[.*'test-echo'"):
+    base.make("nope")
+  with pytest.raises(ValueError, match="registered already"):
+    base.register("test-echo")(type("Other", (), {}))
+
+  @base.register("test-incomplete")
+  class Incomplete:  # no step
+    stop = ()
+
+    def reset(self, problem):
+      return ""
+
+  with pytest.raises(TypeError, match="lacks stop, reset or step"):
+    base.make("test-incomplete")
+
+
+@pytest.mark.parametrize("expression,value", [
+    ("1 + 2 * 3", "7"), ("(1 + 2) * 3", "9"), ("7 / 2", "3.5"), ("8 / 2", "4"), ("-3 ** 2", "-9"),
+    ("2 ** 100", str(2 ** 100)), ("17 // 5 + 17 % 5", "5"),
+    ("123456789012345678901234567890 + 987654321098765432109876543210",
+     str(123456789012345678901234567890 + 987654321098765432109876543210))])
+def test_the_calculator_computes_like_python_on_arithmetic(expression, value):
+  assert calculator.calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression,why", [
+    ("__import__('os').system('true')", "Call is not allowed"), ("x + 1", "Name is not allowed"),
+    ("1 / 0", "division by zero"), ("9 ** 9 ** 9", "exponent above"), ("1 +", "not an arithmetic"),
+    ("(10 ** 999) ** 5", "longer than"), ("1" * 1001, "longer than 1000 characters"),
+    ("[1, 2]", "List is not allowed"), ("'a' * 3", "Constant is not allowed")])
+def test_the_calculator_refuses_what_is_not_arithmetic_and_names_why(expression, why):
+  with pytest.raises(calculator.CalculatorError, match=why):
+    calculator.calculate(expression)
+
+
+def test_the_python_tool_runs_code_and_reports_its_output():
+  r = python_tool.run_python("import os; print(sum(range(10))); print(sorted(os.environ))")
+  assert r.exit_code == 0 and not r.timed_out and not r.truncated
+  total, names = r.stdout.splitlines()
+  assert total == "45"
+  # no inherited environment: PATH only (and the locale variable Python sets for itself)
+  assert set(ast.literal_eval(names)) <= {"PATH", "LC_CTYPE"} and "PATH" in names
+
+
+def test_the_python_tool_enforces_its_limits():
+  limits = python_tool.Limits(seconds=2.0, cpu_seconds=1, memory_bytes=256 << 20, output_bytes=1000)
+  t = time.perf_counter()
+  slept = python_tool.run_python("import time; time.sleep(30)", limits)
+  assert slept.timed_out and slept.exit_code is None and time.perf_counter() - t < 10
+  spun = python_tool.run_python("while True: pass", limits)  # CPU limit: SIGXCPU
+  assert spun.exit_code is not None and spun.exit_code != 0 and not spun.timed_out
+  big = python_tool.run_python("x = bytearray(512 << 20)", limits)
+  assert big.exit_code != 0 and "MemoryError" in big.stderr
+  loud = python_tool.run_python("print('x' * 100000)", limits)
+  assert loud.truncated and len(loud.stdout) <= 1000
+  failed = python_tool.run_python("raise SystemExit(3)", limits)
+  assert failed.exit_code == 3 and not failed.timed_out
+  if python_tool.network_isolation_available():
+    net = python_tool.run_python("import socket; s = socket.socket(); s.connect(('127.0.0.1', 9))", limits)
+    assert net.network_isolated and "Network is unreachable" in net.stderr
+  with pytest.raises(ValueError, match="seconds=0"):
+    python_tool.Limits(seconds=0)
+
+
+def test_latency_specs_draw_their_distribution():
+  lat = latency.Latency.parse("lognormal:median=0.2,sigma=1.15")
+  assert (lat.median, lat.sigma, lat.cap) == (0.2, 1.15, 60.0) and latency.Latency.parse("") is None
+  draws = [lat.draw(np.random.default_rng(i)) for i in range(4000)]
+  assert 0.18 < np.median(draws) < 0.22 and max(draws) <= 60.0
+  assert latency.Latency.parse("lognormal:median=1,sigma=0,cap=0.5").draw(np.random.default_rng(0)) == 0.5
+  for bad, what in [("lognormal:median=0.2", "missing sigma"), ("normal:median=1,sigma=1", "kind"),
+                    ("lognormal:median=1,sigma=1,mean=2", "is not median=, sigma= or cap="),
+                    ("lognormal:median=-1,sigma=1", "median=-1")]:
+    with pytest.raises(ValueError, match=what):
+      latency.Latency.parse(bad)
+
+
+def _collect(p, step, n=1, timeout=10.0):
+  got, done = [], threading.Event()
+
+  def on_done(outcome):
+    got.append(outcome)
+    if len(got) == n:
+      done.set()
+
+  for _ in range(n):
+    p.submit(step, on_done)
+  assert done.wait(timeout)
+  return got
+
+
+def test_the_pool_reports_each_step_once_with_errors_and_timeouts_as_finish_reasons():
+  p = pool.EnvironmentPool(workers=4, timeout=0.5)
+  try:
+    ok = _collect(p, lambda: base.StepResult("obs", reward=1.0))[0]
+    assert ok.result.observation == "obs" and ok.finish_reason == ""
+    err = _collect(p, lambda: 1 / 0)[0]
+    assert err.result is None and err.finish_reason == pool.ENV_ERROR and "ZeroDivisionError" in err.error
+    wrong = _collect(p, lambda: "text")[0]
+    assert wrong.finish_reason == pool.ENV_ERROR and "not a StepResult" in wrong.error
+    release = threading.Event()
+    slow = _collect(p, lambda: release.wait(5) and base.StepResult("late"))
+    assert slow[0].finish_reason == pool.ENV_TIMEOUT and 0.45 < slow[0].seconds < 2 and p.stuck == 1
+    release.set()
+    time.sleep(0.2)
+    assert len(slow) == 1 and p.stuck == 0  # the late answer is dropped, never reported twice
+    # a slow step holds up none of the others
+    t = time.perf_counter()
+    outcomes = _collect(p, lambda: (time.sleep(0.05), base.StepResult("x"))[1], n=8)
+    assert all(o.finish_reason == "" for o in outcomes) and time.perf_counter() - t < 1.0
+  finally:
+    p.close()
