@@ -140,3 +140,34 @@ def test_the_pool_reports_each_step_once_with_errors_and_timeouts_as_finish_reas
     assert all(o.finish_reason == "" for o in outcomes) and time.perf_counter() - t < 1.0
   finally:
     p.close()
+
+
+def test_the_tool_environment_answers_calls_and_scores_the_final_answer():
+  env = base.make("tools")
+  assert env.reset({"question": "123456789+987654321=", "answer": "1111111110"}) == "123456789+987654321="
+  call = env.step("<calc>123456789+987654321</calc>")
+  assert call.observation == "<result>1111111110</result>" and not call.done and call.reward == 0
+  assert call.info == {"tool": "calculator", "latency": 0.0}
+  bad = env.step("<calc>12+</calc>")
+  assert bad.observation.startswith("<result>error: not an arithmetic") and "error" in bad.info
+  assert env.step("so the sum is #1111111110").reward == 1.0
+  assert env.step("#1111111111").reward == 0.0  # (negative control: a wrong answer scores 0)
+  limited = base.make("tools", max_calls=1)
+  limited.reset({"question": "q", "answer": "3"})
+  assert not limited.step("<calc>1+2</calc>").done
+  ended = limited.step("<calc>1+2</calc>")
+  assert ended.done and ended.reward == 0 and ended.info == {"ended": "max_calls"}
+  with pytest.raises(ValueError, match="tool 'shell'"):
+    base.make("tools", tool="shell")
+
+
+def test_the_python_tool_environment_returns_stdout_or_the_error_and_waits_its_latency():
+  env = base.make("tools", tool="python", call_open="<python>", call_close="</python>",
+                  latency="lognormal:median=0.05,sigma=0")
+  env.reset({"question": "q", "answer": "6"})
+  t = time.perf_counter()
+  out = env.step("<python>print(1 + 2 + 3)</python>")
+  assert out.observation == "<result>6</result>" and out.info["latency"] == pytest.approx(0.05)
+  assert time.perf_counter() - t >= 0.05
+  err = env.step("<python>1 / 0</python>")
+  assert err.observation == "<result>error: ZeroDivisionError: division by zero</result>"

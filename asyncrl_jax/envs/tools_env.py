@@ -1,0 +1,84 @@
+"""The built-in tool environment: the policy may call a tool between its reasoning steps, and its
+final answer is scored like the built-in task's (the text after the last ``#``).
+
+An action that ends with ``call_close`` after a ``call_open`` is a tool call: the text between them
+goes to the tool, and the observation is ``result_open + output + result_close`` (a tool error is the
+output ``error: ...``, the episode goes on). Any other action ends the episode with the reward of
+the problem's answer. ``max_calls`` ends an episode that keeps calling (reward 0, ``info["ended"]``
+says why). ``latency`` (``lognormal:median=,sigma=``) waits a drawn time per call, for benchmarks of
+slow environments. Tools: ``calculator`` (``envs.calculator``), ``python`` (``envs.python_tool``:
+the output is the code's stdout, or its error).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import numpy as np
+
+from asyncrl_jax.data import arithmetic
+from asyncrl_jax.envs import calculator, python_tool
+from asyncrl_jax.envs.base import StepResult, register
+from asyncrl_jax.envs.latency import Latency
+
+TOOLS = ("calculator", "python")
+
+
+@register("tools")
+class ToolEnvironment:
+  """One episode of a tool-using problem (``{"question", "answer"}``)."""
+
+  def __init__(self, tool: str = "calculator", call_open: str = "<calc>", call_close: str = "</calc>",
+               result_open: str = "<result>", result_close: str = "</result>", max_calls: int = 8,
+               latency: str = "", seed: int = 0, python_limits: Optional[python_tool.Limits] = None):
+    if tool not in TOOLS:
+      raise ValueError(f"tool {tool!r}: must be one of {TOOLS}")
+    if not (call_open and call_close) or max_calls < 0:
+      raise ValueError("a tool environment needs call markers and max_calls >= 0")
+    self.tool, self.max_calls = tool, max_calls
+    self.call_open, self.call_close = call_open, call_close
+    self.result_open, self.result_close = result_open, result_close
+    self.stop = (call_close,)
+    self._latency = Latency.parse(latency)
+    self._rng = np.random.default_rng(seed)
+    self._limits = python_limits or python_tool.Limits()
+    self.answer: Optional[str] = None
+    self.calls = 0
+
+  def reset(self, problem: dict) -> str:
+    self.answer, self.calls = str(problem["answer"]), 0
+    return problem["question"]
+
+  def _run(self, text: str) -> tuple[str, str]:
+    """(output, error) of the tool on ``text``."""
+    if self.tool == "calculator":
+      try:
+        return calculator.calculate(text), ""
+      except calculator.CalculatorError as e:
+        return f"error: {e}", str(e)
+    r = python_tool.run_python(text, self._limits)
+    if r.timed_out:
+      return "error: timed out", "timed out"
+    if r.exit_code != 0:
+      last = (r.stderr.strip().splitlines() or [f"exit code {r.exit_code}"])[-1]
+      return f"error: {last}", last
+    return r.stdout.strip(), ""
+
+  def step(self, action: str) -> StepResult:
+    if self.answer is None:
+      raise RuntimeError("step before reset")
+    start = action.rfind(self.call_open)
+    if not action.endswith(self.call_close) or start < 0:
+      return StepResult(reward=arithmetic.reward(action, self.answer), done=True, info={"ended": "answer"})
+    if self.calls >= self.max_calls:
+      return StepResult(done=True, info={"ended": "max_calls"})
+    self.calls += 1
+    waited = self._latency.draw(self._rng) if self._latency else 0.0
+    if waited:
+      time.sleep(waited)
+    output, error = self._run(action[start + len(self.call_open):-len(self.call_close)])
+    info = {"tool": self.tool, "latency": waited}
+    if error:
+      info["error"] = error
+    return StepResult(observation=f"{self.result_open}{output}{self.result_close}", info=info)
