@@ -76,6 +76,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_mesh(config)
   _validate_checkpoint(config)
   _validate_monitor(config)
+  _number(config, "log.trajectories", lambda v: v >= 0, "an integer >= 0", integer=True)
   return config
 
 

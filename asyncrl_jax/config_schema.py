@@ -11,6 +11,7 @@ Sections:
   mesh        device split between rollout and learner, and each role's mesh shape
   checkpoint  Orbax checkpointing cadence
   monitor     the health monitor's thresholds (signatures of collapse, ``rl.health``)
+  log         what the run writes beyond its metrics (trajectories for debugging)
 """
 
 from __future__ import annotations
@@ -227,6 +228,15 @@ def _checkpoint_section() -> ml_collections.ConfigDict:
   ))
 
 
+def _log_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      # trajectories written per policy version to WORKDIR/trajectories.jsonl (tokens and text,
+      # action mask, versions, behaviour log-probs, reward, finish reason): how to debug a reward.
+      # 0 = none
+      trajectories=0,
+  ))
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every field with its default. Experiments override; they never add fields."""
   c = ml_collections.ConfigDict()
@@ -240,4 +250,5 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh = _mesh_section()
   c.checkpoint = _checkpoint_section()
   c.monitor = _monitor_section()
+  c.log = _log_section()
   return c

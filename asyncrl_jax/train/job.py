@@ -368,10 +368,10 @@ def run(config, workdir: str) -> dict:
   signal.siginterrupt(signal.SIGTERM, False)  # native threads' system calls restart, not fail
   if jax.process_index() != 0:
     return _follow(config, workdir)
-  log = RunLog(workdir, config)
   meshes = sharding.role_meshes(config)
-  say(meshes.describe())
   data = _Data.from_config(config, workdir)
+  log = RunLog(workdir, config, data.tokenizer)
+  say(meshes.describe())
   ckpt = _checkpointer(config, workdir)
   learner, group, evaluate, engine, meta = _policy(config, meshes, data, ckpt, log)
   try:

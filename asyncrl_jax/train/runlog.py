@@ -1,7 +1,8 @@
 """The run log: everything the main job writes about a run, except its checkpoints.
 
 ``RunLog`` owns ``DIR/config.json``, ``DIR/metrics.jsonl`` (one record per policy version),
-``DIR/trained_prompts.jsonl``, TensorBoard events in ``DIR/tb``, the progress bar, the in-memory
+``DIR/trained_prompts.jsonl``, ``DIR/trajectories.jsonl`` (``log.trajectories`` per version), TensorBoard
+events in ``DIR/tb``, the progress bar, the in-memory
 history, the run's running totals, and at the end ``DIR/summary.json``, ``DIR/progress.png`` and the
 printed summary table. On resume it keeps the records up to the checkpoint resumed from (``resume``);
 on a fresh start it removes an earlier run's (``start_fresh``).
@@ -146,12 +147,18 @@ def _summary_writer(logdir: str):
 class RunLog:
   """The run's records and running totals (see the module docstring)."""
 
-  def __init__(self, workdir: str, config):
+  def __init__(self, workdir: str, config, tokenizer=None):
+    """``tokenizer``: decodes the text of the trajectories written with ``log.trajectories``."""
     self.workdir = workdir
     paths.makedirs(workdir)
     self.t_start = time.time()
     self.metrics_path = paths.join(workdir, "metrics.jsonl")
     self.prompts_path = paths.join(workdir, "trained_prompts.jsonl")
+    self.trajectories_path = paths.join(workdir, "trajectories.jsonl")
+    self.trajectories_per_version = int(config.log.trajectories)
+    self.tokenizer = tokenizer
+    if self.trajectories_per_version and tokenizer is None:
+      raise ValueError("log.trajectories > 0 needs the run's tokenizer (to write each turn's text)")
     record_config(config, paths.join(workdir, "config.json"))
     self.steps, self.eta, self.loss = config.steps, config.rl.max_staleness, config.rl.loss
     self.history: list[dict] = []
@@ -167,10 +174,11 @@ class RunLog:
     """Keeps the records of versions up to ``version`` (the checkpoint resumed from)."""
     truncate_jsonl(self.metrics_path, lambda r: r.get("version", 0) <= version)
     truncate_jsonl(self.prompts_path, lambda r: r["version"] < version)
+    truncate_jsonl(self.trajectories_path, lambda r: r["version"] < version)
     self.history = _load_jsonl(self.metrics_path)
 
   def start_fresh(self) -> None:
-    for path in (self.metrics_path, self.prompts_path):
+    for path in (self.metrics_path, self.prompts_path, self.trajectories_path):
       if paths.exists(path):
         paths.remove(path)
     self.history = []
@@ -213,6 +221,18 @@ class RunLog:
         **process_memory(),  # (learner process 0, and the decode server when it runs here)
         **{k: v for k, v in update.items() if k != "version"})
 
+  def trajectory_record(self, version: int, t, reward: float) -> dict:
+    """One line of ``trajectories.jsonl``: a trajectory trained at ``version`` as the learner saw it.
+    ``action_mask`` marks the policy's sampled tokens (1) against context (0) over the completion;
+    every completion token of a single-turn episode is an action."""
+    completion = [int(x) for x in t.completion_tokens]
+    return {"version": version, "trajectory_id": t.trajectory_id, "prompt_id": t.prompt_id,
+            "server_id": t.server_id, "prompt_tokens": [int(x) for x in t.prompt_tokens],
+            "completion_tokens": completion, "prompt_text": self.tokenizer.decode(t.prompt_tokens),
+            "completion_text": self.tokenizer.decode(completion), "action_mask": [1] * len(completion),
+            "versions": [int(v) for v in t.versions], "behaviour_logprobs": [float(x) for x in t.logprobs],
+            "reward": reward, "finish_reason": t.finish_reason, "interruptions": int(t.num_interruptions)}
+
   def append(self, record: dict, batch, alarms: tuple = ()) -> None:
     """Writes a version's record (metrics.jsonl, TensorBoard, progress bar) and its trained prompts;
     ``alarms``: the health monitor's signals active at this version (shown on the progress bar, and
@@ -226,6 +246,9 @@ class RunLog:
                                       "trajectory_ids": [t.trajectory_id for t in batch.trajectories],
                                       "completion_lengths": [len(t.completion_tokens)
                                                              for t in batch.trajectories]})
+    n = self.trajectories_per_version
+    for t, reward in (zip(batch.trajectories[:n], batch.rewards[:n]) if n else ()):
+      _append_jsonl(self.trajectories_path, self.trajectory_record(batch.version, t, float(reward)))
     for k, v in record.items():
       if isinstance(v, (int, float)):
         self._writer.add_scalar(k, v, record["version"])

@@ -268,9 +268,11 @@ def test_the_length_workload_runs_end_to_end_with_the_learner_applying_the_ban(t
   length (stop tokens banned until then), and at version 1 (data of version 0, weights of version 0)
   the learner's log-probs equal the behaviour ones, the ban included."""
   from asyncrl_jax.data.workloads import LengthWorkload  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import ArithmeticTokenizer  # pylint: disable=import-outside-toplevel
   spec = "lognormal:median=6,sigma=0.8,cap=24"
   _run(tmp_path, "--config.steps=2", f"--config.rollout.length_workload={spec}",
-       "--config.learner.eval_every=0", "--config.rollout.warm_up=False", "--config.seed=3")
+       "--config.learner.eval_every=0", "--config.rollout.warm_up=False", "--config.seed=3",
+       "--config.log.trajectories=3")
   w = LengthWorkload.parse(spec)
   lines = [json.loads(l) for l in (tmp_path / "trained_prompts.jsonl").read_text().splitlines()]
   assert [r["version"] for r in lines] == [0, 1]
@@ -283,6 +285,20 @@ def test_the_length_workload_runs_end_to_end_with_the_learner_applying_the_ban(t
   assert got == want and len(set(got)) > 3
   metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert abs(metrics[0]["kl_behav"]) < 1e-5 and metrics[0]["max_staleness_seen"] == 0
+  # log.trajectories=3: the first 3 trajectories of each version, as the learner trained them
+  dumped = [json.loads(l) for l in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+  assert [d["version"] for d in dumped] == [0, 0, 0, 1, 1, 1]
+  assert [d["trajectory_id"] for d in dumped] == lines[0]["trajectory_ids"][:3] + lines[1]["trajectory_ids"][:3]
+  tok = ArithmeticTokenizer()
+  for d in dumped:
+    n = len(d["completion_tokens"])
+    prompt, sample = d["trajectory_id"][1:].split("-s")
+    assert n == w.draw(3, int(prompt), int(sample)) and d["action_mask"] == [1] * n
+    assert len(d["versions"]) == len(d["behaviour_logprobs"]) == n and max(d["versions"]) <= d["version"]
+    assert d["prompt_text"] == tok.decode(d["prompt_tokens"]) and d["completion_text"] == tok.decode(
+        d["completion_tokens"])
+    assert d["reward"] in (0.0, 1.0) and d["finish_reason"] == "length"
+    assert all(lp <= 0 for lp in d["behaviour_logprobs"])
 
 
 @pytest.mark.slow(19)
