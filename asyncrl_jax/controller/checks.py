@@ -1,6 +1,6 @@
 """What a trajectory must be for the controller to train it: well formed for its request
 (``check_trajectory``: its prompt, lengths, tokens in the vocabulary, finite log-probs, versions that
-never decrease nor come from the future) and sampled with the settings the learner computes its
+never decrease nor come from the future, over its actions; context tokens carry neither) and sampled with the settings the learner computes its
 log-probs for (``sampling_mismatch``: otherwise the run stops with ``SamplingMismatch``)."""
 
 from __future__ import annotations
@@ -48,10 +48,19 @@ def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int,
     return f"{n} tokens but {len(t.logprobs)} log-probs and {len(t.versions)} versions"
   if t.completion_tokens.min() < 0 or t.completion_tokens.max() >= vocab_size:
     return f"a token outside the vocabulary [0, {vocab_size})"
-  if not np.all(np.isfinite(t.logprobs)) or t.logprobs.max() > 1e-3:
+  if t.action_mask is not None:
+    mask = np.asarray(t.action_mask)
+    if not np.all((mask == 0) | (mask == 1)) or not mask.any():
+      return "an action mask that is not 0/1 or has no action"
+    context = ~t.actions
+    if np.any(t.logprobs[context] != 0) or np.any(t.versions[context] != -1):
+      return "context tokens (action mask 0) with a log-prob or a version (they were not sampled)"
+  actions = t.actions
+  logprobs, versions = t.logprobs[actions], t.versions[actions]
+  if not np.all(np.isfinite(logprobs)) or logprobs.max() > 1e-3:
     return "a log-prob that is not finite or is positive"
-  if t.versions.min() < 0 or np.any(np.diff(t.versions) < 0):
+  if versions.min() < 0 or np.any(np.diff(versions) < 0):
     return "versions that decrease along the sequence (or are negative)"
-  if t.versions.max() > newest_version:
-    return f"a token of version {int(t.versions.max())}, newer than the learner's {newest_version}"
+  if versions.max() > newest_version:
+    return f"a token of version {int(versions.max())}, newer than the learner's {newest_version}"
   return ""

@@ -439,7 +439,8 @@ class Controller:
       if t.finish_reason == "error" or not len(t.completion_tokens):
         failed += 1
         continue
-      oldest, newest = int(t.versions.min()), int(t.versions.max())
+      acted = t.versions[t.actions]  # (context tokens were not sampled: no version)
+      oldest, newest = int(acted.min()), int(acted.max())
       if newest > version:
         raise VersionMismatch(f"decode server {t.server_id!r} sampled a token of {t.trajectory_id} at "
                               f"policy version {newest}, but the learner is at version {version}")
@@ -460,7 +461,7 @@ class Controller:
                                               token_reward=float(r) if self.advantage == "value"
                                               else None,
                                               min_new_tokens=g.requests[rid].min_new_tokens,
-                                              weight=0.0 if cut else 1.0))
+                                              weight=0.0 if cut else 1.0, action_mask=t.action_mask))
     max_seen = max(staleness, default=0)
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
                          rewards=rewards,

@@ -119,7 +119,7 @@ class SequenceData(NamedTuple):
 
 def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0,
                   token_reward: Optional[float] = None, min_new_tokens: int = 0,
-                  weight: float = 1.0) -> SequenceData:
+                  weight: float = 1.0, action_mask=None) -> SequenceData:
   """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
@@ -128,10 +128,15 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
   ``advantages`` field then holds per-token rewards, which the learner's critic turns into advantages.
   ``min_new_tokens``: the first that many completion tokens were sampled with the stop tokens banned
   (``eos_banned``; None when 0). ``weight``: the loss weight of every token (``loss_weight``; None
-  when 1), e.g. 0 for a completion the overlong filter excludes.
+  when 1), e.g. 0 for a completion the overlong filter excludes. ``action_mask`` (one per completion
+  token; None: all 1): completion tokens the policy did not sample (an environment's observation)
+  are context, like the prompt: mask 0, so no loss, no advantage and no count.
   """
   p, c = len(prompt), len(completion)
-  mask = np.r_[np.zeros(p), np.ones(c)].astype(np.float32)
+  actions = np.ones(c) if action_mask is None else np.asarray(action_mask, np.float32)
+  if len(actions) != c:
+    raise ValueError(f"{c} completion tokens but an action mask of {len(actions)}")
+  mask = np.r_[np.zeros(p), actions].astype(np.float32)
   if token_reward is None:
     per_token = mask * advantage
   else:

@@ -71,6 +71,10 @@ class Trajectory:
   reward: Optional[float] = None
   reward_source: str = ""
   incarnation: int = 0  # of the learner that requested it (``RolloutRequest.incarnation``)
+  # per completion token: 1 for a policy action (sampled, with its behaviour log-prob and version),
+  # 0 for context the policy did not sample (an environment's observation: log-prob 0, version -1,
+  # no loss). None: every completion token is an action (a single-turn completion)
+  action_mask: Optional[np.ndarray] = None
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -79,6 +83,16 @@ class Trajectory:
     if len(self.logprobs) != n or len(self.versions) != n:
       raise ValueError(f"trajectory {self.trajectory_id}: {n} tokens but {len(self.logprobs)} "
                        f"log-probs and {len(self.versions)} versions")
+    if self.action_mask is not None and len(self.action_mask) != n:
+      raise ValueError(f"trajectory {self.trajectory_id}: {n} tokens but an action mask of "
+                       f"{len(self.action_mask)}")
+
+  @property
+  def actions(self) -> np.ndarray:
+    """bool ``[n]``: which completion tokens the policy sampled."""
+    if self.action_mask is None:
+      return np.ones(len(self.completion_tokens), bool)
+    return np.asarray(self.action_mask) == 1
 
   @classmethod
   def failed(cls, request: RolloutRequest, error: str, **meta) -> "Trajectory":

@@ -98,7 +98,7 @@ _MESSAGES = {
                    ("tokenizer_id", "string", 11), ("server_id", "string", 12),
                    ("num_interruptions", "int32", 13), ("error", "string", 14),
                    ("started_at", "double", 15), ("finished_at", "double", 16),
-                   ("incarnation", "int64", 17)],
+                   ("incarnation", "int64", 17), ("action_mask", "int32*", 18)],
     "WeightSource": [("address", "string", 1), ("uuid", "int64", 2), ("blocks_json", "string", 3)],
     "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4),
                       ("incarnation", "int64", 5)],
@@ -176,7 +176,8 @@ def trajectory_to_pb(t: Trajectory):
       logprobs=t.logprobs.tolist(), versions=t.versions.tolist(), finish_reason=t.finish_reason,
       logprob_source=t.logprob_source, sampling_json=json.dumps(t.sampling, sort_keys=True),
       tokenizer_id=t.tokenizer_id, server_id=t.server_id, num_interruptions=t.num_interruptions,
-      error=t.error, started_at=t.started_at, finished_at=t.finished_at, incarnation=t.incarnation)
+      error=t.error, started_at=t.started_at, finished_at=t.finished_at, incarnation=t.incarnation,
+      action_mask=[] if t.action_mask is None else np.asarray(t.action_mask).tolist())
 
 
 def trajectory_from_pb(m) -> Trajectory:
@@ -206,7 +207,8 @@ def _trajectory_from_pb(m) -> Trajectory:
       finish_reason=m.finish_reason, logprob_source=m.logprob_source,
       sampling=sampling, tokenizer_id=m.tokenizer_id,
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
-      started_at=m.started_at, finished_at=m.finished_at, incarnation=m.incarnation)
+      started_at=m.started_at, finished_at=m.finished_at, incarnation=m.incarnation,
+      action_mask=np.asarray(m.action_mask, np.int32) if len(m.action_mask) else None)
 
 
 def sources_to_pb(sources) -> list:

@@ -223,13 +223,13 @@ class RunLog:
 
   def trajectory_record(self, version: int, t, reward: float) -> dict:
     """One line of ``trajectories.jsonl``: a trajectory trained at ``version`` as the learner saw it.
-    ``action_mask`` marks the policy's sampled tokens (1) against context (0) over the completion;
-    every completion token of a single-turn episode is an action."""
+    ``action_mask`` marks the policy's sampled tokens (1) against context (0) over the completion."""
     completion = [int(x) for x in t.completion_tokens]
     return {"version": version, "trajectory_id": t.trajectory_id, "prompt_id": t.prompt_id,
             "server_id": t.server_id, "prompt_tokens": [int(x) for x in t.prompt_tokens],
             "completion_tokens": completion, "prompt_text": self.tokenizer.decode(t.prompt_tokens),
-            "completion_text": self.tokenizer.decode(completion), "action_mask": [1] * len(completion),
+            "completion_text": self.tokenizer.decode(completion),
+            "action_mask": [int(a) for a in t.actions],
             "versions": [int(v) for v in t.versions], "behaviour_logprobs": [float(x) for x in t.logprobs],
             "reward": reward, "finish_reason": t.finish_reason, "interruptions": int(t.num_interruptions)}
 
