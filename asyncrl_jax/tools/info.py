@@ -90,6 +90,7 @@ def _compile(config, accelerator: str, rollout_accelerator: str, margin: float, 
 
 
 def main(argv=None) -> None:
+  cli.skip_absent_tpu()  # (libtpu here is for compiling: the process itself runs on the CPU)
   accelerator = flags.DEFINE_string("accelerator", "", "learner slice, e.g. v5p-32: print the memory "
                                     "estimate per device")
   rollout = flags.DEFINE_string("rollout_accelerator", "", "decode-server slice (one host of it "
