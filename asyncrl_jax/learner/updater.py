@@ -134,7 +134,7 @@ class Updater:
     # (step counts) replicated: left to itself, jit would replicate moments it creates from zeros.
     self.opt_shardings = opt_state_shardings(optimizer, params, self.param_shardings, self.replicated)
     self.abstract = is_abstract(params)
-    if self.abstract:  # shapes only, for compiling (``asyncrl_jax.aot``): nothing is allocated
+    if self.abstract:  # shapes only, for compiling (``asyncrl_jax.tpu``): nothing is allocated
       self.params = with_shardings(params, self.param_shardings)
       self.opt_state = with_shardings(jax.eval_shape(optimizer.init, params), self.opt_shardings)
     else:

@@ -10,7 +10,8 @@ import pytest
 
 from tests.fixtures.fakes import FakeBackend, FakePublisher
 from tests.rollout.test_remote import FakeClient
-from asyncrl_jax import models, sharding
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.publisher import WeightPublisher
 from asyncrl_jax.rollout import Engine
 from asyncrl_jax.rollout.backend import BackendReport, RolloutBackend
