@@ -134,6 +134,10 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("mesh.rollout.fsdp", -1, r"mesh.rollout=\{.*\} is not allowed: at most one axis may be -1"),
     ("checkpoint.every_steps", 0, r"checkpoint.every_steps=0 is not allowed: an integer >= 1"),
     ("checkpoint.max_to_keep", 0, r"checkpoint.max_to_keep=0 is not allowed: an integer >= 1"),
+    # (found by the fuzz test: a size past int64 became a float shape deep in jax)
+    ("model.intermediate_size", 10 ** 19, r"model.intermediate_size=10000000000000000000: must be a "
+                                          r"positive integer below 2\*\*31"),
+    ("log.trajectories", -1, r"log.trajectories=-1 is not allowed: an integer >= 0"),
 ])
 def test_bad_values_name_the_field(field, value, pattern):
   cfg = _load(os.path.join(ROOT, "configs", "default.py"))

@@ -62,8 +62,8 @@ class ModelConfig:
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim", "max_seq_len"):
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ModelConfigError(f"model.{name}={value!r}: must be a positive integer")
+      if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 2**31:
+        raise ModelConfigError(f"model.{name}={value!r}: must be a positive integer below 2**31")
     if self.num_heads % self.num_kv_heads:
       raise ModelConfigError(
           f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}")
