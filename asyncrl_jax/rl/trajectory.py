@@ -9,7 +9,12 @@ from typing import Optional
 
 import numpy as np
 
-FINISH_REASONS = ("eos", "length", "aborted", "error")
+# eos: the policy stopped (a single-turn completion, or an episode's final action); length: the token
+# budget ran out; turns: an episode reached its turn limit; env_done: the environment ended the
+# episode after an action that was not final; env_error / env_timeout: its step raised or took too
+# long (the episode ends, not the run); aborted / error: not a finished rollout
+FINISH_REASONS = ("eos", "length", "turns", "env_done", "env_error", "env_timeout", "aborted", "error")
+EPISODE_ENDS = ("turns", "env_done", "env_error", "env_timeout")
 # the error of a rollout a decode server gave back unfinished because it is shutting down: not the
 # rollout's fault, so placing it elsewhere does not count as a retry
 DRAINED = "decode server draining"
@@ -40,6 +45,10 @@ class RolloutRequest:
   incarnation: int = 0
   min_version: int = 0
   min_new_tokens: int = 0
+  # a multi-turn episode (None: one completion): {"env": registered name, "options": {...},
+  # "problem": {...}, "max_turns": n}. ``max_new_tokens`` then bounds every token after the prompt
+  # (actions and observations: what the slot's cache holds)
+  episode: Optional[dict] = None
 
 
 @dataclasses.dataclass
@@ -75,6 +84,10 @@ class Trajectory:
   # 0 for context the policy did not sample (an environment's observation: log-prob 0, version -1,
   # no loss). None: every completion token is an action (a single-turn completion)
   action_mask: Optional[np.ndarray] = None
+  # an episode's turns, in order (None: a single-turn completion): {"action": [start, end),
+  # "observation": [start, end) (completion-token indices; empty when the episode ended there),
+  # "reward", "latency" (seconds the environment took), "error", "info"}
+  turns: Optional[list] = None
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -86,6 +99,11 @@ class Trajectory:
     if self.action_mask is not None and len(self.action_mask) != n:
       raise ValueError(f"trajectory {self.trajectory_id}: {n} tokens but an action mask of "
                        f"{len(self.action_mask)}")
+
+  @property
+  def episode_reward(self) -> float:
+    """The sum of an episode's turn rewards (0.0 for a single-turn completion)."""
+    return float(sum(t.get("reward", 0.0) for t in self.turns or ()))
 
   @property
   def actions(self) -> np.ndarray:
@@ -135,6 +153,36 @@ class _Building:
     self.next_token_version: Optional[int] = None
     self.done = False
     self.started_at = time.time()
+    self.mask: list[int] = []  # per token: 1 action, 0 observation (episodes only)
+    self.turns: list[dict] = []
+    self.action_start = 0  # where the current action starts (index into tokens)
+    self.env = None  # the episode's environment
+    self.waiting = False  # parked: the environment is stepping
+    self.epoch = 0  # bumped when the slot parks or resumes: a chunk launched before is not its own
+
+  @property
+  def is_episode(self) -> bool:
+    return self.request.episode is not None
+
+  def append(self, tokens, logprobs, version: int) -> None:
+    self.tokens.extend(tokens)
+    self.logprobs.extend(logprobs)
+    self.versions.extend([version] * len(tokens))
+    if self.is_episode:
+      self.mask.extend([1] * len(tokens))
+
+  def truncate(self, n: int) -> None:
+    """Drops every token from ``n`` on (decoded past the end of an action)."""
+    for seq in (self.tokens, self.logprobs, self.versions, self.mask):
+      del seq[n:]
+
+  def observe(self, tokens) -> None:
+    """Appends an observation: context, not actions (log-prob 0, version -1, mask 0)."""
+    n = len(tokens)
+    self.tokens.extend(tokens)
+    self.logprobs.extend([0.0] * n)
+    self.versions.extend([-1] * n)
+    self.mask.extend([0] * n)
 
   def finish(self, reason: str, *, logprob_source: str, sampling: dict, tokenizer_id: str,
              server_id: str, error: str = "") -> Trajectory:
@@ -147,4 +195,6 @@ class _Building:
         finish_reason=reason, logprob_source=logprob_source,
         sampling=dict(sampling, min_new_tokens=r.min_new_tokens),
         tokenizer_id=tokenizer_id, server_id=server_id, num_interruptions=self.interruptions,
-        error=error, started_at=self.started_at, finished_at=time.time(), incarnation=r.incarnation)
+        error=error, started_at=self.started_at, finished_at=time.time(), incarnation=r.incarnation,
+        action_mask=np.asarray(self.mask, np.int32) if self.is_episode else None,
+        turns=[dict(t) for t in self.turns] if self.is_episode else None)

@@ -16,6 +16,11 @@ One loop owns the engine's decode state. Each iteration:
 4. finishes sequences that emitted a stop token or reached their length cap and streams them out
    (``on_trajectory`` callback, or the ``finished`` queue).
 
+A request with an ``episode`` runs a multi-turn episode in its slot (``episodes``): at the end of each
+action the slot parks while its environment steps on a worker, the other slots decode on, and the
+observation is appended to the slot's cache (``Engine.extend``) before decoding resumes. A weight
+update re-prefills a parked episode's context too, observations included.
+
 Requests that cannot be served as asked (prompt longer than the engine's prefill limit, or prompt +
 ``max_new_tokens`` beyond the cache) finish at once with ``finish_reason="error"`` and a message: nothing
 is silently truncated. ``abort(id)`` finishes a request with the tokens generated so far.
@@ -34,7 +39,9 @@ import jax
 import numpy as np
 
 from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory, _Building
+from asyncrl_jax.envs.pool import EnvironmentPool
 from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.episodes import Episodes, Finish
 from asyncrl_jax.rollout.stats import DecodeStats
 
 log = logging.getLogger(__name__)
@@ -63,12 +70,15 @@ class DecodeServer:
     warm_up: start compiling every batched-prefill shape in the background now (``Engine.warm_up``).
     transfer_guard: ``jax.transfer_guard`` level of the loop's thread (``"disallow"``: implicit
       transfers raise and fail the server; ``"log"`` to find them; ``"allow"``).
+    environments: the worker pool that steps episodes' environments (default: one of
+      ``env_workers`` workers and an ``env_timeout`` per step, made at the first episode).
   """
 
   def __init__(self, engine: Engine, params, *, version: int = 0, server_id: str = "decode-0",
                on_trajectory: Optional[Callable[[Trajectory], None]] = None, steps_per_call: int = 16,
                on_weight_update: str = "recompute", warm_up: bool = False,
-               transfer_guard: str = "disallow"):
+               transfer_guard: str = "disallow", environments: Optional[EnvironmentPool] = None,
+               env_workers: int = 8, env_timeout: float = 60.0):
     if steps_per_call < 1:
       raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
     if on_weight_update not in ON_WEIGHT_UPDATE:
@@ -101,6 +111,11 @@ class DecodeServer:
     self._meta = dict(logprob_source=record["logprob_source"], sampling=record,
                       tokenizer_id=engine.tokenizer.identity, server_id=server_id)
     self._stop_ids = np.asarray(sorted(engine.tokenizer.stop_ids), np.int32)
+    self.episodes = Episodes(engine.tokenizer, self._notify, environments, env_workers, env_timeout)
+
+  def _notify(self) -> None:
+    with self._wake:
+      self._wake.notify()
 
   # ------------------------------------------------------------------ public, thread-safe
 
@@ -166,6 +181,11 @@ class DecodeServer:
     return sum(s is not None for s in self._slots)
 
   @property
+  def num_decoding(self) -> int:
+    """Slots decoding now (active ones not parked for an environment)."""
+    return sum(s is not None and not s.waiting for s in self._slots)
+
+  @property
   def num_queued(self) -> int:
     with self._lock:
       return len(self._requests)
@@ -188,13 +208,15 @@ class DecodeServer:
     if self._thread is not None:
       self._thread.join(timeout)
       self._thread = None
+    self.episodes.close()
 
   def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
-    """Drives the loop in the calling thread until nothing is queued or in flight (tests, benchmarks)."""
+    """Drives the loop in the calling thread until nothing is queued or in flight (tests, benchmarks);
+    an iteration with nothing to decode waits for an environment's answer."""
     for _ in range(max_iterations):
       if self.idle():
         return
-      self.iteration(block=False)
+      self.iteration(block=True)
     raise RuntimeError(f"not idle after {max_iterations} iterations")
 
   # ------------------------------------------------------------------ the loop
@@ -221,9 +243,12 @@ class DecodeServer:
     the next one was launched; that chunk's tokens for them are discarded.
     """
     with self._wake:
-      nothing_to_serve = not self._requests or self._params is None  # (no weights yet: requests wait)
+      # (no weights yet: requests wait; every slot taken, by parked episodes too: they wait)
+      nothing_to_serve = (not self._requests or self._params is None
+                          or self.num_active == len(self._slots))
       if block and nothing_to_serve and self._pending is None and not self._aborts \
-          and self.num_active == 0 and self._inflight is None and not self._stop.is_set():
+          and self.num_decoding == 0 and self._inflight is None and not self._stop.is_set() \
+          and not self.episodes.pending():
         t = time.perf_counter()
         self._wake.wait(timeout=0.5)
         self.stats.idle_seconds += time.perf_counter() - t
@@ -237,9 +262,10 @@ class DecodeServer:
       self._apply_weights(*pending)
     if aborts:
       self._apply_aborts(aborts)
-    launched = self._launch() if self.num_active else None
+    launched = self._launch() if self.num_decoding else None
     self._collect()
     self._inflight = launched
+    self._resume_episodes()
     self._fill_slots()
 
   def _draining(self, pending) -> bool:
@@ -267,10 +293,10 @@ class DecodeServer:
       active = []
     if active and self.on_weight_update == "keep_cache":
       for i in active:  # their pending next-token logits came from the weights being replaced
-        if self._slots[i].next_token_version is None:
+        if self._slots[i].next_token_version is None and not self._slots[i].waiting:
           self._slots[i].next_token_version = old_version
       self.stats.continued_sequences += len(active)
-    elif active:
+    elif active:  # (parked episodes too: their context is re-prefilled, and they stay parked)
       width = max(len(self._slots[i].request.prompt_tokens) + len(self._slots[i].tokens) for i in active)
       tokens = np.zeros((self.engine.num_slots, width), np.int32)
       lengths = np.zeros(self.engine.num_slots, np.int32)
@@ -321,7 +347,7 @@ class DecodeServer:
     if self._params is None:
       return
     free = [i for i, s in enumerate(self._slots) if s is None]
-    starting: list[RolloutRequest] = []
+    starting: list[_Building] = []
     while len(starting) < len(free):
       with self._lock:
         # While a weight update is pending, requests wait for it: one admitted under the new version
@@ -334,23 +360,30 @@ class DecodeServer:
         self._emit(_Building(request).finish("error", error=error, **self._meta))
         self.stats.rejected_requests += 1
         continue
-      starting.append(request)
+      b = _Building(request)
+      error = self.episodes.start(b) if b.is_episode else ""
+      if error:  # the environment failed to start: the episode ends before decoding
+        self.stats.count_finished("env_error")
+        self._emit(b.finish("env_error", error=error, **self._meta))
+        continue
+      starting.append(b)
     if not starting:
       return
     slots = free[:len(starting)]
     self._state = self.engine.prefill_insert(self._params, self._state,
-                                             [r.prompt_tokens for r in starting], slots,
-                                             [r.max_new_tokens for r in starting],
-                                             [r.min_new_tokens for r in starting])
-    for slot, request in zip(slots, starting):
-      self._slots[slot] = _Building(request)
+                                             [b.request.prompt_tokens for b in starting], slots,
+                                             [b.request.max_new_tokens for b in starting],
+                                             [b.request.min_new_tokens for b in starting])
+    for slot, b in zip(slots, starting):
+      self._slots[slot] = b
     self.stats.started += len(starting)
 
   def _launch(self) -> tuple:
     self._state, tokens, logp, n = self.engine.steps(self._params, self._state, self.steps_per_call)
     for x in (tokens, logp, n):
       x.copy_to_host_async()
-    return tokens, logp, n, list(self._slots), self.version
+    occupants = [None if b is None or b.waiting else (b, b.epoch) for b in self._slots]
+    return tokens, logp, n, occupants, self.version
 
   def _collect(self) -> None:
     """Records the in-flight chunk's tokens for the sequences that were in their slots at launch.
@@ -373,25 +406,67 @@ class DecodeServer:
     self.stats.slot_steps += k * self.engine.num_slots
     is_stop = np.isin(tokens, self._stop_ids)
     first_stop = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1), k)
-    for i, b in enumerate(occupants):
-      if b is None or b.done:
+    parked = []
+    for i, occupant in enumerate(occupants):
+      if occupant is None:
+        continue
+      b, epoch = occupant
+      if b.done or b.waiting or b.epoch != epoch:  # (a chunk launched before it parked or resumed)
         continue
       room = b.request.max_new_tokens - len(b.tokens)
       take = min(int(first_stop[i]) + 1, room, k)
-      b.tokens.extend(tokens[i, :take].tolist())
-      b.logprobs.extend(logp[i, :take].tolist())
-      b.versions.extend([version] * take)
+      before = len(b.tokens)
+      b.append(tokens[i, :take].tolist(), logp[i, :take].tolist(), version)
       if take and b.next_token_version is not None:
         b.versions[-take] = b.next_token_version
         b.next_token_version = None
-      self.stats.tokens += take
-      if take == first_stop[i] + 1 and len(b.tokens) <= b.request.min_new_tokens:
+      stopped = take == first_stop[i] + 1  # the stop token itself was taken
+      end = self.episodes.action_end(b, before) if b.is_episode and take else None
+      if end is not None:  # an action ended at the environment's stop sequence: drop what follows
+        b.truncate(end)
+        stopped = False
+      self.stats.tokens += len(b.tokens) - before
+      if stopped and len(b.tokens) <= b.request.min_new_tokens:
         self._finish(i, "error", f"a stop token at completion token {len(b.tokens) - 1}, inside "
                      f"min_new_tokens={b.request.min_new_tokens}")
-      elif take == first_stop[i] + 1:  # the stop token itself was taken
+      elif b.is_episode and (end is not None or stopped):
+        b.waiting, b.epoch = True, b.epoch + 1
+        self.episodes.step(b, "stop" if end is not None else "eos")
+        parked.append(i)
+      elif stopped:
         self._finish(i, "eos")
       elif len(b.tokens) >= b.request.max_new_tokens:
         self._finish(i, "length")
+    if parked:
+      self._state = self.engine.park(self._state, parked)
+
+  def _resume_episodes(self) -> None:
+    """Takes the environments' outcomes: ends those episodes, or appends their observations to the
+    slots' contexts (one batched ``extend``) and lets them decode again."""
+    ready = self.episodes.ready()
+    if not ready:
+      return
+    rows, slots, starts, budgets = [], [], [], []
+    for b, decision in ready:
+      slot = self._slots.index(b)
+      if isinstance(decision, Finish):
+        self._finish(slot, decision.reason, decision.error)
+        continue
+      turn = b.turns[-1]
+      row, start = decision.tokens, len(b.request.prompt_tokens) + len(b.tokens)
+      if not row:  # nothing to append: recompute the last token, for its next-token logits
+        row, start = [(list(b.request.prompt_tokens) + b.tokens)[-1]], start - 1
+      b.observe(decision.tokens)
+      turn["observation"] = [turn["action"][1], len(b.tokens)]
+      b.action_start, b.waiting, b.epoch = len(b.tokens), False, b.epoch + 1
+      rows.append(row)
+      slots.append(slot)
+      starts.append(start)
+      budgets.append(b.request.max_new_tokens - len(b.tokens))
+    if rows:
+      self._state = self.engine.extend(self._params, self._state, rows, slots, starts, budgets)
+    self.stats.env_steps, self.stats.env_errors = self.episodes.steps, self.episodes.errors
+    self.stats.env_seconds = self.episodes.seconds
 
   def _finish(self, slot: int, reason: str, error: str = "") -> None:
     b = self._slots[slot]

@@ -7,7 +7,8 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   message RolloutRequest { string request_id = 1; repeated int32 prompt_tokens = 2;
                            int32 max_new_tokens = 3; string prompt_id = 4; int64 group_id = 5;
                            int64 incarnation = 6;     // of the learner asking (0: none)
-                           int32 min_new_tokens = 7; }  // no stop token before this many
+                           int32 min_new_tokens = 7;   // no stop token before this many
+                           string episode_json = 8; }  // a multi-turn episode's spec ("": none)
   message SubmitRequest  { repeated RolloutRequest requests = 1; }
   message SubmitReply    { int32 accepted = 1; }
   message StreamRequest  { int32 max_trajectories = 1; }        // 0: until cancelled
@@ -18,7 +19,8 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
                            string sampling_json = 10; string tokenizer_id = 11; string server_id = 12;
                            int32 num_interruptions = 13; string error = 14;
                            double started_at = 15; double finished_at = 16;
-                           int64 incarnation = 17; }
+                           int64 incarnation = 17; repeated int32 action_mask = 18;
+                           string turns_json = 19; }  // an episode's turns ("": not an episode)
   // one per learner process: its transfer server, the uuid of this pull, the blocks it offers
   // (JSON [[leaf, [[start, stop], ...]], ...], see transfer.shards)
   message WeightSource   { string address = 1; int64 uuid = 2; string blocks_json = 3; }
@@ -87,7 +89,7 @@ _MESSAGES = {
     "RolloutRequest": [("request_id", "string", 1), ("prompt_tokens", "int32*", 2),
                        ("max_new_tokens", "int32", 3), ("prompt_id", "string", 4),
                        ("group_id", "int64", 5), ("incarnation", "int64", 6),
-                       ("min_new_tokens", "int32", 7)],
+                       ("min_new_tokens", "int32", 7), ("episode_json", "string", 8)],
     "SubmitRequest": [("requests", ".RolloutRequest*", 1)],
     "SubmitReply": [("accepted", "int32", 1)],
     "StreamRequest": [("max_trajectories", "int32", 1)],
@@ -98,7 +100,8 @@ _MESSAGES = {
                    ("tokenizer_id", "string", 11), ("server_id", "string", 12),
                    ("num_interruptions", "int32", 13), ("error", "string", 14),
                    ("started_at", "double", 15), ("finished_at", "double", 16),
-                   ("incarnation", "int64", 17), ("action_mask", "int32*", 18)],
+                   ("incarnation", "int64", 17), ("action_mask", "int32*", 18),
+                   ("turns_json", "string", 19)],
     "WeightSource": [("address", "string", 1), ("uuid", "int64", 2), ("blocks_json", "string", 3)],
     "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4),
                       ("incarnation", "int64", 5)],
@@ -158,15 +161,21 @@ def request_to_pb(r: RolloutRequest):
   return MESSAGES["RolloutRequest"](request_id=r.request_id, prompt_tokens=[int(t) for t in r.prompt_tokens],
                                     max_new_tokens=r.max_new_tokens, prompt_id=r.prompt_id,
                                     group_id=r.group_id, incarnation=r.incarnation,
-                                    min_new_tokens=r.min_new_tokens)
+                                    min_new_tokens=r.min_new_tokens,
+                                    episode_json="" if r.episode is None else json.dumps(r.episode))
 
 
 def request_from_pb(m) -> RolloutRequest:
   if not m.request_id:
     raise ValueError("RolloutRequest.request_id is empty (trajectory ids must be unique)")
+  episode = None
+  if m.episode_json:
+    episode = json.loads(m.episode_json)
+    if not isinstance(episode, dict) or "env" not in episode:
+      raise ValueError(f"RolloutRequest.episode_json is not an episode spec: {m.episode_json[:80]!r}")
   return RolloutRequest(prompt_tokens=list(m.prompt_tokens), max_new_tokens=m.max_new_tokens,
                         request_id=m.request_id, prompt_id=m.prompt_id, group_id=m.group_id,
-                        incarnation=m.incarnation, min_new_tokens=m.min_new_tokens)
+                        incarnation=m.incarnation, min_new_tokens=m.min_new_tokens, episode=episode)
 
 
 def trajectory_to_pb(t: Trajectory):
@@ -177,7 +186,8 @@ def trajectory_to_pb(t: Trajectory):
       logprob_source=t.logprob_source, sampling_json=json.dumps(t.sampling, sort_keys=True),
       tokenizer_id=t.tokenizer_id, server_id=t.server_id, num_interruptions=t.num_interruptions,
       error=t.error, started_at=t.started_at, finished_at=t.finished_at, incarnation=t.incarnation,
-      action_mask=[] if t.action_mask is None else np.asarray(t.action_mask).tolist())
+      action_mask=[] if t.action_mask is None else np.asarray(t.action_mask).tolist(),
+      turns_json="" if t.turns is None else json.dumps(t.turns))
 
 
 def trajectory_from_pb(m) -> Trajectory:
@@ -208,7 +218,17 @@ def _trajectory_from_pb(m) -> Trajectory:
       sampling=sampling, tokenizer_id=m.tokenizer_id,
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
       started_at=m.started_at, finished_at=m.finished_at, incarnation=m.incarnation,
-      action_mask=np.asarray(m.action_mask, np.int32) if len(m.action_mask) else None)
+      action_mask=np.asarray(m.action_mask, np.int32) if len(m.action_mask) else None,
+      turns=_turns(m.turns_json))
+
+
+def _turns(text: str):
+  if not text:
+    return None
+  turns = json.loads(text)
+  if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+    raise ValueError(f"turns_json is not a list of turns: {text[:80]!r}")
+  return turns
 
 
 def sources_to_pb(sources) -> list:

@@ -34,6 +34,13 @@ class DecodeStats:
   servers: int = 1
   # (new counters go here, at the end: the Health message numbers its fields in this order)
   drain_seconds: float = 0.0  # new weights waited for the sequences in flight (on_weight_update=drain)
+  finished_turns: int = 0  # episodes ended by their turn limit
+  finished_env_done: int = 0  # ended by the environment after an action that was not final
+  finished_env_error: int = 0
+  finished_env_timeout: int = 0
+  env_steps: int = 0  # environment steps taken (episodes' actions answered)
+  env_errors: int = 0  # environment steps that raised or timed out
+  env_seconds: float = 0.0  # summed wall time of environment steps (slots parked meanwhile)
 
   @classmethod
   def counters(cls) -> tuple[str, ...]:
