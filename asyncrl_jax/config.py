@@ -9,6 +9,7 @@ point exits non-zero with that message.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Any, Callable, Iterable
@@ -18,6 +19,7 @@ import ml_collections
 from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, LOGPROB_SOURCES, LOSSES,  # noqa: F401
                                        STALENESS_MODES, TASKS, ConfigError, base_config)
 from asyncrl_jax.data.workloads import LengthWorkload
+from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 
 
@@ -77,7 +79,27 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   _validate_checkpoint(config)
   _validate_monitor(config)
   _number(config, "log.trajectories", lambda v: v >= 0, "an integer >= 0", integer=True)
+  _validate_env(config)
   return config
+
+
+def _validate_env(config) -> None:
+  """The environment's options are a JSON object and its limits positive (whether ``env.name`` is
+  registered is checked where environments are built: ``train.job``, the decode servers)."""
+  env = config.env
+  _check(isinstance(env.name, str), "env.name", env.name, "must be a string")
+  try:
+    options = json.loads(env.options)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"env.options={env.options!r}: not JSON ({e})") from None
+  _check(isinstance(options, dict), "env.options", env.options, "must be a JSON object")
+  _number(config, "env.max_turns", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "env.workers", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "env.step_timeout", lambda v: v > 0, "a number of seconds > 0")
+  if config.data.task == "tool_arithmetic":
+    _check(env.name == "tools", "env.name", env.name, "must be 'tools' for data.task='tool_arithmetic'")
+    _check(config.data.tokenizer_path == "builtin:tools", "data.tokenizer_path",
+           config.data.tokenizer_path, "must be 'builtin:tools' for data.task='tool_arithmetic'")
 
 
 def _validate_run(config) -> None:
@@ -97,7 +119,8 @@ def _local_dir_holding(config, field: str, name: str) -> None:
 def _validate_model(config) -> None:
   """An inline architecture must build a ModelConfig; with ``hf_path`` the checkpoint decides."""
   _local_dir_holding(config, "model.hf_path", "config.json")
-  _local_dir_holding(config, "data.tokenizer_path", "tokenizer.json")
+  if config.data.tokenizer_path not in BUILTIN_TOKENIZERS:
+    _local_dir_holding(config, "data.tokenizer_path", "tokenizer.json")
   if not config.model.hf_path:
     try:
       model_config(config)
@@ -110,7 +133,7 @@ def _validate_model(config) -> None:
 def _validate_data(config) -> None:
   """Task and data location, sizes, and (inline model only) prompt + completion within max_seq_len."""
   _one_of(config, "data.task", TASKS)
-  if config.data.task != "arithmetic":
+  if config.data.task not in ("arithmetic", "tool_arithmetic"):
     _check(bool(config.data.path), "data.path", config.data.path,
            f"required (a file or directory) when data.task={config.data.task!r}")
   for f in ("data.max_prompt_len", "data.max_completion_len", "data.num_train",
@@ -121,10 +144,12 @@ def _validate_data(config) -> None:
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
   _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,
           f"an integer >= data.min_terms ({config.data.min_terms})", integer=True)
+  _number(config, "data.max_digits", lambda v: 1 <= v <= 9, "an integer in [1, 9]", integer=True)
   _number(config, "data.demo_max_terms", lambda v: v == 0 or v >= 2,
           "an integer >= 2, or 0 (demonstrations from the task's own train split)", integer=True)
   if config.data.demo_max_terms:
-    _check(config.data.task == "arithmetic", "data.demo_max_terms", config.data.demo_max_terms,
+    _check(config.data.task in ("arithmetic", "tool_arithmetic"), "data.demo_max_terms",
+           config.data.demo_max_terms,
            f"applies to the built-in task only (data.task={config.data.task!r})")
   if not config.model.hf_path:
     total = config.data.max_prompt_len + config.data.max_completion_len

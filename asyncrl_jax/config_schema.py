@@ -12,6 +12,7 @@ Sections:
   checkpoint  Orbax checkpointing cadence
   monitor     the health monitor's thresholds (signatures of collapse, ``rl.health``)
   log         what the run writes beyond its metrics (trajectories for debugging)
+  env         multi-turn episodes: the environment each rollout runs in (none: one completion)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
 STALENESS_MODES = ("bounded", "pinned")
 ADVANTAGES = ("group", "value")
 DTYPES = ("float32", "bfloat16", "float16")
-TASKS = ("arithmetic", "jsonl", "tfds")
+TASKS = ("arithmetic", "tool_arithmetic", "jsonl", "tfds")
 LOGPROB_SOURCES = ("sampling", "model")
 
 
@@ -46,15 +47,21 @@ def _model_section() -> ml_collections.ConfigDict:
 
 def _data_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
-      task="arithmetic",  # built-in task; "jsonl" / "tfds" read prepared math data
+      # built-in tasks: "arithmetic" (chain-of-thought sums of digits), "tool_arithmetic" (sums of
+      # multi-digit numbers, solved with a calculator: env.name="tools", tokenizer "builtin:tools");
+      # "jsonl" / "tfds" read prepared math data
+      task="arithmetic",
       path="",  # file or TFDS data_dir for non-built-in tasks
-      tokenizer_path="",  # directory with tokenizer.json (+ tokenizer_config.json); "" = built-in
+      # directory with tokenizer.json (+ tokenizer_config.json); "" = the built-in arithmetic
+      # tokenizer, "builtin:tools" = the built-in one with tool markers [ ] { }
+      tokenizer_path="",
       max_prompt_len=48, max_completion_len=160,  # tokens; longer prompts are skipped and counted
       min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
       # built-in task: > 0 draws the supervised warm start's demonstrations from chains of 2 to this
       # many terms, apart from the RL prompts (min_terms..max_terms): no demonstration of the long
       # chains RL must solve. 0: the warm start reads the task's own train split
       demo_max_terms=0,
+      max_digits=4,  # tool_arithmetic: each number has 1 to this many digits
       num_train=20000, num_test=500,  # built-in task: problems per split
       seed=0,  # built-in task: generator seed of the problems (the run's seed drives everything else)
       eval_problems=256,  # held-out problems per evaluation
@@ -237,6 +244,20 @@ def _log_section() -> ml_collections.ConfigDict:
   ))
 
 
+def _env_section() -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(
+      # the registered environment every rollout runs in as a multi-turn episode ("tools": the
+      # built-in calculator / Python tool environment, envs.tools_env); "" = single-turn completions
+      name="",
+      # JSON object of the environment's constructor options, e.g. '{"tool": "calculator",
+      # "latency": "lognormal:median=0.2,sigma=1.15"}' (tool_arithmetic adds its markers itself)
+      options="{}",
+      max_turns=4,  # actions per episode; the episode then ends with finish reason "turns"
+      workers=8,  # environment steps running at once per decode server (a thread pool)
+      step_timeout=30.0,  # seconds; a longer step ends its episode as "env_timeout"
+  ))
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every field with its default. Experiments override; they never add fields."""
   c = ml_collections.ConfigDict()
@@ -251,4 +272,5 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint = _checkpoint_section()
   c.monitor = _monitor_section()
   c.log = _log_section()
+  c.env = _env_section()
   return c

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from asyncrl_jax import envs
 from asyncrl_jax.data.pipeline import Prompt, PromptStream
 from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.models.sampling import SamplingSettings
@@ -103,7 +104,7 @@ class Controller:
                max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None,
                min_new_tokens: int = 0, lengths: Optional[LengthWorkload] = None, seed: int = 0,
                filter_uniform_groups: bool = False, overlong_filter: bool = False,
-               overlong_penalty_len: int = 0):
+               overlong_penalty_len: int = 0, episode: Optional[dict] = None):
     if advantage not in ("group", "value"):
       raise ValueError(f"advantage={advantage!r} must be 'group' or 'value'")
     if batch_size % group_size:
@@ -141,6 +142,9 @@ class Controller:
                        f"{max_new_tokens})")
     self.filter_uniform_groups, self.overlong_filter = filter_uniform_groups, overlong_filter
     self.overlong_penalty_len = overlong_penalty_len
+    # every rollout a multi-turn episode of this spec (``envs.episode_template``; None: one completion
+    # each): the environment scores it, per turn, on the decode server
+    self.episode = episode
     self._groups: dict[int, _Group] = {}
     self._seen: set[str] = set()
     # prompt-stream state at each admitted group not yet trained (a batch may start at any of them)
@@ -176,14 +180,16 @@ class Controller:
                reward=reward, batch_size=config.learner.batch_size, group_size=group,
                max_new_tokens=config.data.max_completion_len, advantage=config.rl.advantage,
                scale_by_std=config.rl.scale_by_std, max_retries=config.rollout.max_retries,
-               reward_source="exact_answer" if config.data.task == "arithmetic" else "math_verify",
+               reward_source=("environment" if config.env.name else "exact_answer"
+                              if config.data.task == "arithmetic" else "math_verify"),
                newest_version=newest_version, max_prompt_len=config.data.max_prompt_len,
                sampling=SamplingSettings.from_config(config).record(),
                min_new_tokens=config.rollout.min_new_tokens,
                lengths=LengthWorkload.parse(config.rollout.length_workload), seed=config.seed,
                filter_uniform_groups=config.rl.filter_uniform_groups,
                overlong_filter=config.rl.overlong_filter,
-               overlong_penalty_len=config.rl.overlong_penalty_len)
+               overlong_penalty_len=config.rl.overlong_penalty_len,
+               episode=envs.episode_template(config))
 
   # ------------------------------------------------------------------ admission
 
@@ -193,6 +199,11 @@ class Controller:
       return dict(max_new_tokens=self.max_new_tokens, min_new_tokens=self.min_new_tokens)
     n = self.lengths.draw(self.seed, prompt_index, sample)
     return dict(max_new_tokens=n, min_new_tokens=n)
+
+  def _episode(self, prompt: Prompt) -> Optional[dict]:
+    if self.episode is None:
+      return None
+    return dict(self.episode, problem={"question": prompt.question, "answer": prompt.answer})
 
   def pump(self) -> int:
     """Admits as many whole groups as the staleness bound and slots allow; returns rollouts started."""
@@ -219,8 +230,8 @@ class Controller:
         tokens = self.tokenizer.encode_prompt(prompt.question)
         requests = {f"p{prompt.index}-s{j}": RolloutRequest(
             prompt_tokens=tokens, request_id=f"p{prompt.index}-s{j}", prompt_id=str(prompt.index),
-            group_id=prompt.index, min_version=version, **self._lengths(prompt.index, j))
-            for j in range(self.group_size)}
+            group_id=prompt.index, min_version=version, episode=self._episode(prompt),
+            **self._lengths(prompt.index, j)) for j in range(self.group_size)}
         self._groups[prompt.index] = _Group(prompt, requests, admitted_at=version)
         too_long = self.max_prompt_len is not None and len(tokens) > self.max_prompt_len
       if too_long:  # its place in the batch is kept: failed rollouts, reward 0, no gradient
@@ -308,6 +319,9 @@ class Controller:
         self.failed += 1
       log.warning("rollout %s failed: %s", t.trajectory_id, t.error)
       self._on_reward(t, 0.0)
+      return
+    if t.turns is not None:  # an episode: its environment scored it
+      self._on_reward(t, t.episode_reward)
       return
     self._rewards.submit(t, t.completion_tokens, self._groups[t.group_id].prompt.answer)
 
@@ -458,8 +472,10 @@ class Controller:
       overlong += cut
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
                                               versions=t.versions, advantage=float(a),
-                                              token_reward=float(r) if self.advantage == "value"
-                                              else None,
+                                              token_reward=(_token_rewards(t, float(r - t.episode_reward))
+                                                            if t.turns and self.advantage == "value"
+                                                            else float(r) if self.advantage == "value"
+                                                            else None),
                                               min_new_tokens=g.requests[rid].min_new_tokens,
                                               weight=0.0 if cut else 1.0, action_mask=t.action_mask))
     max_seen = max(staleness, default=0)
@@ -475,3 +491,16 @@ class Controller:
   def close(self) -> None:
     self._rewards.close()
 
+
+
+def _token_rewards(t: Trajectory, extra: float) -> np.ndarray:
+  """An episode's rewards per completion token for the critic: each turn's on its action's last
+  token (what GAE over the action tokens credits), ``extra`` (e.g. a length penalty) on the last."""
+  out = np.zeros(len(t.completion_tokens), np.float32)
+  for turn in t.turns:
+    end = turn["action"][1]
+    if end > turn["action"][0]:
+      out[end - 1] += turn["reward"]
+  if len(out):
+    out[-1] += extra
+  return out

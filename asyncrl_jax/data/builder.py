@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
-from asyncrl_jax.data import arithmetic
+from asyncrl_jax.data import arithmetic, tool_arithmetic
 from asyncrl_jax.infra import paths
 
 def _features():
@@ -67,6 +67,23 @@ class ArithmeticReasoning(_QABuilder):
     rng = np.random.default_rng([self._seed, 0 if split == "train" else 1])
     for i in range(self._sizes[split]):
       p = arithmetic.make_problem(rng, self._min, self._max)
+      yield f"{split}-{i}", {"question": p.question, "answer": p.answer, "solution": p.solution,
+                             "num_terms": p.num_terms}
+
+
+class ToolArithmetic(ArithmeticReasoning):
+  """Sums of multi-digit numbers for the calculator tool (train / test, ``data.tool_arithmetic``)."""
+
+  DESCRIPTION = "Multi-digit sums, solved with a calculator call."
+
+  def __init__(self, *, max_digits: int = 4, **kwargs):
+    self._digits = max_digits
+    super().__init__(**kwargs)
+
+  def _generate_examples(self, split: str) -> Iterator:
+    rng = np.random.default_rng([self._seed, 0 if split == "train" else 1])
+    for i in range(self._sizes[split]):
+      p = tool_arithmetic.make_problem(rng, self._min, self._max, self._digits)
       yield f"{split}-{i}", {"question": p.question, "answer": p.answer, "solution": p.solution,
                              "num_terms": p.num_terms}
 
@@ -141,9 +158,11 @@ def _prepare(builder) -> None:
 
 
 def build_arithmetic(data_dir: str, *, num_train: int, num_test: int, seed: int, min_terms: int,
-                     max_terms: int) -> ArithmeticReasoning:
-  builder = ArithmeticReasoning(num_train=num_train, num_test=num_test, seed=seed, min_terms=min_terms,
-                                max_terms=max_terms, data_dir=data_dir, file_format="array_record")
+                     max_terms: int, max_digits: int = 0) -> ArithmeticReasoning:
+  """The chain-of-thought task, or (``max_digits > 0``) the tool task's sums of multi-digit numbers."""
+  kind = dict(cls=ToolArithmetic, max_digits=max_digits) if max_digits else dict(cls=ArithmeticReasoning)
+  builder = kind.pop("cls")(num_train=num_train, num_test=num_test, seed=seed, min_terms=min_terms,
+                            max_terms=max_terms, data_dir=data_dir, file_format="array_record", **kind)
   _prepare(builder)
   return builder
 
@@ -199,9 +218,9 @@ def from_config(config, workdir: str):
   directory at ``data.path``.
   """
   data = config.data
-  if data.task == "arithmetic":
+  if data.task in BUILT_IN:
     settings = dict(num_train=data.num_train, num_test=data.num_test, seed=data.seed,
-                    min_terms=data.min_terms, max_terms=data.max_terms)
+                    min_terms=data.min_terms, max_terms=data.max_terms, **_digits(data))
     return build_arithmetic(data.path or prepared_dir(workdir, data.task, settings), **settings)
   if data.task == "jsonl":
     files = {"train": data.path}
@@ -212,6 +231,13 @@ def from_config(config, workdir: str):
     made_from = {split: _file_digest(p) for split, p in files.items()} if paths.is_remote(workdir) else {}
     return build_math(prepared_dir(workdir, data.task, made_from), files)
   return tfds.builder_from_directory(os.path.expanduser(data.path))
+
+
+BUILT_IN = ("arithmetic", "tool_arithmetic")
+
+
+def _digits(data) -> dict:
+  return dict(max_digits=data.max_digits) if data.task == "tool_arithmetic" else {}
 
 
 DEMONSTRATION_SEED_OFFSET = 1_000_003  # demonstrations are other draws than the RL prompts
@@ -226,11 +252,12 @@ def demonstrations_from_config(config, workdir: str):
   if not data.demo_max_terms:
     return from_config(config, workdir)
   settings = dict(num_train=data.num_train, num_test=data.num_test,
-                  seed=data.seed + DEMONSTRATION_SEED_OFFSET, min_terms=2, max_terms=data.demo_max_terms)
+                  seed=data.seed + DEMONSTRATION_SEED_OFFSET, min_terms=2, max_terms=data.demo_max_terms,
+                  **_digits(data))
   if data.path:
     path = data.path.rstrip("/") + "-demonstrations"
   elif paths.is_remote(workdir):
-    path = prepared_dir(workdir, "arithmetic-demonstrations", settings)
+    path = prepared_dir(workdir, f"{data.task}-demonstrations", settings)
   else:
     path = os.path.join(workdir, "data-demonstrations")
   return build_arithmetic(path, **settings)

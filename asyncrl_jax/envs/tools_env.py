@@ -3,7 +3,8 @@ final answer is scored like the built-in task's (the text after the last ``#``).
 
 An action that ends with ``call_close`` after a ``call_open`` is a tool call: the text between them
 goes to the tool, and the observation is ``result_open + output + result_close`` (a tool error is the
-output ``error: ...``, the episode goes on). Any other action ends the episode with the reward of
+output ``error_output``, by default ``error: <why>``, and the episode goes on; a vocabulary without
+letters sets it to ``""``). Any other action ends the episode with the reward of
 the problem's answer. ``max_calls`` ends an episode that keeps calling (reward 0, ``info["ended"]``
 says why). ``latency`` (``lognormal:median=,sigma=``) waits a drawn time per call, for benchmarks of
 slow environments. Tools: ``calculator`` (``envs.calculator``), ``python`` (``envs.python_tool``:
@@ -31,7 +32,8 @@ class ToolEnvironment:
 
   def __init__(self, tool: str = "calculator", call_open: str = "<calc>", call_close: str = "</calc>",
                result_open: str = "<result>", result_close: str = "</result>", max_calls: int = 8,
-               latency: str = "", seed: int = 0, python_limits: Optional[python_tool.Limits] = None):
+               latency: str = "", seed: int = 0, python_limits: Optional[python_tool.Limits] = None,
+               error_output: str = "error: {error}"):
     if tool not in TOOLS:
       raise ValueError(f"tool {tool!r}: must be one of {TOOLS}")
     if not (call_open and call_close) or max_calls < 0:
@@ -43,6 +45,7 @@ class ToolEnvironment:
     self._latency = Latency.parse(latency)
     self._rng = np.random.default_rng(seed)
     self._limits = python_limits or python_tool.Limits()
+    self.error_output = error_output  # the output a failed call shows the policy ("{error}": why)
     self.answer: Optional[str] = None
     self.calls = 0
 
@@ -56,13 +59,13 @@ class ToolEnvironment:
       try:
         return calculator.calculate(text), ""
       except calculator.CalculatorError as e:
-        return f"error: {e}", str(e)
+        return self.error_output.format(error=e), str(e)
     r = python_tool.run_python(text, self._limits)
     if r.timed_out:
-      return "error: timed out", "timed out"
+      return self.error_output.format(error="timed out"), "timed out"
     if r.exit_code != 0:
       last = (r.stderr.strip().splitlines() or [f"exit code {r.exit_code}"])[-1]
-      return f"error: {last}", last
+      return self.error_output.format(error=last), last
     return r.stdout.strip(), ""
 
   def step(self, action: str) -> StepResult:

@@ -118,13 +118,14 @@ class SequenceData(NamedTuple):
 
 
 def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0,
-                  token_reward: Optional[float] = None, min_new_tokens: int = 0,
+                  token_reward=None, min_new_tokens: int = 0,
                   weight: float = 1.0, action_mask=None) -> SequenceData:
   """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
   ``advantage`` is broadcast over the completion. ``token_reward`` (value advantages, see
-  ``asyncrl_jax.learner.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere: the
+  ``asyncrl_jax.learner.critic``) instead puts the trajectory's reward on its last token, 0 elsewhere
+  (or, an array, gives each completion token's reward: an episode's turn rewards): the
   ``advantages`` field then holds per-token rewards, which the learner's critic turns into advantages.
   ``min_new_tokens``: the first that many completion tokens were sampled with the stop tokens banned
   (``eos_banned``; None when 0). ``weight``: the loss weight of every token (``loss_weight``; None
@@ -143,7 +144,12 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
     if advantage:
       raise ValueError("give an advantage or a token_reward, not both")
     per_token = np.zeros(p + c)
-    per_token[-1] = token_reward
+    if np.ndim(token_reward):  # one per completion token (an episode's turn rewards)
+      if len(token_reward) != c:
+        raise ValueError(f"{c} completion tokens but {len(token_reward)} token rewards")
+      per_token[p:] = token_reward
+    else:
+      per_token[-1] = token_reward
   return SequenceData(
       tokens=np.r_[np.asarray(prompt), np.asarray(completion)].astype(np.int32), mask=mask,
       behav_logp=np.r_[np.zeros(p), np.zeros(c) if logprobs is None else logprobs].astype(np.float32),

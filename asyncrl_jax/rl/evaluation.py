@@ -14,12 +14,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from asyncrl_jax import models
+from asyncrl_jax import envs, models
 
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.generate import generate
 from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import batching
+from asyncrl_jax.rl.episode_eval import EpisodeEvaluator
 from asyncrl_jax.weights import local_transfer
 
 
@@ -141,8 +142,13 @@ class RunEvaluation:
                reward=None, prompt_ids=None):
     mesh = meshes.rollout or meshes.learner
     self.shardings = models.param_shardings(model_config, mesh)
-    self.evaluator = Evaluator.from_config(config, model_config, mesh, tokenizer, problems,
-                                           prompt_ids=prompt_ids)
+    episode = envs.episode_template(config)
+    if episode is not None:  # multi-turn episodes, scored by their environments
+      self.evaluator = EpisodeEvaluator.from_config(config, model_config, mesh, tokenizer, problems,
+                                                    episode=episode)
+    else:
+      self.evaluator = Evaluator.from_config(config, model_config, mesh, tokenizer, problems,
+                                             prompt_ids=prompt_ids)
     self.reward = reward
     self.kind = eval_kind(self.evaluator)
 

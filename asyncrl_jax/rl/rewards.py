@@ -101,7 +101,7 @@ class MathReward:
 
 
 def reward_fn(task: str) -> Callable[[str, str], float]:
-  if task == "arithmetic":
+  if task in ("arithmetic", "tool_arithmetic"):  # (the tool task's final answer, after the last '#')
     return arithmetic_reward
   return MathReward()
 

@@ -21,11 +21,12 @@ class LocalRollout:
   """One decode server on this process's rollout mesh; weights move with ``jax.device_put``."""
 
   def __init__(self, engine: Engine, learner_params, version: int, *,
-               on_weight_update: str = "recompute"):
+               on_weight_update: str = "recompute", env_workers: int = 8, env_timeout: float = 60.0):
     self.engine = engine
     params, _ = self._transfer(learner_params)
     self.server = DecodeServer(engine, params, version=version, server_id="decode-0",
-                               on_weight_update=on_weight_update)
+                               on_weight_update=on_weight_update, env_workers=env_workers,
+                               env_timeout=env_timeout)
     self.rollout_params = params
     self.version = version  # of the weights last handed to the decode server (lags the learner's)
     self.transfer_seconds = 0.0

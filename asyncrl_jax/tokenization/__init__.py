@@ -1,13 +1,19 @@
-"""Tokenizers: Hugging Face ``tokenizer.json`` (+ chat template) and the built-in task's tokenizer."""
+"""Tokenizers: Hugging Face ``tokenizer.json`` (+ chat template) and the built-in tasks' tokenizers."""
 
 from asyncrl_jax.tokenization.base import Tokenizer, TokenizerError
-from asyncrl_jax.tokenization.builtin import ArithmeticTokenizer
+from asyncrl_jax.tokenization.builtin import ArithmeticTokenizer, ToolTokenizer
 from asyncrl_jax.tokenization.hf import HFTokenizer
+
+BUILTIN = {"": ArithmeticTokenizer, "builtin:tools": ToolTokenizer}
 
 
 def load_tokenizer(path: str = "") -> Tokenizer:
-  """``HFTokenizer(path)`` for a directory with tokenizer.json; the built-in tokenizer for ``""``."""
-  return HFTokenizer(path) if path else ArithmeticTokenizer()
+  """The built-in tokenizer named ``path`` (``""``: arithmetic, ``"builtin:tools"``: arithmetic and
+  tool markers), else ``HFTokenizer(path)`` for a directory with tokenizer.json."""
+  if path in BUILTIN:
+    return BUILTIN[path]()
+  return HFTokenizer(path)
 
 
-__all__ = ["Tokenizer", "TokenizerError", "ArithmeticTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "TokenizerError", "ArithmeticTokenizer", "ToolTokenizer", "HFTokenizer",
+           "load_tokenizer", "BUILTIN"]

@@ -1,7 +1,10 @@
-"""Character tokenizer of the built-in arithmetic task (17 tokens).
+"""Character tokenizers of the built-in tasks.
 
-Text alphabet: digits, ``+ = ; #``. A prompt is ``<bos>3+4+5=`` and a completion is a chain of partial
-sums ``3+4=7;7+5=12;#12<eos>``.
+``ArithmeticTokenizer`` (17 tokens, ``""``): digits and ``+ = ; #``. A prompt is ``<bos>3+4+5=`` and a
+completion is a chain of partial sums ``3+4=7;7+5=12;#12<eos>``.
+
+``ToolTokenizer`` (21 tokens, ``"builtin:tools"``): the same and the tool markers ``[ ] { }``: a
+calculator call ``[123+4567]``, its result ``{4690}`` (an observation), then ``#4690<eos>``.
 """
 
 from __future__ import annotations
@@ -17,18 +20,19 @@ _CHARS = "0123456789+=;#"
 class ArithmeticTokenizer(Tokenizer):
   """ids: 0 pad, 1 bos, 2 eos, then one id per character of ``0123456789+=;#``."""
 
+  chars = _CHARS
   vocab_size = 3 + len(_CHARS)
   pad_id, bos_id, eos_id = PAD, BOS, EOS
   identity = "builtin-arithmetic-v1"
 
   def __init__(self):
-    self._to_id = {ch: 3 + i for i, ch in enumerate(_CHARS)}
+    self._to_id = {ch: 3 + i for i, ch in enumerate(self.chars)}
 
   def encode(self, text: str) -> list[int]:
     try:
       return [self._to_id[ch] for ch in text]
     except KeyError as e:
-      raise TokenizerError(f"character {e.args[0]!r} is not in the built-in vocabulary {_CHARS!r}") \
+      raise TokenizerError(f"character {e.args[0]!r} is not in the built-in vocabulary {self.chars!r}") \
           from None
 
   def decode(self, ids: Sequence[int]) -> str:
@@ -38,8 +42,16 @@ class ArithmeticTokenizer(Tokenizer):
       if not 0 <= i < self.vocab_size:
         raise TokenizerError(f"token id {i} is outside the built-in vocabulary [0, {self.vocab_size})")
       if i >= 3:
-        out.append(_CHARS[i - 3])
+        out.append(self.chars[i - 3])
     return "".join(out)
 
   def encode_prompt(self, question: str) -> list[int]:
     return [BOS] + self.encode(question)
+
+
+class ToolTokenizer(ArithmeticTokenizer):
+  """The arithmetic vocabulary and the tool markers: ids 17-20 are ``[ ] { }``."""
+
+  chars = _CHARS + "[]{}"
+  vocab_size = 3 + len(chars)
+  identity = "builtin-tools-v1"

@@ -216,6 +216,7 @@ class RunLog:
         transfer_seconds=transfer_seconds,
         tokens_per_s=self.rl_tokens / max(self.decode_seconds, 1e-9),
         learner_idle_fraction=learner_lib.idle_fraction(self.train_seconds, self.decode_seconds),
+        **episode_metrics(batch.trajectories),
         # cumulative decode counters since RL started, summed over the decode servers
         **self.decode.as_metrics(),
         **process_memory(),  # (learner process 0, and the decode server when it runs here)
@@ -231,7 +232,17 @@ class RunLog:
             "completion_text": self.tokenizer.decode(completion),
             "action_mask": [int(a) for a in t.actions],
             "versions": [int(v) for v in t.versions], "behaviour_logprobs": [float(x) for x in t.logprobs],
-            "reward": reward, "finish_reason": t.finish_reason, "interruptions": int(t.num_interruptions)}
+            "reward": reward, "finish_reason": t.finish_reason, "interruptions": int(t.num_interruptions),
+            **({"turns": self._turns(t)} if t.turns is not None else {})}
+
+  def _turns(self, t) -> list:
+    """An episode's turns with the text of each action and observation."""
+    out = []
+    for turn in t.turns:
+      (a0, a1), (o0, o1) = turn["action"], turn["observation"]
+      out.append(dict(turn, action_text=self.tokenizer.decode(t.completion_tokens[a0:a1]),
+                      observation_text=self.tokenizer.decode(t.completion_tokens[o0:o1])))
+    return out
 
   def append(self, record: dict, batch, alarms: tuple = ()) -> None:
     """Writes a version's record (metrics.jsonl, TensorBoard, progress bar) and its trained prompts;
@@ -286,14 +297,42 @@ class RunLog:
         "warm_start_seconds": meta.get("warm_start_seconds"),
         "learner_idle_fraction": learner_lib.idle_fraction(self.train_seconds, seconds),
         "decode_slot_utilization": self.decode.slot_utilization(self.decode_seconds),
+        **self._episode_summary(),
         **fields,
     }
+
+  def _episode_summary(self) -> dict:
+    """Over the trained episodes: tool calls per episode, tool errors, turns per episode (nothing
+    for single-turn runs)."""
+    episodes = sum(h.get("episodes", 0) for h in self.history)
+    if not episodes:
+      return {}
+    total = lambda k: sum(h.get(k, 0) * h.get("episodes", 0) for h in self.history)  # noqa: E731
+    return {"episodes": episodes,
+            "tool_calls_per_episode": total("tool_calls_per_episode") / episodes,
+            "turns_per_episode": total("turns_per_episode") / episodes,
+            "tool_errors": sum(h.get("tool_errors", 0) for h in self.history),
+            "env_failures": sum(h.get("env_failures", 0) for h in self.history)}
 
   def finish(self, summary: dict) -> None:
     """Writes summary.json and progress.png and prints the summary table."""
     paths.write_text(paths.join(self.workdir, "summary.json"), json.dumps(summary, indent=2))
     _plot(self.history, summary, paths.join(self.workdir, "progress.png"))
     _print_summary(summary)
+
+
+def episode_metrics(trajectories) -> dict:
+  """A batch's episodes (trajectories with turns): how many, tool calls and turns per episode, tool
+  errors (failed calls the episode survived), and episodes an environment failure or timeout ended."""
+  episodes = [t for t in trajectories if t.turns is not None]
+  if not episodes:
+    return {}
+  turns = [turn for t in episodes for turn in t.turns]
+  return {"episodes": len(episodes),
+          "tool_calls_per_episode": sum("tool" in turn.get("info", {}) for turn in turns) / len(episodes),
+          "turns_per_episode": len(turns) / len(episodes),
+          "tool_errors": sum(bool(turn.get("error")) for turn in turns),
+          "env_failures": sum(t.finish_reason in ("env_error", "env_timeout") for t in episodes)}
 
 
 def _print_summary(summary: dict) -> None:
@@ -309,6 +348,11 @@ def _print_summary(summary: dict) -> None:
           ("learner idle fraction", summary["learner_idle_fraction"]),
           ("decode slot utilization", summary["decode_slot_utilization"]),
           ("wall seconds", summary["wall_seconds"])]
+  if summary.get("episodes"):
+    rows += [("tool calls / turns per episode",
+              f"{summary['tool_calls_per_episode']:.2f} / {summary['turns_per_episode']:.2f}"),
+             ("tool errors / environment failures",
+              f"{summary['tool_errors']} / {summary['env_failures']}")]
   if summary.get("transfer_bytes_sent"):
     rows += [("learner processes / decode servers",
               f"{summary['learner_processes']} / {summary['decode_servers']}"),

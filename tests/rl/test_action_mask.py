@@ -90,3 +90,31 @@ def test_the_action_mask_crosses_the_wire_and_none_stays_none():
       assert back.action_mask is None and back.actions.all()
     else:
       assert back.action_mask.tolist() == MASK and back.actions.tolist() == [m == 1 for m in MASK]
+
+
+def test_episodes_and_turns_cross_the_wire():
+  turns = [{"action": [0, 3], "observation": [3, 5], "reward": 0.25, "latency": 0.1, "error": "",
+            "info": {"tool": "calculator"}, "ended": "stop"},
+           {"action": [5, 8], "observation": [8, 8], "reward": 1.0, "latency": 0.0, "error": "",
+            "info": {}, "ended": "eos"}]
+  t = _trajectory()
+  t.turns = turns
+  t.finish_reason = "env_done"
+  back = protocol.trajectory_from_pb(protocol.trajectory_to_pb(t))
+  assert back.turns == turns and back.finish_reason == "env_done" and back.episode_reward == 1.25
+  assert protocol.trajectory_from_pb(protocol.trajectory_to_pb(_trajectory())).turns is None
+  request = RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=9, request_id="r",
+                           episode={"env": "tools", "options": {"tool": "calculator"},
+                                    "problem": {"question": "1+1=", "answer": "2"}, "max_turns": 3})
+  assert protocol.request_from_pb(protocol.request_to_pb(request)).episode == request.episode
+  plain = RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=9, request_id="s")
+  assert protocol.request_from_pb(protocol.request_to_pb(plain)).episode is None
+  # a message whose turns are not a list of turns becomes a failed trajectory naming the field
+  message = protocol.trajectory_to_pb(t)
+  message.turns_json = '{"action": 1}'
+  failed = protocol.trajectory_from_pb(message)
+  assert failed.finish_reason == "error" and "turns_json" in failed.error
+  bad = protocol.request_to_pb(request)
+  bad.episode_json = "[1]"
+  with pytest.raises(ValueError, match="episode_json"):
+    protocol.request_from_pb(bad)

@@ -1,0 +1,140 @@
+"""Held-out evaluation of multi-turn episodes: each turn's actions decoded for every problem in one
+XLA program (``models.generate``), the environments stepped on the host between turns.
+
+A turn's decoding stops at the environment's stop sequence, which must be a single token of the
+tokenizer (as the built-in tool task's ``]`` is); the end-of-sequence token ends the final action.
+The next turn prefills each episode's whole context (prompt, actions and observations so far): the
+evaluation measures the policy, not the decode servers' cache reuse. The score of an episode is its
+environment's summed reward, as in training; a step that raises scores the episode 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from asyncrl_jax.envs import base as envs_base
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.models.generate import generate
+from asyncrl_jax.models.sampling import SamplingSettings
+from asyncrl_jax.tokenization import TokenizerError
+
+
+class EpisodeEvaluator:
+  """Greedy accuracy and pass@1 over ``samples`` sampled episodes per problem (``Evaluator``'s
+  interface: ``evaluate``, ``samples``, ``sampling``, ``last_samples``), and ``last_tools``: tool calls
+  and tool errors per episode of the last evaluation."""
+
+  def __init__(self, model_config, mesh, tokenizer, problems, *, episode: dict, max_prompt_len: int,
+               max_new_tokens: int, samples: int = 0, sampling=None, seed: int = 0):
+    if problems is None or jax.process_count() > 1:
+      raise ValueError("held-out evaluation of episodes runs in a single learner process")
+    self.model_config, self.mesh, self.tokenizer = model_config, mesh, tokenizer
+    self.problems, self.episode = problems, episode
+    self.max_new_tokens, self.max_prompt_len = max_new_tokens, max_prompt_len
+    self.samples = samples if sampling is not None and sampling.temperature > 0 else 0
+    self.sampling, self.seed = sampling, seed
+    stops = self._new_env().stop
+    ids = [tokenizer.encode(s) for s in stops]
+    if len(stops) != 1 or len(ids[0]) != 1:
+      raise ValueError(f"evaluating episodes needs an environment with one stop sequence of one token; "
+                       f"{episode['env']!r} stops at {stops!r} (tokens {ids})")
+    self.stop_id = ids[0][0]
+    if max_prompt_len + 2 * max_new_tokens > model_config.max_seq_len:
+      raise ValueError(f"evaluating episodes decodes up to data.max_completion_len={max_new_tokens} "
+                       f"tokens after contexts of up to data.max_prompt_len + data.max_completion_len: "
+                       f"model.max_seq_len={model_config.max_seq_len} must be >= "
+                       f"{max_prompt_len + 2 * max_new_tokens}")
+    self.prompt_ids = [tokenizer.encode_prompt(p["question"]) for p in problems]
+    for i, x in enumerate(self.prompt_ids):
+      if len(x) > max_prompt_len:
+        raise ValueError(f"eval problem {i} has {len(x)} prompt tokens > data.max_prompt_len")
+    self.last_samples: list = []
+    self.last_tools: dict = {}
+
+  @classmethod
+  def from_config(cls, config, model_config, mesh, tokenizer, problems, *, episode: dict):
+    return cls(model_config, mesh, tokenizer, problems, episode=episode,
+               max_prompt_len=config.data.max_prompt_len, max_new_tokens=config.data.max_completion_len,
+               samples=config.data.eval_samples, sampling=SamplingSettings.from_config(config),
+               seed=config.seed)
+
+  def _new_env(self):
+    return envs_base.make(self.episode["env"], **dict(self.episode.get("options") or {}))
+
+  def evaluate(self, params, reward=None) -> dict:
+    """``{"greedy": acc, "sampled": pass@1 or None}`` (``reward`` is unused: environments score)."""
+    del reward
+    result = {"greedy": float(self._run(params, 1, SamplingSettings(temperature=0.0), None).mean()),
+              "sampled": None}
+    if self.samples:
+      result["sampled"] = float(self._run(params, self.samples, self.sampling,
+                                          jax.random.key(self.seed)).mean())
+    return result
+
+  def _run(self, params, copies: int, settings, key) -> np.ndarray:
+    problems = [p for p in self.problems for _ in range(copies)]
+    n = len(problems)
+    envs = [self._new_env() for _ in problems]
+    for env, p in zip(envs, problems):
+      env.reset(dict(p))
+    prompts = [list(x) for x in self.prompt_ids for _ in range(copies)]
+    completions = [[] for _ in range(n)]
+    rewards = np.zeros(n, np.float32)
+    active = np.ones(n, bool)
+    calls = errors = 0
+    ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    rows = -(-n // ways) * ways
+    width = self.max_prompt_len + self.max_new_tokens
+    eos = set(self.tokenizer.stop_ids)
+    for turn in range(int(self.episode.get("max_turns") or 1)):
+      if not active.any():
+        break
+      batch = np.full((rows, width), self.tokenizer.pad_id, np.int32)
+      lengths = np.ones(rows, np.int32)
+      for i in range(n):
+        ctx = prompts[i] + completions[i] if active[i] else prompts[i][:1]
+        batch[i, :len(ctx)] = ctx
+        lengths[i] = len(ctx)
+      where = sharding.batch_sharding(self.mesh, 2), sharding.batch_sharding(self.mesh, 1)
+      out = generate(self.model_config, params, jax.device_put(batch, where[0]),
+                     jax.device_put(lengths, where[1]),
+                     None if key is None else jax.random.fold_in(key, turn),
+                     max_new_tokens=self.max_new_tokens, eos_id=self.stop_id, mesh=self.mesh,
+                     settings=settings)
+      tokens, ends = (np.asarray(x) for x in jax.device_get(out))
+      for i in np.flatnonzero(active):
+        action = tokens[i, :ends[i]].tolist()
+        final = next((j for j, t in enumerate(action) if t in eos), None)
+        if final is not None:
+          action = action[:final + 1]
+        room = self.max_new_tokens - len(completions[i])
+        over = len(action) > room or (final is None and action[-1:] != [self.stop_id])
+        completions[i] += action[:room]
+        if over:  # the token budget ran out inside the action: no answer
+          active[i] = False
+          continue
+        try:
+          result = envs[i].step(self.tokenizer.decode(action))
+        except Exception:  # pylint: disable=broad-except  (the episode scores 0; the count says so)
+          errors += 1
+          active[i] = False
+          continue
+        rewards[i] += result.reward
+        calls += "tool" in result.info
+        errors += bool(result.info.get("error"))
+        try:
+          observation = self.tokenizer.encode(result.observation) if not result.done else []
+        except TokenizerError:  # (the decode servers end such an episode as env_error too)
+          errors += 1
+          active[i] = False
+          continue
+        if result.done or len(completions[i]) + len(observation) + 1 > self.max_new_tokens:
+          active[i] = False
+          continue
+        completions[i] += observation
+    self.last_samples = [(p, np.asarray(c, np.int32), float(r))
+                         for p, c, r in zip(prompts, completions, rewards)]
+    self.last_tools = {"tool_calls_per_episode": calls / max(n, 1), "tool_errors": errors}
+    return rewards
+
