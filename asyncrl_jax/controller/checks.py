@@ -63,4 +63,30 @@ def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int,
     return "versions that decrease along the sequence (or are negative)"
   if versions.max() > newest_version:
     return f"a token of version {int(versions.max())}, newer than the learner's {newest_version}"
+  return _check_turns(t, request)
+
+
+def _check_turns(t: Trajectory, request: RolloutRequest) -> str:
+  """An episode's turns tile its completion in order (each action, then its observation), the
+  actions exactly the tokens the mask calls actions; a single-turn request has no turns."""
+  if (request.episode is None) != (t.turns is None):
+    return ("turns for a single-turn request" if request.episode is None
+            else "no turns for an episode's request")
+  if t.turns is None:
+    return ""
+  n, at = len(t.completion_tokens), 0
+  mask = t.actions
+  for k, turn in enumerate(t.turns):
+    try:
+      (a0, a1), (o0, o1) = turn["action"], turn["observation"]
+      float(turn.get("reward", 0.0))
+    except (KeyError, TypeError, ValueError):
+      return f"turn {k} lacks an action range, an observation range or a numeric reward"
+    if not at == a0 <= a1 == o0 <= o1 <= n:
+      return f"turn {k}: action {[a0, a1]} and observation {[o0, o1]} do not follow on at token {at}"
+    if not mask[a0:a1].all() or mask[o0:o1].any():
+      return f"turn {k}: the action mask disagrees with its action and observation ranges"
+    at = o1
+  if at != n:
+    return f"the turns cover {at} of {n} completion tokens"
   return ""

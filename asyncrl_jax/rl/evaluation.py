@@ -142,13 +142,8 @@ class RunEvaluation:
                reward=None, prompt_ids=None):
     mesh = meshes.rollout or meshes.learner
     self.shardings = models.param_shardings(model_config, mesh)
-    episode = envs.episode_template(config)
-    if episode is not None:  # multi-turn episodes, scored by their environments
-      self.evaluator = EpisodeEvaluator.from_config(config, model_config, mesh, tokenizer, problems,
-                                                    episode=episode)
-    else:
-      self.evaluator = Evaluator.from_config(config, model_config, mesh, tokenizer, problems,
-                                             prompt_ids=prompt_ids)
+    self.evaluator = evaluator_for(config, model_config, mesh, tokenizer, problems,
+                                   prompt_ids=prompt_ids)
     self.reward = reward
     self.kind = eval_kind(self.evaluator)
 
@@ -172,6 +167,15 @@ class RunEvaluation:
     if not sequences:
       return {}
     return {f"eval_{k}": v for k, v in critic.explained_variance(sequences).items()}
+
+
+def evaluator_for(config, model_config, mesh, tokenizer, problems, *, prompt_ids=None):
+  """The held-out evaluation a run's config asks for: of multi-turn episodes, scored by their
+  environments, when ``env.name`` is set (``EpisodeEvaluator``), else of single completions."""
+  episode = envs.episode_template(config)
+  if episode is not None:
+    return EpisodeEvaluator.from_config(config, model_config, mesh, tokenizer, problems, episode=episode)
+  return Evaluator.from_config(config, model_config, mesh, tokenizer, problems, prompt_ids=prompt_ids)
 
 
 def eval_kind(evaluator: Evaluator) -> str:

@@ -33,29 +33,15 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncrl_jax import models
 from asyncrl_jax.infra import sharding as sharding_lib
-from asyncrl_jax.infra.bucketing import PREFILL_BUCKETS, bounded_traces, bucket
+from asyncrl_jax.infra.bucketing import bounded_traces
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.sampling import SamplingSettings, ban_stop_tokens, sample
 from asyncrl_jax.rollout.compile_cache import ShapedPrefill
+from asyncrl_jax.rollout.extension import ContextExtension, Prefix, function
 from asyncrl_jax.rollout.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer
 from asyncrl_jax.rollout.prefill_plan import prefill_shapes
 from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
-
-
-def _function(method):
-  """A bound method as a plain function (what ``bounded_traces`` wraps)."""
-  def call(*args, **kwargs):
-    return method(*args, **kwargs)
-  return call
-
-
-@struct.dataclass
-class Prefix:
-  """A prefilled prompt: its KV cache ``[1, P, K, H]`` per layer and next-token logits ``[1, V]``."""
-  cache: Any
-  logits: jax.Array
-  length: jax.Array  # int32 scalar: true prompt length
 
 
 @struct.dataclass
@@ -69,7 +55,7 @@ class DecodeState:
   min_left: jax.Array  # [S] tokens the slot must still generate before a stop token may be sampled
 
 
-class Engine(engine_api.Engine):
+class Engine(ContextExtension, engine_api.Engine):
   """Our Flax decoder behind JetStream's Engine API, on one rollout mesh.
 
   Args:
@@ -132,25 +118,15 @@ class Engine(engine_api.Engine):
     # (donated: each call replaces it), host-made rows replicated.
     state = self._state_shardings()
     self._jit_prefill_insert = jax.jit(bounded_traces(
-        _function(self._prefill_insert_impl), "prefill_insert",
+        function(self._prefill_insert_impl), "prefill_insert",
         len(prefill_shapes(num_slots, max_prefill_length, prefill_tokens))), donate_argnums=(1,),
         in_shardings=(self.param_shardings, state) + (self._replicated,) * 5, out_shardings=state)
     self._jit_refill = jax.jit(bounded_traces(
-        _function(self._refill_impl), "refill",
+        function(self._refill_impl), "refill",
         len(prefill_shapes(num_slots, max_target_length, prefill_tokens))),
         donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 3,
         out_shardings=state)
-    self._batch_ways = batch_ways
-    self._extend_widths = sorted({bucket(n, PREFILL_BUCKETS, cap=max_target_length)
-                                  for n in range(1, max_target_length + 1)})
-    self._jit_extend = jax.jit(bounded_traces(
-        _function(self._extend_impl), "extend", len(self._extend_rows()) * len(self._extend_widths)),
-        donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 5,
-        out_shardings=state)
-    self._jit_park = jax.jit(lambda state, mask: state.replace(budget=jnp.where(mask, 0, state.budget)),
-                             donate_argnums=(0,), in_shardings=(state, self._replicated),
-                             out_shardings=state)
-    self._jit_prefill_more = jax.jit(self._prefill_more_impl, static_argnums=(3,))
+    self._set_up_extension(batch_ways, state)
     self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
     self._prefill_insert_calls = ShapedPrefill(self._jit_prefill_insert, "prefill_insert", num_slots,
                                                 max_prefill_length, background_compile,
@@ -382,52 +358,6 @@ class Engine(engine_api.Engine):
     return self._refill_calls(params, decode_state, lengths_s, tokens_sp,
                               [(lengths_s, 1), (slot_ids, self.num_slots)], self.prefill_call_overhead)
 
-  def _extend_rows(self) -> list:
-    """Row counts an ``extend`` call is padded to: the mesh's batch ways times powers of two, and
-    every slot."""
-    rows, n = [], self._batch_ways
-    while n < self.num_slots:
-      rows.append(n)
-      n *= 2
-    return rows + [self.num_slots]
-
-  def extend(self, params, decode_state: DecodeState, rows: Sequence[Sequence[int]],
-             slots: Sequence[int], starts: Sequence[int], budgets: Sequence[int]) -> DecodeState:
-    """Appends ``rows[i]`` to slot ``slots[i]``'s context, which holds ``starts[i]`` tokens: their keys
-    and values are computed attending to the slot's cache (nothing before ``starts[i]`` is
-    recomputed), the slot's next-token logits become those after the last new token, and it may then
-    generate ``budgets[i]`` tokens (0: it stays parked). Cache entries at and beyond ``starts[i]``
-    (tokens decoded past the end of an action) are overwritten or never read again."""
-    if not rows or not len(rows) == len(slots) == len(starts) == len(budgets):
-      raise ValueError("extend needs one slot, start and budget per row, and at least one row")
-    n = len(rows)
-    for i, (row, slot, start, budget) in enumerate(zip(rows, slots, starts, budgets)):
-      if not 0 <= slot < self.num_slots:
-        raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
-      if not len(row) or start < 1:
-        raise ValueError(f"row {i}: needs tokens and a context (start={start} >= 1) to extend")
-      if start + len(row) + budget > self.max_target_length or budget < 0:
-        raise ValueError(f"row {i}: {start} tokens + {len(row)} new + budget {budget} exceed the "
-                         f"cache length {self.max_target_length}")
-    width = bucket(max(len(r) for r in rows), PREFILL_BUCKETS, cap=self.max_target_length)
-    padded = next(r for r in self._extend_rows() if r >= n)
-    tokens = np.zeros((padded, width), np.int32)
-    lengths = np.ones(padded, np.int32)
-    starts_n = np.ones(padded, np.int32)
-    slot_ids = np.full(padded, self.num_slots, np.int32)  # padding rows: dropped by the scatter
-    budget_n = np.zeros(padded, np.int32)
-    for i, (row, slot, start, budget) in enumerate(zip(rows, slots, starts, budgets)):
-      tokens[i, :len(row)] = row
-      lengths[i], starts_n[i], slot_ids[i], budget_n[i] = len(row), start, slot, budget
-    host = jax.device_put((tokens, starts_n, lengths, slot_ids, budget_n), self._replicated)
-    return self._jit_extend(params, decode_state, *host)
-
-  def park(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-    """Stops ``slots`` from generating (budget 0) while they keep their cache and position."""
-    mask = np.zeros(self.num_slots, bool)
-    mask[list(slots)] = True
-    return self._jit_park(decode_state, jax.device_put(mask, self._replicated))
-
   def compiled_shapes(self) -> dict:
     """The (rows, width) shapes compiled so far, per batched prefill ("prefill_insert", "refill")."""
     return {c.name: c.compiled for c in (self._prefill_insert_calls, self._refill_calls)}
@@ -468,38 +398,6 @@ class Engine(engine_api.Engine):
     logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache,
                                         logits_at_b=jnp.full((1,), true_length - 1, jnp.int32))
     return Prefix(cache=cache, logits=logits[:, 0], length=jnp.int32(true_length))
-
-  def _prefill_more_impl(self, params, prefix: Prefix, tokens_1p, true_length: int) -> Prefix:
-    held, p = prefix.cache[0][0].shape[1], tokens_1p.shape[1]
-    cache = jax.tree.map(
-        lambda c: jnp.zeros((1, held + p) + c.shape[2:], c.dtype).at[:, :held].set(c), prefix.cache)
-    return self._append(params, cache, prefix.length, tokens_1p, true_length, prefix.length[None])
-
-  def _append(self, params, cache, start, tokens_1p, true_length, starts_b):
-    """The cache and Prefix after ``tokens_1p[:, :true_length]`` at positions ``starts_b + j``."""
-    p = tokens_1p.shape[1]
-    j = jnp.arange(p, dtype=jnp.int32)[None]
-    total = cache[0][0].shape[1]
-    positions = jnp.where(j < true_length, starts_b[:, None] + j, total)  # padding: writes dropped
-    logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache,
-                                        logits_at_b=jnp.full((1,), true_length - 1, jnp.int32))
-    return Prefix(cache=cache, logits=logits[:, 0], length=(start + true_length).astype(jnp.int32))
-
-  def _extend_impl(self, params, state: DecodeState, tokens_nw, starts_n, lengths_n, slots_n,
-                   budgets_n) -> DecodeState:
-    # the slots' caches gathered (a padding row reads the last slot and writes nothing back), the new
-    # tokens decoded at their positions against them, written back into the slots
-    sub = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), state.cache)
-    j = jnp.arange(tokens_nw.shape[1], dtype=jnp.int32)[None]
-    positions = jnp.where(j < lengths_n[:, None], starts_n[:, None] + j, self.max_target_length)
-    logits, sub = models.apply_decode(self.config, params, tokens_nw, positions, sub, self._mesh,
-                                      logits_at_b=lengths_n - 1)
-    cache = jax.tree.map(lambda c, s: c.at[slots_n].set(s, mode="drop"), state.cache, sub)
-    return state.replace(cache=cache,
-                         logits=state.logits.at[slots_n].set(logits[:, 0], mode="drop"),
-                         positions=state.positions.at[slots_n].set(starts_n + lengths_n, mode="drop"),
-                         budget=state.budget.at[slots_n].set(budgets_n, mode="drop"),
-                         min_left=state.min_left.at[slots_n].set(0, mode="drop"))
 
   def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
     def put(big, small):

@@ -63,7 +63,7 @@ def main(argv=None) -> None:
   import os  # pylint: disable=import-outside-toplevel
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rl.evaluation import Evaluator, eval_kind, primary  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.evaluation import eval_kind, evaluator_for, primary  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rl.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
                    init=config.model.hf_path or "random", mode="rft" if rft.value else "demonstrations")
     evaluator = None
     if evaluate.value:
-      evaluator = Evaluator.from_config(
+      evaluator = evaluator_for(
           config, model_config, mesh, tokenizer,
           pipeline.read_split(b, builder_lib.held_out_split(b), config.data.eval_problems))
       before = evaluator.evaluate(params, reward_fn(config.data.task))

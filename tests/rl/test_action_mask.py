@@ -118,3 +118,26 @@ def test_episodes_and_turns_cross_the_wire():
   bad.episode_json = "[1]"
   with pytest.raises(ValueError, match="episode_json"):
     protocol.request_from_pb(bad)
+
+
+def test_the_checks_read_an_episodes_turns():
+  request = RolloutRequest(prompt_tokens=PROMPT, max_new_tokens=16, request_id="t",
+                           episode={"env": "tools", "problem": {}})
+  good = [{"action": [0, 3], "observation": [3, 5], "reward": 0.0},
+          {"action": [5, 8], "observation": [8, 8], "reward": 1.0}]
+  check = lambda t: check_trajectory(t, request, vocab_size=CFG.vocab_size, newest_version=3)  # noqa: E731
+  t = _trajectory()
+  t.turns = good
+  assert check(t) == ""
+  for turns, problem in [
+      (None, "no turns"),
+      ([good[0]], "cover 5 of 8"),
+      ([good[0], dict(good[1], action=[6, 8])], "do not follow on"),
+      ([dict(good[0], action=[0, 4], observation=[4, 5]), good[1]], "mask disagrees"),
+      ([{"action": [0, 3]}, good[1]], "lacks"),
+  ]:
+    t.turns = turns
+    assert problem in check(t), turns
+  plain = RolloutRequest(prompt_tokens=PROMPT, max_new_tokens=16, request_id="t")
+  t.turns = good
+  assert "single-turn" in check_trajectory(t, plain, vocab_size=CFG.vocab_size, newest_version=3)

@@ -225,3 +225,46 @@ def test_budget_and_unknown_environment(params_a):
   assert by_id["bad"].finish_reason == "env_error" and "no-such-env" in by_id["bad"].error
   assert by_id["p0"].finish_reason in ("length", "eos")
   assert len(by_id["p0"].completion_tokens) <= 6
+
+
+def test_stop_versus_budget(params_a):
+  """An action that reaches the token budget ends the episode as "length" with exactly the budget
+  used; one that ends at the end of sequence is a natural stop ("eos"), scored by the environment."""
+  server = _server(params_a)
+  requests = _episodes(12, max_new=8, max_turns=4, seed=9)
+  server.submit(*requests)
+  server.run_until_idle()
+  trajectories = _drain(server)
+  reasons = {t.finish_reason for t in trajectories}
+  assert reasons <= {"eos", "length"} and "length" in reasons
+  for t in trajectories:
+    if t.finish_reason == "length":
+      dropped = t.turns and t.turns[-1]["info"].get("dropped_observation_tokens")
+      assert len(t.completion_tokens) == 8 or dropped, (t.completion_tokens, t.turns)
+      assert t.episode_reward == pytest.approx(0.25 * sum(turn["ended"] == "stop" for turn in t.turns))
+    else:
+      assert t.completion_tokens[-1] == TOK.eos_id and t.turns[-1]["ended"] == "eos"
+      assert t.turns[-1]["reward"] == 1.0
+
+
+def test_a_restart_drops_parked_episodes_and_their_late_answers(params_a, params_b):
+  """A new learner's weights (restart) drop the episodes in flight, parked ones included; the
+  environment's answer that arrives afterwards is dropped too, and the slots serve the new work."""
+  server = _server(params_a)
+  server.submit(*_episodes(4, seed=2, sleep=0.5))
+  for _ in range(200):
+    server.iteration()
+    if any(b is not None and b.waiting for b in server._slots):  # pylint: disable=protected-access
+      break
+  else:
+    pytest.fail("no episode parked")
+  server.update_weights(params_b, version=0, restart=True)
+  server.iteration()
+  assert server.num_active == 0
+  time.sleep(0.8)  # the parked episodes' environments answer now
+  fresh = _episodes(2, seed=3)
+  server.submit(*fresh)
+  server.run_until_idle()
+  got = _drain(server)
+  assert sorted(t.trajectory_id for t in got) == sorted(r.request_id for r in fresh)
+  assert all((t.versions[t.actions] == 0).all() for t in got)
