@@ -87,7 +87,8 @@ class EpisodeEvaluator:
     rows = -(-n // ways) * ways
     width = self.max_prompt_len + self.max_new_tokens
     eos = set(self.tokenizer.stop_ids)
-    for turn in range(int(self.episode.get("max_turns") or 1)):
+    max_turns = int(self.episode.get("max_turns") or 1)
+    for turn in range(max_turns):
       if not active.any():
         break
       batch = np.full((rows, width), self.tokenizer.pad_id, np.int32)
@@ -129,7 +130,8 @@ class EpisodeEvaluator:
           errors += 1
           active[i] = False
           continue
-        if result.done or len(completions[i]) + len(observation) + 1 > self.max_new_tokens:
+        if (result.done or turn + 1 == max_turns  # (the decode servers end such an episode too)
+            or len(completions[i]) + len(observation) + 1 > self.max_new_tokens):
           active[i] = False
           continue
         completions[i] += observation

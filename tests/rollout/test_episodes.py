@@ -23,7 +23,7 @@ TOK = ArithmeticTokenizer()
 SLEEPS = []  # (start, end) of every environment step that slept
 
 
-@register("test-echo")
+@register("episode-echo")
 class EchoEnv:
   """Ends an action at ';' and answers '55=' (reward 0.25 a turn); a final action (at the end of
   sequence) scores 1. Options: ``sleep`` before answering, ``fail_at`` (raise at that turn),
@@ -71,7 +71,7 @@ def _episodes(n, max_new=60, max_turns=4, seed=0, **env_options):
   rng = np.random.default_rng(seed)
   return [RolloutRequest(prompt_tokens=[1] + list(rng.integers(3, 17, 4)), max_new_tokens=max_new,
                          prompt_id=f"p{i}", group_id=i,
-                         episode={"env": "test-echo", "options": env_options,
+                         episode={"env": "episode-echo", "options": env_options,
                                   "problem": {"question": "1+2="}, "max_turns": max_turns})
           for i in range(n)]
 
