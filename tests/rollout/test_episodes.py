@@ -76,6 +76,15 @@ def _episodes(n, max_new=60, max_turns=4, seed=0, **env_options):
           for i in range(n)]
 
 
+def _until_parked(server):
+  """Drives the loop until an episode's slot is parked for its environment."""
+  for _ in range(200):
+    server.iteration()
+    if any(b is not None and b.waiting for b in server._slots):  # pylint: disable=protected-access
+      return
+  pytest.fail("no episode parked")
+
+
 def _drain(server):
   out = []
   while not server.finished.empty():
@@ -145,12 +154,7 @@ def test_weight_update_while_parked_re_prefills_the_context(params_a, params_b):
   the version recorded with it."""
   server = _server(params_a)
   server.submit(*_episodes(4, seed=2, sleep=0.3))
-  for _ in range(200):
-    server.iteration()
-    if any(b is not None and b.waiting for b in server._slots):  # pylint: disable=protected-access
-      break
-  else:
-    pytest.fail("no episode parked")
+  _until_parked(server)
   server.update_weights(params_b, version=1)
   server.run_until_idle()
   trajectories = _drain(server)
@@ -252,12 +256,7 @@ def test_a_restart_drops_parked_episodes_and_their_late_answers(params_a, params
   environment's answer that arrives afterwards is dropped too, and the slots serve the new work."""
   server = _server(params_a)
   server.submit(*_episodes(4, seed=2, sleep=0.5))
-  for _ in range(200):
-    server.iteration()
-    if any(b is not None and b.waiting for b in server._slots):  # pylint: disable=protected-access
-      break
-  else:
-    pytest.fail("no episode parked")
+  _until_parked(server)
   server.update_weights(params_b, version=0, restart=True)
   server.iteration()
   assert server.num_active == 0
