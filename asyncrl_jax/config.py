@@ -94,7 +94,8 @@ def _validate_env(config) -> None:
     raise ConfigError(f"env.options={env.options!r}: not JSON ({e})") from None
   _check(isinstance(options, dict), "env.options", env.options, "must be a JSON object")
   _number(config, "env.max_turns", lambda v: v >= 1, "an integer >= 1", integer=True)
-  _number(config, "env.workers", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "env.workers", lambda v: v >= 0, "an integer >= 0 (0: one per decode slot)",
+          integer=True)
   _number(config, "env.step_timeout", lambda v: v > 0, "a number of seconds > 0")
   if config.data.task == "tool_arithmetic":
     _check(env.name == "tools", "env.name", env.name, "must be 'tools' for data.task='tool_arithmetic'")

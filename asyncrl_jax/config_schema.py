@@ -253,7 +253,9 @@ def _env_section() -> ml_collections.ConfigDict:
       # "latency": "lognormal:median=0.2,sigma=1.15"}' (tool_arithmetic adds its markers itself)
       options="{}",
       max_turns=4,  # actions per episode; the episode then ends with finish reason "turns"
-      workers=8,  # environment steps running at once per decode server (a thread pool)
+      # environment steps running at once per decode server (a thread pool); 0 = one per decode
+      # slot (a parked episode never waits for a worker)
+      workers=0,
       step_timeout=30.0,  # seconds; a longer step ends its episode as "env_timeout"
   ))
 

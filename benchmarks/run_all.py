@@ -142,6 +142,9 @@ BENCHMARKS = {
         ["--name", "staleness_ablation_repeat", "--arms", "ppo", "--etas", "0", "--seeds", "1"],
         "(Run with the learning-rate schedule bug: see staleness_ablation.) The grid's ppo eta-0 seed-0 arm run again, same config, seed and warm start, to see how far one "
         "run of an arm is from another (the grid's record: 43.0)."),
+    "slow_tools": ("slow_tools.py", ["--quick"], [],
+                   "Seed: 4 rollouts finishing at 5, 8, 13 and 40 s wait 23.5 s on average for their group; "
+                   "asynchrony should hide slow tools where the learner is not the bottleneck."),
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),

@@ -326,3 +326,22 @@ def test_results_assembly_keeps_hand_written_sections(tmp_path, monkeypatch):
   assert text.count("## soak") == 1 and "three runs, written by hand" in text
   assert text.index("## soak") > text.index("## transfer")
   assert "## gone" not in text and "## straggler\n\n" in text  # (not run yet: says so)
+
+
+def test_slow_tools_group_wait_is_the_seeds_and_predictions_follow_the_latency():
+  from benchmarks import slow_tools  # pylint: disable=import-outside-toplevel
+  assert slow_tools.group_wait([5, 8, 13, 40], 4) == pytest.approx(23.5)  # the seed's worked example
+  assert slow_tools.group_wait([5, 8, 13, 40, 1, 1, 1, 1], 4) == pytest.approx(23.5 / 2)
+  assert slow_tools.group_wait([5, 8], 1) == 0.0
+  wide = slow_tools.predictions(group_size=8, batch=128, calls_per_episode=1.0, median=0.2, sigma=1.15,
+                                reference_seconds_per_version=1.0)
+  narrow = slow_tools.predictions(group_size=8, batch=128, calls_per_episode=1.0, median=0.2, sigma=0.01,
+                                  reference_seconds_per_version=1.0)
+  # no spread: no wait, and a batch's slowest call is the median
+  assert narrow["group_wait_seconds"] < 0.01 and narrow["sync_seconds_per_version"] == pytest.approx(1.2, abs=0.01)
+  # lognormal(ln 0.2, 1.15): mean 0.2 * exp(1.15**2 / 2) = 0.387 s a call
+  assert wide["mean_tool_seconds_per_episode"] == pytest.approx(0.387, rel=0.1)
+  assert wide["group_wait_seconds"] > 0.3 and wide["sync_seconds_per_version"] > 3.0
+  none = slow_tools.predictions(group_size=8, batch=128, calls_per_episode=0.0, median=0.2, sigma=1.15,
+                                reference_seconds_per_version=1.0)
+  assert none["group_wait_seconds"] == 0.0 and none["sync_seconds_per_version"] == 1.0

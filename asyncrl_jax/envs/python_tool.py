@@ -67,14 +67,18 @@ def _unshare_network() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def network_isolation_available() -> bool:
-  """Whether a child of this process may have a network namespace of its own (tried once)."""
+  """Whether a child of this process may have a network namespace of its own (tried once, in a
+  fresh interpreter: forking a process that runs threads, such as a decode server, to try it here
+  would be fragile)."""
   if not sys.platform.startswith("linux"):
     return False
-  pid = os.fork()
-  if pid == 0:  # the child tries, and says by its exit code
-    os._exit(0 if _unshare_network() else 1)  # pylint: disable=protected-access
-  _, status = os.waitpid(pid, 0)
-  return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+  probe = ("import ctypes, sys; "
+           f"sys.exit(0 if ctypes.CDLL(None, use_errno=True).unshare({CLONE_NEWNET}) == 0 else 1)")
+  try:
+    return subprocess.run([sys.executable, "-I", "-c", probe], env={}, timeout=30,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+  except (OSError, subprocess.SubprocessError):
+    return False
 
 
 def _limit(limits: Limits, isolate: bool) -> None:  # runs in the child, before exec

@@ -67,7 +67,8 @@ def main(argv=None) -> None:
     # No weights until the learner pushes its current version (version -1 accepts any).
     server = DecodeServer(engine, None, version=-1, server_id=_SERVER_ID.value,
                           on_weight_update=config.rollout.on_weight_update,
-                          warm_up=config.rollout.warm_up, env_workers=config.env.workers,
+                          warm_up=config.rollout.warm_up,
+                          env_workers=config.env.workers or config.rollout.num_slots,
                           env_timeout=config.env.step_timeout)
     host = config.rollout.host
     service = RolloutService(server, WeightReceiver(f"{host}:0"))

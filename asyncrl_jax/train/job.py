@@ -180,7 +180,8 @@ def _rollout(config, meshes, engine, group: LearnerGroup, data: _Data, workdir: 
         f"({', '.join(f'{s.server_id} at {s.address}' for s in servers)}) in {time.time() - t:.2f}s")
     return backend
   return LocalRollout(engine, learner.params, learner.version,
-                      on_weight_update=config.rollout.on_weight_update, env_workers=config.env.workers,
+                      on_weight_update=config.rollout.on_weight_update,
+                      env_workers=config.env.workers or config.rollout.num_slots,
                       env_timeout=config.env.step_timeout)
 
 

@@ -256,7 +256,10 @@ class RunLog:
                                       "digests": batch.prompt_digests,
                                       "trajectory_ids": [t.trajectory_id for t in batch.trajectories],
                                       "completion_lengths": [len(t.completion_tokens)
-                                                             for t in batch.trajectories]})
+                                                             for t in batch.trajectories],
+                                      # when each finished (a group's last one releases it)
+                                      "finished_at": [round(t.finished_at, 3)
+                                                      for t in batch.trajectories]})
     n = self.trajectories_per_version
     for t, reward in (zip(batch.trajectories[:n], batch.rewards[:n]) if n else ()):
       _append_jsonl(self.trajectories_path, self.trajectory_record(batch.version, t, float(reward)))
