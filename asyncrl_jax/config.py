@@ -98,7 +98,8 @@ def _validate_env(config) -> None:
           integer=True)
   _number(config, "env.step_timeout", lambda v: v > 0, "a number of seconds > 0")
   if config.data.task == "tool_arithmetic":
-    _check(env.name == "tools", "env.name", env.name, "must be 'tools' for data.task='tool_arithmetic'")
+    _check(bool(env.name), "env.name", env.name, "must name an environment for "
+           "data.task='tool_arithmetic' ('tools': the built-in calculator)")
     _check(config.data.tokenizer_path == "builtin:tools", "data.tokenizer_path",
            config.data.tokenizer_path, "must be 'builtin:tools' for data.task='tool_arithmetic'")
 

@@ -247,7 +247,8 @@ def _log_section() -> ml_collections.ConfigDict:
 def _env_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       # the registered environment every rollout runs in as a multi-turn episode ("tools": the
-      # built-in calculator / Python tool environment, envs.tools_env); "" = single-turn completions
+      # built-in calculator / Python tool environment, envs.tools_env; "openai-agent": an agent
+      # program written against an OpenAI-compatible client, envs.agent); "" = single-turn completions
       name="",
       # JSON object of the environment's constructor options, e.g. '{"tool": "calculator",
       # "latency": "lognormal:median=0.2,sigma=1.15"}' (tool_arithmetic adds its markers itself)

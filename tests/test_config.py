@@ -115,7 +115,7 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("data.eval_samples", -1, r"data.eval_samples=-1 is not allowed"),
     ("data.max_terms", 1, r"data.max_terms=1 is not allowed: an integer >= data.min_terms \(2\)"),
     ("data.max_digits", 0, r"data.max_digits=0 is not allowed: an integer in \[1, 9\]"),
-    ("data.task", "tool_arithmetic", r"env.name='' is not allowed: must be 'tools' for data.task"),
+    ("data.task", "tool_arithmetic", r"env.name='' is not allowed: must name an environment for data.task"),
     ("env.options", "not json", r"env.options='not json': not JSON"),
     ("env.options", "[1, 2]", r"env.options='\[1, 2\]' is not allowed: must be a JSON object"),
     ("env.max_turns", 0, r"env.max_turns=0 is not allowed: an integer >= 1"),

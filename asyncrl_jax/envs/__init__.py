@@ -1,9 +1,10 @@
 """Environments for multi-turn, tool-using episodes: the interface (``base``), the registry that builds
 them by name, the worker pool that runs their steps off the decode loop with a timeout each
-(``pool``), and the built-in tools (``calculator``, ``python_tool``) with optional latency
-(``latency``) for benchmarks."""
+(``pool``), the built-in tools (``calculator``, ``python_tool``) with optional latency (``latency``)
+for benchmarks, and agent programs written against an OpenAI-compatible client (``agent``, served by
+``chat_endpoint``)."""
 
-from asyncrl_jax.envs import tools_env  # noqa: F401,E402  (registers the built-in environments)
+from asyncrl_jax.envs import agent, tools_env  # noqa: F401,E402  (registers the built-in environments)
 
 import json  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -21,6 +22,7 @@ def episode_template(config) -> Optional[dict]:
     return None
   if env.name not in names():
     raise ValueError(f"env.name={env.name!r} is not a registered environment; registered: {names()}")
-  options = dict(tool_arithmetic.ENV_OPTIONS) if config.data.task == "tool_arithmetic" else {}
+  builtin = config.data.task == "tool_arithmetic" and env.name == "tools"
+  options = dict(tool_arithmetic.ENV_OPTIONS) if builtin else {}
   options.update(json.loads(env.options))
   return {"env": env.name, "options": options, "max_turns": int(env.max_turns)}

@@ -7,18 +7,22 @@ call) or at its own end-of-sequence. ``step(action)`` answers with a ``StepResul
 Environments are plain Python classes, registered under a name (``@register("name")``) and built with
 ``make(name, **options)``, so a user adds one without touching the engine. A step may raise or take
 too long; ``pool.EnvironmentPool`` turns either into the end of that episode, never of the run.
+An environment may also have ``close()``, called once when its episode ends for any reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, runtime_checkable
+import inspect
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
   """What the environment answers to one action."""
-  observation: str = ""  # appended to the context (not a policy action: no loss on it)
+  # appended to the context (not a policy action: no loss on it): text, or token ids (e.g. a chat
+  # template's markers, which text would not round-trip)
+  observation: "str | list" = ""
   reward: float = 0.0  # this turn's reward
   done: bool = False  # the episode ends here (the environment's own decision)
   info: dict = dataclasses.field(default_factory=dict)  # e.g. {"tool": "calculator", "error": "..."}
@@ -32,7 +36,9 @@ class Environment(Protocol):
 
   def reset(self, problem: dict) -> str:
     """Starts an episode on ``problem`` (e.g. ``{"question": ..., "answer": ...}``); returns the
-    first context text."""
+    first context text. The decode server calls it on its loop thread when the episode takes its
+    slot, so it must be quick (``step`` is what runs on a worker); the first context the policy sees
+    is the request's prompt, which the controller renders from the problem as for every task."""
 
   def step(self, action: str) -> StepResult:
     """The environment's answer to the policy's action (its text, stop sequence included)."""
@@ -55,11 +61,16 @@ def names() -> list[str]:
   return sorted(_REGISTRY)
 
 
-def make(name: str, **options) -> Environment:
-  """A new environment of the class registered as ``name``, built with ``options``."""
+def make(name: str, context: Optional[dict] = None, **options) -> Environment:
+  """A new environment of the class registered as ``name``, built with ``options``, and with those
+  entries of ``context`` (what the caller holds, e.g. its ``tokenizer``) that its constructor takes
+  by name."""
   if name not in _REGISTRY:
     raise ValueError(f"unknown environment {name!r}; registered: {names()}")
-  env = _REGISTRY[name](**options)
+  cls = _REGISTRY[name]
+  accepted = inspect.signature(cls).parameters
+  extra = {k: v for k, v in (context or {}).items() if k in accepted and k not in options}
+  env = cls(**options, **extra)
   if not isinstance(env, Environment):
     raise TypeError(f"environment {name!r} ({type(env).__qualname__}) lacks stop, reset or step")
   return env

@@ -60,7 +60,8 @@ class EpisodeEvaluator:
                seed=config.seed)
 
   def _new_env(self):
-    return envs_base.make(self.episode["env"], **dict(self.episode.get("options") or {}))
+    return envs_base.make(self.episode["env"], context={"tokenizer": self.tokenizer},
+                          **dict(self.episode.get("options") or {}))
 
   def evaluate(self, params, reward=None) -> dict:
     """``{"greedy": acc, "sampled": pass@1 or None}`` (``reward`` is unused: environments score)."""
@@ -125,7 +126,8 @@ class EpisodeEvaluator:
         calls += "tool" in result.info
         errors += bool(result.info.get("error"))
         try:
-          observation = self.tokenizer.encode(result.observation) if not result.done else []
+          observation = ([] if result.done else self.tokenizer.encode(result.observation)
+                         if isinstance(result.observation, str) else list(result.observation))
         except TokenizerError:  # (the decode servers end such an episode as env_error too)
           errors += 1
           active[i] = False
@@ -135,6 +137,9 @@ class EpisodeEvaluator:
           active[i] = False
           continue
         completions[i] += observation
+    for env in envs:
+      if hasattr(env, "close"):
+        env.close()
     self.last_samples = [(p, np.asarray(c, np.int32), float(r))
                          for p, c, r in zip(prompts, completions, rewards)]
     self.last_tools = {"tool_calls_per_episode": calls / max(n, 1), "tool_errors": errors}

@@ -70,7 +70,8 @@ class Episodes:
     fails (the episode then ends as ``env_error`` before decoding)."""
     spec = b.request.episode
     try:
-      env = envs_base.make(spec["env"], **dict(spec.get("options") or {}))
+      env = envs_base.make(spec["env"], context={"tokenizer": self.tokenizer},
+                           **dict(spec.get("options") or {}))
       env.reset(dict(spec.get("problem") or {}))
     except Exception as e:  # pylint: disable=broad-except  (the episode ends, not the run)
       return f"environment {spec.get('env')!r} did not start: {type(e).__name__}: {e}"[:500]
@@ -155,8 +156,11 @@ class Episodes:
     if max_turns and len(b.turns) >= max_turns:
       return Finish("turns")
     try:
-      tokens = self.tokenizer.encode(result.observation)
-    except TokenizerError as e:
+      tokens = (self.tokenizer.encode(result.observation) if isinstance(result.observation, str)
+                else [int(t) for t in result.observation])
+      if any(not 0 <= t < self.tokenizer.vocab_size for t in tokens):
+        raise TokenizerError(f"observation token ids outside [0, {self.tokenizer.vocab_size})")
+    except (TokenizerError, TypeError, ValueError) as e:
       self.errors += 1
       turn["error"] = f"observation not encodable: {e}"[:500]
       return Finish("env_error", turn["error"])
@@ -164,6 +168,16 @@ class Episodes:
       turn["info"]["dropped_observation_tokens"] = len(tokens)
       return Finish("length")
     return Resume(tokens)
+
+  def ended(self, b: _Building) -> None:
+    """The episode of ``b`` ended: its environment's ``close`` (if it has one) runs now."""
+    close = getattr(b.env, "close", None)
+    b.env = None
+    if close is not None:
+      try:
+        close()
+      except Exception:  # pylint: disable=broad-except  (an environment's cleanup never stops the loop)
+        pass
 
   def close(self) -> None:
     if self._pool is not None:

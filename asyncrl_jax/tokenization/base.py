@@ -35,6 +35,17 @@ class Tokenizer(abc.ABC):
   def encode_prompt(self, question: str) -> list[int]:
     """Token ids of a user turn ``question`` followed by the start of the assistant's answer."""
 
+  def encode_chat(self, messages: list) -> list[int]:
+    """Token ids of a conversation (``[{"role", "content"}, ...]``) followed by the start of the
+    assistant's answer: a chat client's first request."""
+    raise TokenizerError(f"{type(self).__name__} has no chat template")
+
+  def encode_chat_continuation(self, history: list, new: list) -> list[int]:
+    """Token ids of messages ``new`` after ``history`` (whose last message is the assistant's),
+    followed by the start of the next answer: what a chat client's next request adds to the
+    context the policy already holds."""
+    raise TokenizerError(f"{type(self).__name__} has no chat template")
+
   @property
   def stop_ids(self) -> tuple[int, ...]:
     return (self.eos_id,)

@@ -48,6 +48,16 @@ class ArithmeticTokenizer(Tokenizer):
   def encode_prompt(self, question: str) -> list[int]:
     return [BOS] + self.encode(question)
 
+  # The built-in chat template: <bos>, then every message's content as it is (an assistant message
+  # ends where the policy's action ended); no roles, no generation prompt. A conversation of one user
+  # message is the task's prompt.
+  def encode_chat(self, messages: list) -> list[int]:
+    return [BOS] + self.encode_chat_continuation([], messages)
+
+  def encode_chat_continuation(self, history: list, new: list) -> list[int]:
+    del history
+    return [t for m in new for t in self.encode(str(m.get("content") or ""))]
+
 
 class ToolTokenizer(ArithmeticTokenizer):
   """The arithmetic vocabulary and the tool markers: ids 17-20 are ``[ ] { }``."""

@@ -92,6 +92,21 @@ class HFTokenizer(Tokenizer):
     return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                  bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
+  def encode_chat(self, messages: list) -> list[int]:
+    if self._template is None:
+      raise TokenizerError("tokenizer_config.json has no chat_template")
+    return self.encode(self.render_chat(messages))
+
+  def encode_chat_continuation(self, history: list, new: list) -> list[int]:
+    """The text the template adds for ``new`` (and the next generation prompt), encoded alone; the
+    template must render ``history`` as a prefix of ``history + new``."""
+    before = self.render_chat(history, add_generation_prompt=False)
+    after = self.render_chat(history + new)
+    if not after.startswith(before):
+      raise TokenizerError("the chat template does not render the conversation so far as a prefix of "
+                           "the longer one; its continuation is not defined")
+    return self.encode(after[len(before):])
+
   def encode_prompt(self, question: str) -> list[int]:
     """Chat-templated user turn; without a template, ``bos + question``."""
     if self._template is None:
