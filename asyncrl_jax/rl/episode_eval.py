@@ -2,7 +2,7 @@
 XLA program (``models.generate``), the environments stepped on the host between turns.
 
 A turn's decoding stops at the environment's stop sequence, which must be a single token of the
-tokenizer (as the built-in tool task's ``]`` is); the end-of-sequence token ends the final action.
+tokenizer (as the built-in tool task's ``]`` is), or at the end of sequence.
 The next turn prefills each episode's whole context (prompt, actions and observations so far): the
 evaluation measures the policy, not the decode servers' cache reuse. The score of an episode is its
 environment's summed reward, as in training; a step that raises scores the episode 0.
@@ -36,10 +36,10 @@ class EpisodeEvaluator:
     self.sampling, self.seed = sampling, seed
     stops = self._new_env().stop
     ids = [tokenizer.encode(s) for s in stops]
-    if len(stops) != 1 or len(ids[0]) != 1:
-      raise ValueError(f"evaluating episodes needs an environment with one stop sequence of one token; "
-                       f"{episode['env']!r} stops at {stops!r} (tokens {ids})")
-    self.stop_id = ids[0][0]
+    if len(stops) > 1 or (stops and len(ids[0]) != 1):
+      raise ValueError(f"evaluating episodes needs an environment with at most one stop sequence, of "
+                       f"one token; {episode['env']!r} stops at {stops!r} (tokens {ids})")
+    self.stop_id = ids[0][0] if stops else tokenizer.eos_id
     if max_prompt_len + 2 * max_new_tokens > model_config.max_seq_len:
       raise ValueError(f"evaluating episodes decodes up to data.max_completion_len={max_new_tokens} "
                        f"tokens after contexts of up to data.max_prompt_len + data.max_completion_len: "

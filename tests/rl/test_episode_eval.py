@@ -69,7 +69,7 @@ def test_greedy_episodes_match_the_decode_server():
 def test_an_environment_whose_stop_is_not_one_token_is_refused():
   mesh = sharding.make_mesh(jax.devices()[:1], dict(data=-1, fsdp=1, tensor=1))
   episode = dict(EPISODE, options=dict(EPISODE["options"], call_close="]]"))
-  with pytest.raises(ValueError, match="one stop sequence of one token"):
+  with pytest.raises(ValueError, match="at most one stop sequence, of one token"):
     EpisodeEvaluator(CFG, mesh, TOK, [{"question": "1+1=", "answer": "2"}], episode=episode,
                      max_prompt_len=16, max_new_tokens=40)
   with pytest.raises(ValueError, match="model.max_seq_len=112 must be >= 136"):
