@@ -104,15 +104,16 @@ def main(argv=None) -> int:
   work = args.workdir or tempfile.mkdtemp(prefix="slow_tools_")
   os.makedirs(work, exist_ok=True)
   py, t0 = sys.executable, time.time()
+  data = [f"--config.data.path={os.path.join(work, 'data')}"]  # prepared once, read by every arm
   print(f"[slow_tools] warm start ({args.warm_start_steps} steps) in {work}", flush=True)
   if not os.path.exists(os.path.join(work, "warm_start", "config.json")):
     run_logged([py, "-m", "asyncrl_jax.sft", f"--config={CONFIG}", f"--workdir={work}",
-                f"--config.learner.warm_start_steps={args.warm_start_steps}", *args.override],
+                f"--config.learner.warm_start_steps={args.warm_start_steps}", *data, *args.override],
                os.path.join(work, "sft.log"))
   latency = json.dumps({"latency": f"lognormal:median={args.median:g},sigma={args.sigma:g}"})
   common = [f"--config.model.hf_path={os.path.join(work, 'warm_start')}", f"--config.steps={steps}",
             f"--config.learner.eval_every={10 * steps}", f"--config.checkpoint.every_steps={10 * steps}",
-            *args.override]
+            *data, *args.override]
   specs = [("sync, no latency", ["--config.rl.max_staleness=0"]),
            ("sync", ["--config.rl.max_staleness=0", f"--config.env.options={latency}"]),
            ("eta 2", ["--config.rl.max_staleness=2", f"--config.env.options={latency}"]),
