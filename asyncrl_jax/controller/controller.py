@@ -468,14 +468,16 @@ class Controller:
                              "interruptions)")
       staleness.append(version - oldest)
       newest_seen.append(version - newest)
+      token_reward = None  # value mode: the reward on the last token (an episode's on its turns)
+      if self.advantage == "value":
+        token_reward = (batching.episode_token_rewards(t.turns, len(t.completion_tokens),
+                                                       float(r) - t.episode_reward)
+                        if t.turns else float(r))
       cut = self.overlong_filter and t.finish_reason == "length"
       overlong += cut
       sequences.append(batching.make_sequence(t.prompt_tokens, t.completion_tokens, logprobs=t.logprobs,
                                               versions=t.versions, advantage=float(a),
-                                              token_reward=(_token_rewards(t, float(r - t.episode_reward))
-                                                            if t.turns and self.advantage == "value"
-                                                            else float(r) if self.advantage == "value"
-                                                            else None),
+                                              token_reward=token_reward,
                                               min_new_tokens=g.requests[rid].min_new_tokens,
                                               weight=0.0 if cut else 1.0, action_mask=t.action_mask))
     max_seen = max(staleness, default=0)
@@ -492,15 +494,3 @@ class Controller:
     self._rewards.close()
 
 
-
-def _token_rewards(t: Trajectory, extra: float) -> np.ndarray:
-  """An episode's rewards per completion token for the critic: each turn's on its action's last
-  token (what GAE over the action tokens credits), ``extra`` (e.g. a length penalty) on the last."""
-  out = np.zeros(len(t.completion_tokens), np.float32)
-  for turn in t.turns:
-    end = turn["action"][1]
-    if end > turn["action"][0]:
-      out[end - 1] += turn["reward"]
-  if len(out):
-    out[-1] += extra
-  return out

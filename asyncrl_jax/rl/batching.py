@@ -160,6 +160,20 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
                   if min_new_tokens else None))
 
 
+def episode_token_rewards(turns: list, n: int, extra: float = 0.0) -> np.ndarray:
+  """An episode's reward per completion token (``n`` of them) for the critic: each turn's reward on
+  its action's last token (what GAE over the action tokens credits), ``extra`` (e.g. a length
+  penalty) on the last token."""
+  out = np.zeros(n, np.float32)
+  for turn in turns:
+    start, end = turn["action"]
+    if end > start:
+      out[end - 1] += turn["reward"]
+  if n:
+    out[-1] += extra
+  return out
+
+
 def with_staleness(seq: SequenceData, version: int) -> SequenceData:
   """``seq`` with ``versions`` replaced by each policy token's staleness, ``version - versions`` (-1
   off the policy tokens): what the learner puts on device, where only the selection monitor reads it
