@@ -7,13 +7,14 @@ output ``error_output``, by default ``error: <why>``, and the episode goes on; a
 letters sets it to ``""``). Any other action ends the episode with the reward of
 the problem's answer. ``max_calls`` ends an episode that keeps calling (reward 0, ``info["ended"]``
 says why). ``latency`` (``lognormal:median=,sigma=``) waits a drawn time per call, for benchmarks of
-slow environments. Tools: ``calculator`` (``envs.calculator``), ``python`` (``envs.python_tool``:
+slow environments (drawn per episode from ``seed`` and the episode's id). Tools: ``calculator`` (``envs.calculator``), ``python`` (``envs.python_tool``:
 the output is the code's stdout, or its error).
 """
 
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Optional
 
 import numpy as np
@@ -33,7 +34,7 @@ class ToolEnvironment:
   def __init__(self, tool: str = "calculator", call_open: str = "<calc>", call_close: str = "</calc>",
                result_open: str = "<result>", result_close: str = "</result>", max_calls: int = 8,
                latency: str = "", seed: int = 0, python_limits: Optional[python_tool.Limits] = None,
-               error_output: str = "error: {error}"):
+               error_output: str = "error: {error}", episode_id: str = ""):
     if tool not in TOOLS:
       raise ValueError(f"tool {tool!r}: must be one of {TOOLS}")
     if not (call_open and call_close) or max_calls < 0:
@@ -43,7 +44,9 @@ class ToolEnvironment:
     self.result_open, self.result_close = result_open, result_close
     self.stop = (call_close,)
     self._latency = Latency.parse(latency)
-    self._rng = np.random.default_rng(seed)
+    # latency draws: their own stream per episode (the decode server passes the episode's id), so
+    # the members of a group, and the episodes of a run, wait independent times
+    self._rng = np.random.default_rng([seed, zlib.crc32(episode_id.encode())])
     self._limits = python_limits or python_tool.Limits()
     self.error_output = error_output  # the output a failed call shows the policy ("{error}": why)
     self.answer: Optional[str] = None

@@ -10,6 +10,8 @@ environment's summed reward, as in training; a step that raises scores the episo
 
 from __future__ import annotations
 
+from concurrent import futures
+
 import jax
 import numpy as np
 
@@ -51,6 +53,7 @@ class EpisodeEvaluator:
         raise ValueError(f"eval problem {i} has {len(x)} prompt tokens > data.max_prompt_len")
     self.last_samples: list = []
     self.last_tools: dict = {}
+    self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="eval-env")
 
   @classmethod
   def from_config(cls, config, model_config, mesh, tokenizer, problems, *, episode: dict):
@@ -59,8 +62,9 @@ class EpisodeEvaluator:
                samples=config.data.eval_samples, sampling=SamplingSettings.from_config(config),
                seed=config.seed)
 
-  def _new_env(self):
-    return envs_base.make(self.episode["env"], context={"tokenizer": self.tokenizer},
+  def _new_env(self, episode_id: str = ""):
+    return envs_base.make(self.episode["env"], context={"tokenizer": self.tokenizer,
+                                                         "episode_id": episode_id},
                           **dict(self.episode.get("options") or {}))
 
   def evaluate(self, params, reward=None) -> dict:
@@ -76,7 +80,7 @@ class EpisodeEvaluator:
   def _run(self, params, copies: int, settings, key) -> np.ndarray:
     problems = [p for p in self.problems for _ in range(copies)]
     n = len(problems)
-    envs = [self._new_env() for _ in problems]
+    envs = [self._new_env(f"eval-{k}") for k in range(len(problems))]
     for env, p in zip(envs, problems):
       env.reset(dict(p))
     prompts = [list(x) for x in self.prompt_ids for _ in range(copies)]
@@ -105,6 +109,7 @@ class EpisodeEvaluator:
                      max_new_tokens=self.max_new_tokens, eos_id=self.stop_id, mesh=self.mesh,
                      settings=settings)
       tokens, ends = (np.asarray(x) for x in jax.device_get(out))
+      stepping = []
       for i in np.flatnonzero(active):
         action = tokens[i, :ends[i]].tolist()
         final = next((j for j, t in enumerate(action) if t in eos), None)
@@ -115,10 +120,12 @@ class EpisodeEvaluator:
         completions[i] += action[:room]
         if over:  # the token budget ran out inside the action: no answer
           active[i] = False
-          continue
-        try:
-          result = envs[i].step(self.tokenizer.decode(action))
-        except Exception:  # pylint: disable=broad-except  (the episode scores 0; the count says so)
+        else:
+          stepping.append((i, self.tokenizer.decode(action)))
+      # the environments step at once (slow tools wait side by side, as on the decode servers)
+      outcomes = list(self._pool.map(lambda item: _step(envs[item[0]], item[1]), stepping))
+      for (i, _), result in zip(stepping, outcomes):
+        if result is None:  # the step raised: the episode scores 0; the count says so
           errors += 1
           active[i] = False
           continue
@@ -145,3 +152,10 @@ class EpisodeEvaluator:
     self.last_tools = {"tool_calls_per_episode": calls / max(n, 1), "tool_errors": errors}
     return rewards
 
+
+def _step(env, action: str):
+  """The environment's answer to ``action``, or None if it raised."""
+  try:
+    return env.step(action)
+  except Exception:  # pylint: disable=broad-except
+    return None

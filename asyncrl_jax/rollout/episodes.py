@@ -70,7 +70,8 @@ class Episodes:
     fails (the episode then ends as ``env_error`` before decoding)."""
     spec = b.request.episode
     try:
-      env = envs_base.make(spec["env"], context={"tokenizer": self.tokenizer},
+      env = envs_base.make(spec["env"], context={"tokenizer": self.tokenizer,
+                                                 "episode_id": b.request.request_id},
                            **dict(spec.get("options") or {}))
       env.reset(dict(spec.get("problem") or {}))
     except Exception as e:  # pylint: disable=broad-except  (the episode ends, not the run)

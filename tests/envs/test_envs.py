@@ -171,3 +171,13 @@ def test_the_python_tool_environment_returns_stdout_or_the_error_and_waits_its_l
   assert time.perf_counter() - t >= 0.05
   err = env.step("<python>1 / 0</python>")
   assert err.observation == "<result>error: ZeroDivisionError: division by zero</result>"
+
+
+def test_tool_latency_is_drawn_per_episode():
+  """Each episode draws its own latencies (a group's members wait independent times), reproducibly."""
+  def first_wait(episode_id):
+    env = base.make("tools", latency="lognormal:median=0.001,sigma=1.0", episode_id=episode_id)
+    env.reset({"question": "1+1=", "answer": "2"})
+    return env.step("<calc>1+1</calc>").info["latency"]
+  waits = [first_wait(f"p0-s{j}") for j in range(4)]
+  assert len(set(waits)) == 4 and first_wait("p0-s1") == waits[1]
