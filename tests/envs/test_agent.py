@@ -15,13 +15,12 @@ import openai
 import pytest
 
 from tests.fixtures import agent_program
-from tests.fixtures.helpers import sharp_params
+from tests.fixtures.helpers import tool_calling_params
 from asyncrl_jax import models
 from asyncrl_jax.data import tool_arithmetic
 from asyncrl_jax.envs import chat_endpoint
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
-from asyncrl_jax.sft.supervised import warm_start
 from asyncrl_jax.tokenization import ToolTokenizer
 
 TOK = ToolTokenizer()
@@ -34,13 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def params():
-  mesh = sharding.make_mesh(jax.devices()[:1], dict(data=1, fsdp=-1, tensor=1))
-  rng = np.random.default_rng(1)
-  demos = [tool_arithmetic.make_problem(rng, 2, 3, 2) for _ in range(256)]
-  examples = [{"question": p.question, "solution": p.solution} for p in demos]
-  trained, _ = warm_start(CFG, sharp_params(CFG, 0, 1.0), mesh, examples, TOK, steps=40, batch_size=32,
-                          learning_rate=3e-3, seed=0, token_budget=2048)
-  return jax.device_get(trained)
+  return tool_calling_params(CFG)
 
 
 def test_an_openai_client_program_drives_episodes_on_the_decode_server(params):

@@ -6,13 +6,12 @@ import jax
 import numpy as np
 import pytest
 
-from tests.fixtures.helpers import sharp_params
+from tests.fixtures.helpers import tool_calling_params
 from asyncrl_jax import models
 from asyncrl_jax.data import tool_arithmetic
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.episode_eval import EpisodeEvaluator
 from asyncrl_jax.rollout import DecodeServer, Engine, RolloutRequest, SamplingSettings
-from asyncrl_jax.sft.supervised import warm_start
 from asyncrl_jax.tokenization import ToolTokenizer
 
 TOK = ToolTokenizer()
@@ -21,20 +20,9 @@ CFG = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=64, intermediate
 EPISODE = {"env": "tools", "options": dict(tool_arithmetic.ENV_OPTIONS), "max_turns": 3}
 
 
-def _tool_params(mesh):
-  """Weights that call the calculator, often imperfectly: a short supervised warm start on
-  demonstrations of 2-3 one- or two-digit numbers."""
-  rng = np.random.default_rng(1)
-  demos = [tool_arithmetic.make_problem(rng, 2, 3, 2) for _ in range(256)]
-  examples = [{"question": p.question, "solution": p.solution} for p in demos]
-  params, _ = warm_start(CFG, sharp_params(CFG, 0, 1.0), mesh, examples, TOK, steps=40, batch_size=32,
-                         learning_rate=3e-3, seed=0, token_budget=2048)
-  return jax.device_get(params)
-
-
 def test_greedy_episodes_match_the_decode_server():
   mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
-  params = _tool_params(sharding.make_mesh(jax.devices()[:1], dict(data=1, fsdp=-1, tensor=1)))
+  params = tool_calling_params(CFG)
   rng = np.random.default_rng(0)
   problems = [tool_arithmetic.make_problem(rng, 2, 3, 2) for _ in range(8)]
   problems = [{"question": p.question, "answer": p.answer} for p in problems]

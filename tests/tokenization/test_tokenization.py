@@ -10,7 +10,9 @@ from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 
 from asyncrl_jax.data import arithmetic
-from asyncrl_jax.tokenization import ArithmeticTokenizer, HFTokenizer, TokenizerError, load_tokenizer
+from asyncrl_jax.tokenization import (ArithmeticTokenizer, HFTokenizer, TokenizerError, ToolTokenizer,
+                                      load_tokenizer)
+from asyncrl_jax.tokenization.base import Tokenizer
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -74,6 +76,32 @@ def test_hf_tokenizer_matches_transformers_chat_template(hf_dir):
   with_system = HFTokenizer(str(hf_dir), system_prompt="be brief")
   assert with_system.encode_prompt("what")[:3] == [0, 5, 12]
   assert ours.identity.startswith("hf:") and len(ours.identity) > len("hf::")
+
+
+def test_chat_continuations_match_transformers_and_the_built_in_template(hf_dir):
+  """A chat client's next request adds to the context exactly what the template renders after the
+  conversation so far (tool results, the next user turn, the generation prompt)."""
+  ours = HFTokenizer(str(hf_dir))
+  ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"),
+                                             eos_token="<|im_end|>")
+  ref.chat_template = CHAT_TEMPLATE
+  history = [{"role": "user", "content": "what is 1+2?"}, {"role": "assistant", "content": "2"}]
+  new = [{"role": "user", "content": "be brief"}]
+  render = lambda m, g: ref.apply_chat_template(m, add_generation_prompt=g, tokenize=False)  # noqa: E731
+  assert ours.encode_chat(history[:1]) == ours.encode_prompt("what is 1+2?")
+  delta = render(history + new, True)[len(render(history, False)):]
+  assert delta.startswith("<|im_start|>user") and delta.endswith("<|im_start|>assistant\n")
+  assert ours.encode_chat_continuation(history, new) == ours.encode(delta)
+  whole = ours.encode(render(history + new, True))
+  assert ours.encode(render(history, False)) + ours.encode_chat_continuation(history, new) == whole
+  # the built-in template: <bos> and the contents as they are, so one user turn is the task's prompt
+  tool = ToolTokenizer()
+  assert tool.encode_chat([{"role": "user", "content": "12+3="}]) == tool.encode_prompt("12+3=")
+  assert tool.encode_chat_continuation(
+      [{"role": "user", "content": "12+3="}, {"role": "assistant", "content": "[12+3"}],
+      [{"role": "tool", "content": "{15}"}]) == tool.encode("{15}")
+  with pytest.raises(TokenizerError, match="has no chat template"):  # (a tokenizer that defines none)
+    Tokenizer.encode_chat(tool, [])
 
 
 def test_hf_tokenizer_errors(tmp_path, hf_dir):
