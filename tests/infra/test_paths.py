@@ -151,7 +151,8 @@ def _batch(version: int):
   return types.SimpleNamespace(version=version, prompt_indices=[version, 10 + version],
                                prompt_digests=[f"d{version}", f"e{version}"], max_staleness_seen=1,
                                trajectories=[types.SimpleNamespace(completion_tokens=[1] * (version + 2),
-                                                                    trajectory_id=f"p{version}-s0")])
+                                                                    trajectory_id=f"p{version}-s0",
+                                                                    finished_at=100.0 + version, turns=None)])
 
 
 def _record(version: int) -> dict:
