@@ -176,7 +176,7 @@ def test_runlog_in_a_bucket_writes_every_file_and_resumes_from_it(bucket):
   assert metrics == "".join(json.dumps(_record(v)) + "\n" for v in (1, 2, 3))
   prompts = [json.loads(l) for l in _object(bucket, f"{workdir}/trained_prompts.jsonl").decode().splitlines()]
   assert prompts[1] == {"version": 2, "prompts": [2, 12], "digests": ["d2", "e2"], "completion_lengths": [4],
-                        "trajectory_ids": ["p2-s0"]}
+                        "trajectory_ids": ["p2-s0"], "finished_at": [102.0]}
   assert json.loads(_object(bucket, f"{workdir}/config.json"))["steps"] == config.steps
   summary = json.loads(_object(bucket, f"{workdir}/summary.json"))
   assert summary["final_eval_accuracy"] == 0.5 and summary["initial_eval_accuracy"] == 0.1
