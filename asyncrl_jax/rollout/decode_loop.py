@@ -472,8 +472,8 @@ class DecodeServer:
     b = self._slots[slot]
     self._slots[slot] = None
     b.done = True
-    if b.env is not None:
-      self.episodes.ended(b)
+    if b.is_episode:
+      self.episodes.ended(b, reason)
     self.stats.count_finished(reason)
     self._emit(b.finish(reason, error=error, **self._meta))
 

@@ -170,8 +170,13 @@ class Episodes:
       return Finish("length")
     return Resume(tokens)
 
-  def ended(self, b: _Building) -> None:
-    """The episode of ``b`` ended: its environment's ``close`` (if it has one) runs now."""
+  def ended(self, b: _Building, reason: str) -> None:
+    """The episode of ``b`` ended (``reason``): an action cut short (by the budget, an abort) is
+    recorded as its last turn, and its environment's ``close`` (if it has one) runs now."""
+    covered = b.turns[-1]["observation"][1] if b.turns else 0
+    if len(b.tokens) > covered:
+      b.turns.append({"action": [covered, len(b.tokens)], "observation": [len(b.tokens)] * 2,
+                      "ended": reason, "reward": 0.0, "latency": 0.0, "error": "", "info": {}})
     close = getattr(b.env, "close", None)
     b.env = None
     if close is not None:

@@ -11,6 +11,7 @@ import pytest
 
 from tests.fixtures.helpers import sharp_params
 from asyncrl_jax import models
+from asyncrl_jax.controller.checks import _check_turns
 from asyncrl_jax.envs.base import StepResult, register
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.logprobs import compute_logprobs
@@ -241,7 +242,8 @@ def test_stop_versus_budget(params_a):
   trajectories = _drain(server)
   reasons = {t.finish_reason for t in trajectories}
   assert reasons <= {"eos", "length"} and "length" in reasons
-  for t in trajectories:
+  for t, r in zip(trajectories, sorted(requests, key=lambda r: r.prompt_id)):
+    assert _check_turns(t, r) == "", (t.turns, len(t.completion_tokens))  # an action cut short too
     if t.finish_reason == "length":
       dropped = t.turns and t.turns[-1]["info"].get("dropped_observation_tokens")
       assert len(t.completion_tokens) == 8 or dropped, (t.completion_tokens, t.turns)
