@@ -54,7 +54,6 @@ class Episodes:
     self._pool, self._workers, self._timeout = pool, workers, timeout
     self._ready: "collections.deque[tuple]" = collections.deque()
     self._lock = threading.Lock()
-    self.in_env = 0  # steps submitted whose outcome the loop has not taken yet
     self.steps = 0
     self.errors = 0  # steps that raised or timed out
     self.seconds = 0.0  # summed step wall time
@@ -109,8 +108,6 @@ class Episodes:
                     "ended": ended, "reward": 0.0, "latency": 0.0, "error": "", "info": {}})
     text = self._text(action)
     epoch, env = b.epoch, b.env
-    with self._lock:
-      self.in_env += 1
 
     def done(outcome: Outcome) -> None:
       with self._lock:
@@ -129,7 +126,6 @@ class Episodes:
     aborted, failed or restarted meanwhile is dropped)."""
     with self._lock:
       items, self._ready = list(self._ready), collections.deque()
-      self.in_env -= len(items)
     out = []
     for b, epoch, outcome in items:
       self.steps += 1

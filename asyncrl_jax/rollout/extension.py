@@ -39,10 +39,10 @@ class ContextExtension:
 
   def _set_up_extension(self, batch_ways: int, state) -> None:
     self._batch_ways = batch_ways
-    self._extend_widths = sorted({bucket(n, PREFILL_BUCKETS, cap=self.max_target_length)
-                                  for n in range(1, self.max_target_length + 1)})
+    widths = {bucket(n, PREFILL_BUCKETS, cap=self.max_target_length)
+              for n in range(1, self.max_target_length + 1)}
     self._jit_extend = jax.jit(bounded_traces(
-        function(self._extend_impl), "extend", len(self._extend_rows()) * len(self._extend_widths)),
+        function(self._extend_impl), "extend", len(self._extend_rows()) * len(widths)),
         donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 5,
         out_shardings=state)
     self._jit_park = jax.jit(lambda state, mask: state.replace(budget=jnp.where(mask, 0, state.budget)),
@@ -100,17 +100,12 @@ class ContextExtension:
     held, p = prefix.cache[0][0].shape[1], tokens_1p.shape[1]
     cache = jax.tree.map(
         lambda c: jnp.zeros((1, held + p) + c.shape[2:], c.dtype).at[:, :held].set(c), prefix.cache)
-    return self._append(params, cache, prefix.length, tokens_1p, true_length, prefix.length[None])
-
-  def _append(self, params, cache, start, tokens_1p, true_length, starts_b):
-    """The cache and Prefix after ``tokens_1p[:, :true_length]`` at positions ``starts_b + j``."""
-    p = tokens_1p.shape[1]
     j = jnp.arange(p, dtype=jnp.int32)[None]
-    total = cache[0][0].shape[1]
-    positions = jnp.where(j < true_length, starts_b[:, None] + j, total)  # padding: writes dropped
+    positions = jnp.where(j < true_length, prefix.length + j, held + p)  # padding: writes dropped
     logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache,
                                         logits_at_b=jnp.full((1,), true_length - 1, jnp.int32))
-    return Prefix(cache=cache, logits=logits[:, 0], length=(start + true_length).astype(jnp.int32))
+    return Prefix(cache=cache, logits=logits[:, 0],
+                  length=(prefix.length + true_length).astype(jnp.int32))
 
   def _extend_impl(self, params, state: Any, tokens_nw, starts_n, lengths_n, slots_n,
                    budgets_n) -> Any:
