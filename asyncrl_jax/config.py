@@ -21,6 +21,7 @@ from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, LOGPROB
 from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+from asyncrl_jax.models.forward import ATTENTION_KINDS, REMAT_POLICIES
 
 
 def config_module(path: str, beside: str = ""):
@@ -230,7 +231,10 @@ def _validate_learner(config) -> None:
   _number(config, "learner.warm_start_steps", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
-  _check(isinstance(config.learner.remat, bool), "learner.remat", config.learner.remat, "True or False")
+  _check(config.learner.remat in REMAT_POLICIES, "learner.remat", config.learner.remat,
+         f"one of {REMAT_POLICIES}")
+  _check(config.learner.attention in ATTENTION_KINDS, "learner.attention", config.learner.attention,
+         f"one of {ATTENTION_KINDS}")
   _check(isinstance(config.learner.scan_layers, bool), "learner.scan_layers",
          config.learner.scan_layers, "True or False")
   _check(isinstance(config.learner.warm_up, bool), "learner.warm_up", config.learner.warm_up,

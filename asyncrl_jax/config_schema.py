@@ -131,13 +131,18 @@ def _learner_section() -> ml_collections.ConfigDict:
       eval_every=10,  # policy versions between held-out evaluations (0: never, not even before RL)
       warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
       warm_start_batch=128, warm_start_lr=1e-3,  # the warm start's batch (sequences) and peak rate
-      # memory, not maths: recompute each block in the backward pass; log-softmax over the vocabulary
-      # in chunks of this many columns (0: all at once, through [tokens, V] float32 logits); attention
-      # this many queries at a time (0: all at once, through [rows, heads, width, width] scores);
-      # one loop over the layers (lax.scan of their stacked parameters) instead of one copy of the
-      # block per layer: a program the size of one layer, compiled in a fraction of the time, and one
-      # the TPU compiler cannot reorder into holding every layer's activations at once
-      remat=False, vocab_chunk=0, attention_chunk=0, scan_layers=False,
+      # memory and speed, not maths. remat: what each block keeps for the backward pass ("none",
+      # "full": only its input, "minimal": the weight products' outputs, "dots_saveable": every
+      # product's, "minimal_offloaded": "minimal" held in host memory; True / False = "full" /
+      # "none"); log-softmax over the vocabulary in chunks of this many columns (0: all at once,
+      # through [tokens, V] float32 logits); attention: "xla" (the reference: attention_chunk queries
+      # at a time, 0: all at once, through [rows, heads, width, width] scores) or "splash" (the
+      # Pallas TPU kernel: scores stay on chip, blocks above the diagonal skipped; off a TPU it runs
+      # interpreted, for tests only); one loop over the layers (lax.scan of their stacked
+      # parameters) instead of one copy of the block per layer: a program the size of one layer,
+      # compiled in a fraction of the time, and one the TPU compiler cannot reorder into holding
+      # every layer's activations at once
+      remat="none", vocab_chunk=0, attention="xla", attention_chunk=0, scan_layers=False,
       # compile every micro-batch shape (one per row-length bucket up to the longest sequence) at
       # start, applying nothing, so that no version stalls on a compilation mid-run
       warm_up=True,

@@ -51,7 +51,7 @@ def get_config():
   c.rollout.update(num_slots=128, temperature=1.0, top_p=1.0, attention_chunk=512,
                    prefill_tokens=4 * 28672)
   c.learner.update(batch_size=512 * 16, token_budget=LEARNER_CHIPS * 32768, learning_rate=2e-5,
-                   warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat=True,
+                   warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat="full",
                    vocab_chunk=8192, attention_chunk=512, scan_layers=True, eval_every=0)
   c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)

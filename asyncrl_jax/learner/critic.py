@@ -36,6 +36,7 @@ from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.learner import updater as update_lib
 from asyncrl_jax.models import value as value_lib
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 from asyncrl_jax.rl import advantages as adv_lib, batching
 
 
@@ -100,19 +101,17 @@ class Critic:
     mesh: the learner mesh.
     config: the run config (``rl.gamma``, ``rl.gae_lambda``, ``rl.value_*``, ``learner.*``).
     versions: the policy versions the run trains (``rl.value_updates`` optimizer steps each).
-    remat, attention_chunk, scan_layers: the learner's options for the forward pass.
+    forward: the learner's options for the forward pass (``models.forward``).
   """
 
   def __init__(self, model_config: ModelConfig, policy_params, mesh: Mesh, config, *,
-               versions: int, remat: bool = False, attention_chunk: int = 0,
-               scan_layers: bool = False):
+               versions: int, forward: Forward = Forward()):
     rl = config.rl
     self.model_config, self.mesh = model_config, mesh
     self.gamma, self.lam = float(rl.gamma), float(rl.gae_lambda)
     self.updates, self.clip = int(rl.value_updates), float(rl.value_clip)
     self.pretrain_versions = int(rl.value_pretrain_versions)
-    self._forward = dict(mesh=mesh, remat=remat, attention_chunk=attention_chunk,
-                         scan_layers=scan_layers)
+    self._forward = dict(mesh=mesh, forward=forward)
     params = (jax.eval_shape(value_lib.init_value_params, policy_params)
               if update_lib.is_abstract(policy_params) else value_lib.init_value_params(policy_params))
     base = update_lib.make_optimizer(

@@ -132,9 +132,8 @@ class Learner:
     self._prox = self.updater.jit_forward(self._prox_impl, "prox_logprobs")
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
     self.critic = critic_lib.Critic(
-        model_config, params, mesh, config, versions=versions, remat=self.settings.remat,
-        attention_chunk=self.settings.attention_chunk,
-        scan_layers=self.settings.scan_layers) if config.rl.advantage == "value" else None
+        model_config, params, mesh, config, versions=versions,
+        forward=self.settings.forward) if config.rl.advantage == "value" else None
 
   # The state lives in the update loop; these are the names the rest of the system uses.
   params = property(lambda self: self.updater.params,
@@ -162,8 +161,7 @@ class Learner:
                           temperature=self.settings.temperature, top_k=self.settings.top_k,
                           top_p=self.settings.top_p, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
-                          attention_chunk=self.settings.attention_chunk,
-                          scan_layers=self.settings.scan_layers,
+                          forward=self.settings.forward.replace(remat="none"),
                           eos_banned_bt=batch.eos_banned, eos_ban_ids=self.settings.eos_ban_ids)
 
   def warm_up(self, longest: int) -> int:

@@ -22,14 +22,14 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 from asyncrl_jax.models.transformer import KVCache, Transformer
 
 Params = dict
 
 
-def _module(config: ModelConfig, mesh: Optional[Mesh], remat: bool = False,
-            attention_chunk: int = 0, scan_layers: bool = False) -> Transformer:
-  return Transformer(config, mesh, remat, attention_chunk, scan_layers)
+def _module(config: ModelConfig, mesh: Optional[Mesh], forward: Forward = Forward()) -> Transformer:
+  return Transformer(config, mesh, forward)
 
 
 def _boxed_init(config: ModelConfig, mesh: Optional[Mesh]):
@@ -114,22 +114,21 @@ def _jitted_logits(config: ModelConfig, mesh: Optional[Mesh]):
 
 
 def apply_logits(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
-                 mesh: Optional[Mesh] = None, *, remat: bool = False,
-                 attention_chunk: int = 0, scan_layers: bool = False) -> jax.Array:
-  """Traceable forward (use inside other jitted functions, e.g. a loss); ``remat``,
-  ``attention_chunk`` and ``scan_layers`` change how, not what, it computes (see ``Transformer``)."""
+                 mesh: Optional[Mesh] = None, *, forward: Forward = Forward()) -> jax.Array:
+  """Traceable forward (use inside other jitted functions, e.g. a loss); ``forward`` changes how,
+  not what, it computes (``models.forward``)."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, remat, attention_chunk, scan_layers).apply({"params": params}, tokens_bt, positions_bt,
-                                              segment_ids_bt)
+    return _module(config, mesh, forward).apply({"params": params}, tokens_bt, positions_bt,
+                                                segment_ids_bt)
 
 
 def apply_hidden(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
-                 mesh: Optional[Mesh] = None, *, remat: bool = False,
-                 attention_chunk: int = 0, scan_layers: bool = False) -> tuple[jax.Array, jax.Array]:
+                 mesh: Optional[Mesh] = None, *,
+                 forward: Forward = Forward()) -> tuple[jax.Array, jax.Array]:
   """Traceable forward up to the output projection: (final hidden states ``[B, T, D]``, head ``[D,
   V]``); ``hidden @ head`` are the logits. For a log-softmax computed a vocabulary chunk at a time."""
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, remat, attention_chunk, scan_layers).apply(
+    return _module(config, mesh, forward).apply(
         {"params": params}, tokens_bt, positions_bt, segment_ids_bt, hidden_only=True)
 
 
@@ -193,8 +192,8 @@ def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, c
   ``attention_chunk``: such a prefill attends that many queries at a time.
   """
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, attention_chunk=attention_chunk).apply({"params": params}, tokens_bt, positions_bt, None, cache,
-                                       logits_at_b, cache_rows_b)
+    return _module(config, mesh, Forward(attention_chunk=attention_chunk)).apply(
+        {"params": params}, tokens_bt, positions_bt, None, cache, logits_at_b, cache_rows_b)
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,12 +11,13 @@ One module serves training and decoding:
 * prefill into slots: ``Transformer(tokens_bt, positions_bt, cache=cache, cache_rows_b=rows)`` prefills
   rows that start at position 0 and writes their keys/values straight into cache rows ``rows`` (out of
   range: dropped). Attention runs over the new tokens only, so no second cache of the batch is built.
-* ``attention_chunk=C`` computes training and prefill attention C queries at a time, each block's mask
-  built from the segment ids, so no ``[B, T, T]`` mask or scores exist (decode steps are unchanged).
-* training with ``remat=True`` keeps only each block's input for the backward pass and recomputes the
-  rest; ``scan_layers=True`` runs the blocks as one ``lax.scan`` over a stacked copy of their
-  parameters (training and scoring only; the parameters keep their per-layer layout), so the program
-  holds one block, not ``num_layers`` copies of it; ``hidden_only=True`` returns the final hidden states and the output projection instead of the
+* ``forward`` (``models.forward.Forward``) says how a training, scoring or prefill pass runs: the
+  attention implementation (``models.attention``: the XLA reference, whole-row or ``attention_chunk``
+  queries at a time, or the splash TPU kernel), the remat policy (what each block keeps for the
+  backward pass), and ``scan_layers`` (the blocks as one ``lax.scan`` over a stacked copy of their
+  parameters: the program holds one block, not ``num_layers`` copies; the parameters keep their
+  per-layer layout). None of them changes the values. ``hidden_only=True`` returns the final hidden
+  states and the output projection instead of the
   logits, for a log-softmax that never holds ``[B, T, V]`` (``rl.logprobs``).
 
 Parameters carry logical axis names (see ``asyncrl_jax.infra.sharding``); outside this module they are a plain
@@ -31,12 +32,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from asyncrl_jax.models import attention as attention_lib
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 
 # A KV cache: one (keys [B, S, K, H], values [B, S, K, H]) pair per layer.
 KVCache = tuple[tuple[jax.Array, jax.Array], ...]
-
-_NEG_INF = -1e30  # finite, so fully masked rows (padding) give uniform weights, not NaN
 
 
 def _dtype(name: str):
@@ -77,47 +78,13 @@ def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
   return out.astype(x_btnh.dtype)
 
 
-def _dense_attention(q_btkgh, key_bskh, val_bskh, mask_bts):
-  """Softmax attention of grouped queries over every key, ``mask_bts`` saying which are visible."""
-  h = q_btkgh.shape[-1]
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, key_bskh).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
-  scores = jnp.where(mask_bts[:, None, None, :, :], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(q_btkgh.dtype)
-  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, val_bskh)
-
-
-def _blockwise_attention(q_btkgh, key_btkh, val_btkh, segment_ids_bt, chunk: int):
-  """Causal attention within segments, ``chunk`` queries at a time (training and prefill).
-
-  Equal to ``_dense_attention`` with ``training_mask(segment_ids_bt)``, but the mask is built per
-  block from the segment ids and each block is rematerialised, so neither pass holds more than one
-  ``[B, heads, chunk, T]`` block of scores, nor the ``[B, T, T]`` mask.
-  """
-  b, t = q_btkgh.shape[:2]
-  n = -(-t // chunk)
-  pad = n * chunk - t  # padded queries get segment 0 (padding) and are cut off at the end
-  q = jnp.pad(q_btkgh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
-  seg_q = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
-  blocks = (q.reshape((b, n, chunk) + q.shape[2:]).swapaxes(0, 1), seg_q.reshape(b, n, chunk).swapaxes(0, 1),
-            jnp.arange(n * chunk).reshape(n, chunk))
-
-  @jax.checkpoint
-  def block(xs):
-    q_b, seg_b, idx_b = xs
-    mask = (seg_b[:, :, None] == segment_ids_bt[:, None, :]) & (idx_b[None, :, None] >= jnp.arange(t))
-    return _dense_attention(q_b, key_btkh, val_btkh, mask)
-
-  out = jax.lax.map(block, blocks)  # [n, B, chunk, K, G, H]
-  return out.swapaxes(0, 1).reshape((b, n * chunk) + out.shape[3:])[:, :t]
-
-
 class Attention(nn.Module):
-  """``mask`` is a boolean ``[B, T, S]`` (which keys each query sees), or, with ``attention_chunk``,
-  the ``[B, T]`` segment ids of a training row or prefill (causal within segments, blockwise)."""
+  """``mask`` is a boolean ``[B, T, S]`` (which keys each query sees), or the ``[B, T]`` segment ids
+  of a training row or prefill (causal within segments, as ``forward`` says: ``models.attention``)."""
 
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
-  attention_chunk: int = 0
+  forward: Forward = Forward()
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, mask, cache=None, cache_rows_b=None):
@@ -154,9 +121,10 @@ class Attention(nn.Module):
     b, t = q.shape[:2]
     q = q.reshape(b, t, k, n // k, h)  # group query heads by the kv head they share
     if mask.ndim == 2:
-      out = _blockwise_attention(q, key, val, mask, self.attention_chunk)
+      out = attention_lib.segment_attention(q, key, val, mask, kind=self.forward.attention,
+                                            chunk=self.forward.attention_chunk, mesh=self.mesh)
     else:
-      out = _dense_attention(q, key, val, mask)
+      out = attention_lib.dense(q, key, val, mask)
     out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
     return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
                       self.mesh), new_cache
@@ -181,23 +149,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
-  attention_chunk: int = 0
+  forward: Forward = Forward()
 
   @nn.compact
   def __call__(self, x_btd, positions_bt, mask, cache=None, cache_rows_b=None):
-    attn, new_cache = Attention(self.cfg, self.mesh, self.attention_chunk, name="attn")(
+    attn, new_cache = Attention(self.cfg, self.mesh, self.forward, name="attn")(
         RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask, cache, cache_rows_b)
     x_btd = x_btd + attn
     x_btd = x_btd + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_btd))
     return x_btd, new_cache
-
-
-def training_mask(segment_ids_bt: jax.Array) -> jax.Array:
-  """[B, T, T] mask: same segment and key index <= query index."""
-  t = segment_ids_bt.shape[1]
-  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-  same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-  return same & causal[None]
 
 
 def cache_mask(positions_bt: jax.Array, cache_len: int) -> jax.Array:
@@ -217,9 +177,9 @@ class Transformer(nn.Module):
 
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
-  remat: bool = False  # training: recompute each block in the backward pass
-  attention_chunk: int = 0  # training and prefill: queries per attention block (0: all at once)
-  scan_layers: bool = False  # training and scoring: the blocks as one loop (lax.scan)
+  # how training, scoring and prefill passes run (attention kind and chunk, remat policy, layer
+  # scan: ``models.forward``); decode steps ignore all but the chunk of a prefill's attention
+  forward: Forward = Forward()
 
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None,
@@ -234,16 +194,17 @@ class Transformer(nn.Module):
       if segment_ids_bt is None:
         segment_ids_bt = jnp.ones_like(tokens_bt)
       # blockwise: each attention block builds its own part of the mask from the segment ids
-      mask = segment_ids_bt if self.attention_chunk else training_mask(segment_ids_bt)
+      mask = segment_ids_bt
     else:
       mask = cache_mask(positions_bt, cache[0][0].shape[1])
-    block = nn.remat(Block) if self.remat and cache is None else Block
+    remat = self.forward.rematerialises and cache is None
+    block = nn.remat(Block, policy=self.forward.checkpoint_policy()) if remat else Block
     new_cache = []
-    if self.scan_layers and cache is None and not self.is_initializing():
+    if self.forward.scan_layers and cache is None and not self.is_initializing():
       x = self._scanned_blocks(x, positions_bt, mask)
     else:
       for i in range(cfg.num_layers):
-        layer = block(cfg, self.mesh, self.attention_chunk, name=f"layer_{i}")
+        layer = block(cfg, self.mesh, self.forward, name=f"layer_{i}")
         if cache is None:
           x, layer_cache = layer(x, positions_bt, mask)
         else:
@@ -271,11 +232,13 @@ class Transformer(nn.Module):
     params = self.variables["params"]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
                            *[params[f"layer_{i}"] for i in range(self.cfg.num_layers)])
-    block = Block(self.cfg, self.mesh, self.attention_chunk, parent=None)
+    block = Block(self.cfg, self.mesh, self.forward, parent=None)
 
     def step(x, layer_params):
       y, _ = block.apply({"params": layer_params}, x, positions_bt, mask)
       return y, None
 
-    x, _ = jax.lax.scan(jax.checkpoint(step) if self.remat else step, x, stacked)
+    if self.forward.rematerialises:
+      step = jax.checkpoint(step, policy=self.forward.checkpoint_policy())
+    x, _ = jax.lax.scan(step, x, stacked)
     return x

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from asyncrl_jax.models import api
 from asyncrl_jax.models.api import aligned  # (values line up with log-probs, one shared shift)
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 
 ATTENTION = "attn"  # the name of every layer's attention block in the policy's parameters
 
@@ -42,12 +43,10 @@ def init_value_params(policy_params) -> dict:
 
 
 def token_values(config: ModelConfig, value_params, tokens_bt, positions_bt, segment_ids_bt, *,
-                 mesh: Optional[Mesh] = None, remat: bool = False, attention_chunk: int = 0,
-                 scan_layers: bool = False):
+                 mesh: Optional[Mesh] = None, forward: Forward = Forward()):
   """Traceable: ``V(s_t)`` ``[B, T]`` float32, aligned (position ``t``: the state before token ``t``)."""
   hidden, _ = api.apply_hidden(config, value_params["trunk"], tokens_bt, positions_bt, segment_ids_bt,
-                               mesh, remat=remat, attention_chunk=attention_chunk,
-                               scan_layers=scan_layers)
+                               mesh, forward=forward)
   head = value_params["head"]
   v = jnp.einsum("BTD,D->BT", hidden[:, :-1].astype(jnp.float32), head["w"].astype(jnp.float32))
   return aligned(v + head["b"].astype(jnp.float32), None, segment_ids_bt, with_entropy=False)

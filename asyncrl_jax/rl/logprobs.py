@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from asyncrl_jax.models import api
 from asyncrl_jax.models.api import aligned  # (shared with the value head: one shift)
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 from asyncrl_jax.models.sampling import ban_stop_tokens, truncated_logits
 
 
@@ -103,22 +104,20 @@ def chunked_logsoftmax(hidden_btd, head_dv, targets_bt, *, chunk: int, temperatu
 def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment_ids_bt, *,
                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    mesh: Optional[Mesh] = None, with_entropy: bool = False,
-                   remat: bool = False, vocab_chunk: int = 0, attention_chunk: int = 0,
-                   scan_layers: bool = False, eos_banned_bt=None, eos_ban_ids: tuple = ()):
+                   forward: Forward = Forward(), vocab_chunk: int = 0, eos_banned_bt=None,
+                   eos_ban_ids: tuple = ()):
   """Traceable: forward + aligned log-probs (use inside a jitted loss).
 
   ``vocab_chunk``: columns per chunk of the log-softmax (0: the whole vocabulary at once, through
-  ``[B, T, V]`` logits; needed for top-k / top-p, which look at the whole vocabulary). ``remat``:
-  recompute each block's activations in the backward pass. ``attention_chunk``: queries per
-  attention block (0: all at once, through ``[B, heads, T, T]``). ``scan_layers``: one loop over
-  the layers (``Transformer``). ``eos_banned_bt`` ``[B, T]`` and
+  ``[B, T, V]`` logits; needed for top-k / top-p, which look at the whole vocabulary). ``forward``:
+  attention kind and chunk, remat policy, layer scan (``models.forward``). ``eos_banned_bt`` ``[B, T]`` and
   ``eos_ban_ids``: the stop tokens banned at the flagged tokens (a minimum length).
   """
   if eos_ban_ids and eos_banned_bt is None:
     raise ValueError("eos_ban_ids given without eos_banned_bt (which tokens were sampled under the ban)")
   if not vocab_chunk:
     logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
-                              remat=remat, attention_chunk=attention_chunk, scan_layers=scan_layers)
+                              forward=forward)
     return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
                                 top_k=top_k, top_p=top_p, with_entropy=with_entropy,
                                 eos_banned_bt=eos_banned_bt, eos_ban_ids=eos_ban_ids)
@@ -126,8 +125,7 @@ def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment
     raise ValueError(f"top_k={top_k}, top_p={top_p} with vocab_chunk={vocab_chunk}: the truncated "
                      "log-softmax needs the whole vocabulary (learner.vocab_chunk=0)")
   hidden, head = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
-                                  remat=remat, attention_chunk=attention_chunk,
-                                  scan_layers=scan_layers)
+                                  forward=forward)
   logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
                                      temperature=temperature,
                                      banned_bt=None if eos_banned_bt is None else eos_banned_bt[:, 1:],

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 from asyncrl_jax.models.sampling import SamplingSettings, in_support
 from asyncrl_jax.rl import losses, selection
 from asyncrl_jax.rl.batching import TokenBatch
@@ -25,8 +26,9 @@ def _finite_or_none(x: float) -> Optional[float]:
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
   """Static (hashable) loss options, taken from the ``rl`` config section (and the learner's memory
-  options ``learner.remat``, ``learner.vocab_chunk`` and ``learner.attention_chunk``, which change how
-  the forward pass runs, not what it computes)."""
+  options ``learner.vocab_chunk`` and ``forward``: ``learner.attention``, ``.remat``,
+  ``.attention_chunk``, ``.scan_layers``, which change how the forward pass runs, not what it
+  computes)."""
   loss: str = "decoupled_ppo"
   eps_clip: float = 0.2
   eps_low: float = 0.3
@@ -40,10 +42,8 @@ class LossSettings:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  remat: bool = False
   vocab_chunk: int = 0
-  attention_chunk: int = 0
-  scan_layers: bool = False
+  forward: Forward = Forward()
   # the stop tokens a minimum length bans (``TokenBatch.eos_banned`` says where); () when the run
   # sets no minimum length, so the forward pass has nothing more to do
   eos_ban_ids: tuple = ()
@@ -64,9 +64,8 @@ class LossSettings:
                dis_sign_aware=bool(config.rl.dis_sign_aware),
                corrections=corrections_from_config(config),
                temperature=temperature, top_k=top_k, top_p=top_p,
-               remat=bool(config.learner.remat), vocab_chunk=int(config.learner.vocab_chunk),
-               attention_chunk=int(config.learner.attention_chunk),
-               scan_layers=bool(config.learner.scan_layers),
+               vocab_chunk=int(config.learner.vocab_chunk),
+               forward=Forward.from_learner(config),
                eos_ban_ids=eos_ban_ids(config, stop_ids))
 
 
@@ -117,9 +116,7 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
   logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
                                  temperature=settings.temperature, top_k=settings.top_k,
                                  top_p=settings.top_p, mesh=mesh, with_entropy=True,
-                                 remat=settings.remat, vocab_chunk=settings.vocab_chunk,
-                                 attention_chunk=settings.attention_chunk,
-                                 scan_layers=settings.scan_layers,
+                                 forward=settings.forward, vocab_chunk=settings.vocab_chunk,
                                  eos_banned_bt=batch.eos_banned, eos_ban_ids=settings.eos_ban_ids)
   if prox_is_current:
     prox_logp = jax.lax.stop_gradient(logp) if settings.needs_prox else None

@@ -36,6 +36,7 @@ import re
 
 from asyncrl_jax.infra import bucketing
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models.forward import Forward
 
 GiB = 2**30
 
@@ -106,11 +107,21 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
   rows = -(-max(budget // width, 1) // (data * fsdp))  # rows are padded to a multiple of data x fsdp
   tokens = rows * width
-  chunk = int(config.learner.attention_chunk)
+  forward = Forward.from_learner(config)
+  chunk = forward.attention_chunk
   block = _block_activations(m, tokens, rows, width, tensor, chunk)
+  if forward.attention == "splash":  # scores stay on chip; the kernel keeps its output's log-sum-exp
+    block["attention"] = rows * m.num_heads / tensor * width * 4
+    chunk = width  # (its residuals are small: counted like a chunk's, live in one block at a time)
   per_layer = block["residuals"] + (0 if chunk else block["attention"])  # kept for the backward pass
-  if config.learner.remat:
-    kept = m.num_layers * tokens * m.hidden_size * _BYTES[m.dtype] + sum(block.values())
+  layer_input = tokens * m.hidden_size * _BYTES[m.dtype]
+  if forward.remat in ("full", "minimal_offloaded"):  # (offloaded products live in host memory)
+    kept = m.num_layers * layer_input + sum(block.values())
+  elif forward.remat in ("minimal", "dots_saveable"):  # the weight products' outputs stay
+    heads, kv, mlp = m.num_heads / tensor, m.num_kv_heads / tensor, m.intermediate_size / tensor
+    products = tokens * ((heads + 2 * kv) * m.head_dim + 2 * m.hidden_size + 3 * mlp) * _BYTES[m.dtype]
+    scores = block["attention"] if forward.remat == "dots_saveable" and not chunk else 0
+    kept = m.num_layers * (layer_input + products + scores) + sum(block.values())
   else:
     kept = m.num_layers * per_layer + (block["attention"] if chunk else 0)
   columns = int(config.learner.vocab_chunk) or m.vocab_size / tensor

@@ -87,12 +87,18 @@ def per_device_bytes(tree) -> int:
   return int(total)
 
 
-def compile_program(name: str, fn, args, chip) -> dict:
-  """Lowers and compiles ``fn(*args)``; the compiler's memory, cost and collectives per chip."""
+def compile_program(name: str, fn, args, chip, mesh=None) -> dict:
+  """Lowers and compiles ``fn(*args)``; the compiler's memory, cost and collectives per chip.
+
+  Lowered under ``mesh`` (the topology's): a Pallas kernel's lowering reads the device kind from the
+  mesh in context, which would otherwise be this machine's CPU."""
+  import jax  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu import hlo  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   try:
-    compiled = fn.lower(*args).compile()
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      lowered = fn.lower(*args)
+    compiled = lowered.compile()
   except Exception as e:  # pylint: disable=broad-except
     if "RESOURCE_EXHAUSTED" not in str(e) and "Ran out of memory" not in str(e):
       raise
@@ -108,6 +114,9 @@ def compile_program(name: str, fn, args, chip) -> dict:
   # where XLA gives none
   flops = xla_flops * cost.flops / cost.flops_once if cost.flops_once and xla_flops else cost.flops
   traffic = xla_bytes * cost.bytes / cost.bytes_once if cost.bytes_once and xla_bytes else cost.bytes
+  # Pallas kernels, which neither figure sees inside, at their analytic cost (tpu.kernels)
+  flops += cost.kernel_flops
+  traffic += cost.kernel_bytes
   roofline = max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
   compiled_bytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes
                     + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
@@ -118,6 +127,7 @@ def compile_program(name: str, fn, args, chip) -> dict:
                  "code": int(mem.generated_code_size_in_bytes)},
       "flops": flops, "bytes_accessed": traffic, "xla_flops": xla_flops, "xla_bytes_accessed": xla_bytes,
       "loops": [[n, t] for n, t in cost.loops], "roofline_seconds": roofline,
+      "kernels": {"calls": cost.kernels, "flops": cost.kernel_flops, "extra_bytes": cost.kernel_bytes},
       "bound": "compute" if flops / chip.bf16_flops >= traffic / chip.hbm_bandwidth else "memory",
       "collectives": cost.collectives, "compile_seconds": round(seconds, 1),
   }
@@ -173,24 +183,26 @@ def learner_programs(config, model_config, devices, *, row_len: Optional[int] = 
 
 def decode_programs(config, model_config, devices, *, shapes: str = "covering",
                     steps_per_call: int = 16):
-  """One decode server's engine from shapes on ``devices`` (one host), and ``(name, fn, args, 0)``
-  of its programs (``Engine.programs``): its parameters and decode state are arguments of each."""
+  """One decode server's mesh on ``devices`` (one host), and ``(name, fn, args, 0)`` of its engine's
+  programs (``Engine.programs``, built from shapes): its parameters and decode state are arguments
+  of each."""
   from asyncrl_jax.infra import sharding  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rollout.engine import engine_from_config  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(devices, config.mesh.rollout.to_dict(), role="mesh.rollout")
   engine = engine_from_config(config, mesh, model_config)
-  return engine, [(n, f, a, 0) for n, f, a in engine.programs(steps_per_call, shapes)]
+  return mesh, [(n, f, a, 0) for n, f, a in engine.programs(steps_per_call, shapes)]
 
 
 def compile_role(role: str, accelerator: str, programs: list, estimates: dict, margin: float,
-                 progress: Callable[[str], None]) -> dict:
-  """Compiles ``programs`` for one chip of ``accelerator``; the role's report."""
+                 progress: Callable[[str], None], mesh=None) -> dict:
+  """Compiles ``programs`` (lowered under ``mesh``) for one chip of ``accelerator``; the role's
+  report."""
   from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
   chip, n = chips.parse(accelerator)
   results = []
   for i, (name, fn, args, outside) in enumerate(programs):
     progress(f"[compile] {role} {i + 1}/{len(programs)}: {name} ...")
-    r = compile_program(name, fn, args, chip)
+    r = compile_program(name, fn, args, chip, mesh)
     r["resident_outside_bytes"] = outside
     r["peak_bytes"] = r["compiled_bytes"] + outside
     r["estimate_bytes"] = estimates.get(name)
@@ -308,14 +320,14 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
   estimates = memory.program_estimates(config, m, ln, host)
   out = {}
   if "learner" in roles:
-    _, row_len, programs = learner_programs(config, m, topology_devices(lchip.kind, ln))
+    learner, row_len, programs = learner_programs(config, m, topology_devices(lchip.kind, ln))
     out["learner"] = compile_role("learner", accelerator, programs, estimates["learner"], margin,
-                                  progress)
+                                  progress, learner.mesh)
     out["learner"]["row_len"] = row_len
   if "rollout" in roles:
-    _, programs = decode_programs(config, m, topology_devices(rchip.kind, host), shapes=shapes)
+    mesh, programs = decode_programs(config, m, topology_devices(rchip.kind, host), shapes=shapes)
     out["rollout"] = compile_role("rollout", f"{rchip.kind}-{host * rchip.cores_in_name}", programs,
-                                  estimates["rollout"], margin, progress)
+                                  estimates["rollout"], margin, progress, mesh)
     out["rollout"]["slice"] = rollout_accelerator
   complete = len(out) == 2 and all(r["fits"] for r in out.values())
   return {"model_parameters": m.num_params, "jax": jax.__version__,

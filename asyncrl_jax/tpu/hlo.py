@@ -16,7 +16,10 @@ corrects XLA's figures), the loops found, and collectives by kind (count and byt
 Counted: ``dot`` and ``convolution`` FLOPs (2 per multiply-add; convolutions over their valid window
 positions, which is how the TPU compiler writes batched matrix products); elementwise work is not
 (it is a few percent of a transformer's). Bytes: each top-level instruction's operands and result,
-except those that move no data (parameters, tuples, bitcasts, constants).
+except those that move no data (parameters, tuples, bitcasts, constants). Pallas kernels (custom
+calls) get their analytic cost from ``tpu.kernels``, kept apart (``kernel_flops``, ``kernel_bytes``)
+because XLA's own figures, which the ratio corrects, never include them. An asynchronous operation's
+``-update`` and ``-done`` halves name the computation its ``-start`` runs: it is counted once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import collections
 import dataclasses
 import math
 import re
+
+from asyncrl_jax.tpu import kernels
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
                 "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
@@ -59,6 +64,11 @@ class Cost:
   bytes_once: float = 0.0
   loops: list = dataclasses.field(default_factory=list)  # (loop name, trip count or None)
   collectives: dict = dataclasses.field(default_factory=dict)  # kind -> {"count", "bytes"}
+  # Pallas kernels (custom calls XLA cannot see into) at their analytic cost (``tpu.kernels``), loops
+  # counted: FLOPs, bytes beyond their operands and results, calls per kernel
+  kernel_flops: float = 0.0
+  kernel_bytes: float = 0.0
+  kernels: dict = dataclasses.field(default_factory=dict)
 
 
 def shape_bytes(shape: str) -> float:
@@ -192,15 +202,21 @@ def analyze(text: str) -> Cost:
   """The module's ``Cost`` per run (see the module docstring)."""
   computations, entry = parse(text)
   shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
-  own = {}  # computation -> (flops, bytes, collectives) of its own instructions
+  own = {}  # computation -> (flops, bytes, collectives, kernel costs) of its own instructions
   for name, instrs in computations.items():
     flops = traffic = 0.0
     coll = collections.defaultdict(lambda: [0, 0.0])
+    custom = []
     for instr in instrs:
       if instr.opcode == "convolution":
         flops += _conv_flops(instr, shapes)
       elif instr.opcode == "dot":
         flops += _dot_flops(instr, shapes)
+      elif instr.opcode == "custom-call":
+        kernel = kernels.custom_call_cost(re.sub(r"\.\d+$", "", instr.name),
+                                          [shapes.get(o, "") for o in instr.operands], instr.attrs)
+        if kernel is not None:
+          custom.append(kernel)
       kind = instr.opcode.removesuffix("-start")
       if kind in COLLECTIVES and not instr.opcode.endswith("-done"):
         coll[kind][0] += 1
@@ -210,16 +226,22 @@ def analyze(text: str) -> Cost:
                              default=0.0)
       if instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
         traffic += shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
-    own[name] = (flops, traffic, coll)
+    own[name] = (flops, traffic, coll, custom)
   fused = {c for instrs in computations.values() for i in instrs if i.opcode == "fusion"
            for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)}
   cost = Cost()
   totals = collections.defaultdict(lambda: [0, 0.0])
 
+  calls = collections.Counter()
+
   def visit(name: str, times: float, once: float, inside_fusion: bool) -> None:
-    flops, traffic, coll = own.get(name, (0.0, 0.0, {}))
+    flops, traffic, coll, custom = own.get(name, (0.0, 0.0, {}, []))
     cost.flops += flops * times
     cost.flops_once += flops * once
+    for kernel in custom:
+      cost.kernel_flops += kernel.flops * times
+      cost.kernel_bytes += kernel.extra_bytes * times
+      calls[kernel.kernel] += times
     if not inside_fusion:  # a fusion's inner instructions are one kernel: its own operands count
       cost.bytes += traffic * times
       cost.bytes_once += traffic * once
@@ -227,6 +249,8 @@ def analyze(text: str) -> Cost:
       totals[kind][0] += count * times
       totals[kind][1] += size * times
     for instr in computations.get(name, []):
+      if instr.opcode.endswith(("-done", "-update")):
+        continue  # an async operation's later halves name the computation its start already ran
       called = {k: re.findall(r"%?([\w.\-]+)", v) for k, v in _CALLS.findall(instr.attrs)}
       if instr.opcode == "while":
         body, cond = called.get("body", [None])[0], called.get("condition", [None])[0]
@@ -242,4 +266,5 @@ def analyze(text: str) -> Cost:
 
   visit(entry, 1.0, 1.0, False)
   cost.collectives = {k: {"count": int(v[0]), "bytes": float(v[1])} for k, v in sorted(totals.items())}
+  cost.kernels = {k: int(v) for k, v in sorted(calls.items())}
   return cost

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from asyncrl_jax import config as config_lib, models
+from asyncrl_jax.models import Forward
 from asyncrl_jax.rl.logprobs import chunked_logsoftmax, token_logprobs
 from tests.fixtures.helpers import sharp_params
 
@@ -83,7 +84,7 @@ def test_token_logprobs_and_their_gradients_do_not_depend_on_the_memory_options(
     return jnp.sum(logp) + 0.1 * jnp.sum(entropy), (logp, entropy)
 
   both = jax.jit(lambda p: (jax.value_and_grad(loss, has_aux=True)(p), jax.value_and_grad(
-      functools.partial(loss, remat=remat, vocab_chunk=chunk), has_aux=True)(p)))  # one compile
+      functools.partial(loss, forward=Forward(remat=remat), vocab_chunk=chunk), has_aux=True)(p)))  # one compile
   ((_, want), want_grad), ((_, got), got_grad) = both(params)
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
@@ -124,7 +125,7 @@ def test_remat_recomputes_each_block_in_the_backward_pass():
   ints = jax.ShapeDtypeStruct((2, 32), jnp.int32)
 
   def lowered(remat):
-    loss = lambda p, t, pos, s: jnp.sum(token_logprobs(cfg, p, t, pos, s, remat=remat))
+    loss = lambda p, t, pos, s: jnp.sum(token_logprobs(cfg, p, t, pos, s, forward=Forward(remat=remat)))
     return jax.jit(jax.grad(loss)).lower(params, ints, ints, ints).as_text()
 
   plain, remat = lowered(False), lowered(True)
@@ -156,7 +157,7 @@ def test_blockwise_attention_gives_the_same_logprobs_and_gradients(chunk):
     return jnp.sum(logp * jnp.arange(logp.shape[1])), logp
 
   both = jax.jit(lambda p: (jax.value_and_grad(loss, has_aux=True)(p), jax.value_and_grad(
-      functools.partial(loss, attention_chunk=chunk, remat=True), has_aux=True)(p)))  # one compile
+      functools.partial(loss, forward=Forward(attention_chunk=chunk, remat=True)), has_aux=True)(p)))  # one compile
   ((_, want), want_grad), ((_, got), got_grad) = both(params)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
   for g, w in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
@@ -168,7 +169,7 @@ def test_blockwise_attention_holds_one_block_of_scores():
                            num_heads=8, num_kv_heads=2, max_seq_len=1024)
   scores = 2 * cfg.num_heads * 1024 * 1024 * 4  # [rows, heads, T, T] float32, one copy: 64 MiB
   dense = _grad_temp_bytes(cfg, 2, 1024)
-  blockwise = _grad_temp_bytes(cfg, 2, 1024, attention_chunk=128)
+  blockwise = _grad_temp_bytes(cfg, 2, 1024, forward=Forward(attention_chunk=128))
   block = scores * 128 // 1024  # one block of 128 queries
   assert dense >= 2 * scores  # the control holds several copies per layer
   assert blockwise < dense / 4 and blockwise < 6 * block  # a few copies of one block, per pass
@@ -188,8 +189,8 @@ def test_scanned_layers_give_the_unrolled_values_and_gradients(remat):
   segments = jnp.asarray([[1] * 9 + [2] * 7, [1] * 16], jnp.int32)
 
   def loss(p, scan):
-    logp = token_logprobs(cfg, p, tokens, positions, segments, remat=remat, scan_layers=scan,
-                          attention_chunk=8, vocab_chunk=16)
+    logp = token_logprobs(cfg, p, tokens, positions, segments, vocab_chunk=16,
+                          forward=Forward(remat=remat, scan_layers=scan, attention_chunk=8))
     return jnp.sum(logp * jnp.arange(16.0))
 
   want, want_grads = jax.value_and_grad(loss)(params, False)

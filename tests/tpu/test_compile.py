@@ -43,7 +43,7 @@ def test_topology_names_follow_the_listed_slice_shapes():
 
 @pytest.fixture(scope="module", params=[("v5p-8", "v5p-8"), ("v6e-8", "v6e-8")])
 def report(request):
-  config = _tiny(scan_layers=True, remat=True)
+  config = _tiny(scan_layers=True, remat="full")
   learner, rollout = request.param
   return config, tpu_compile.compile_config(config, learner, rollout, progress=lambda _: None)
 

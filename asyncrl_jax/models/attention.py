@@ -1,0 +1,161 @@
+"""Attention over packed rows: one contract, two implementations (``Forward.attention``).
+
+Training, scoring and prefill attention is causal within segments: query ``t`` of a row sees key
+``s`` iff ``s <= t`` and both carry the same segment id (sequences packed into one row never see each
+other; padding has segment 0 and sees only padding). Queries are grouped by the kv head they share:
+``q [B, T, K, G, H]``, keys and values ``[B, T, K, H]``, output ``[B, T, K, G, H]``.
+
+* ``dense`` / ``blockwise`` (``"xla"``, the reference): float32 scores through HBM, the whole row at
+  once or ``chunk`` queries at a time (each block rematerialised).
+* ``splash`` (``"splash"``): the Pallas TPU kernel that ships with jax
+  (``jax.experimental.pallas.ops.tpu.splash_attention``): scores live in VMEM one block at a time
+  (online softmax), blocks entirely above the diagonal are skipped, the segment ids mask inside a
+  block, and its custom backward pass keeps only the output and the log-sum-exp. It runs per device
+  under ``jax.shard_map`` (Mosaic kernels are not partitioned automatically): rows split like the
+  activations' batch, heads like the projections' (``tensor``). Off a TPU it runs in Pallas'
+  interpret mode (exact, slow: tests only).
+
+Decode steps (one query per row against a KV cache) use ``dense`` with the cache mask.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG_INF = -1e30  # finite, so fully masked rows (padding) give uniform weights, not NaN
+
+# The splash kernel's blocks: this many queries and keys (a multiple of 128 lanes). 512 is what
+# MaxText uses by default for its splash attention on v5p / v6e.
+SPLASH_BLOCK = 512
+_LANES = 128
+
+
+def training_mask(segment_ids_bt: jax.Array) -> jax.Array:
+  """[B, T, T] mask: same segment and key index <= query index."""
+  t = segment_ids_bt.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+  same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+  return same & causal[None]
+
+
+def dense(q_btkgh, key_bskh, val_bskh, mask_bts):
+  """Softmax attention of grouped queries over every key, ``mask_bts`` saying which are visible."""
+  h = q_btkgh.shape[-1]
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_btkgh, key_bskh).astype(jnp.float32) / jnp.sqrt(jnp.float32(h))
+  scores = jnp.where(mask_bts[:, None, None, :, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q_btkgh.dtype)
+  return jnp.einsum("BKGTS,BSKH->BTKGH", probs, val_bskh)
+
+
+def blockwise(q_btkgh, key_btkh, val_btkh, segment_ids_bt, chunk: int):
+  """Causal attention within segments, ``chunk`` queries at a time (training and prefill).
+
+  Equal to ``dense`` with ``training_mask(segment_ids_bt)``, but the mask is built per block from
+  the segment ids and each block is rematerialised, so neither pass holds more than one ``[B,
+  heads, chunk, T]`` block of scores, nor the ``[B, T, T]`` mask.
+  """
+  b, t = q_btkgh.shape[:2]
+  n = -(-t // chunk)
+  pad = n * chunk - t  # padded queries get segment 0 (padding) and are cut off at the end
+  q = jnp.pad(q_btkgh, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+  seg_q = jnp.pad(segment_ids_bt, ((0, 0), (0, pad)))
+  blocks = (q.reshape((b, n, chunk) + q.shape[2:]).swapaxes(0, 1), seg_q.reshape(b, n, chunk).swapaxes(0, 1),
+            jnp.arange(n * chunk).reshape(n, chunk))
+
+  @jax.checkpoint
+  def block(xs):
+    q_b, seg_b, idx_b = xs
+    mask = (seg_b[:, :, None] == segment_ids_bt[:, None, :]) & (idx_b[None, :, None] >= jnp.arange(t))
+    return dense(q_b, key_btkh, val_btkh, mask)
+
+  out = jax.lax.map(block, blocks)  # [n, B, chunk, K, G, H]
+  return out.swapaxes(0, 1).reshape((b, n * chunk) + out.shape[3:])[:, :t]
+
+
+def splash_width(t: int) -> int:
+  """The row width the splash kernel runs at: ``t`` rounded up to whole blocks (``splash_block``)."""
+  return -(-t // splash_block(t)) * splash_block(t)
+
+
+def splash_block(t: int) -> int:
+  """Queries (and keys) per kernel block for rows of ``t`` tokens: ``SPLASH_BLOCK``, or the row
+  rounded up to 128 lanes when it is shorter."""
+  return min(SPLASH_BLOCK, -(-t // _LANES) * _LANES)
+
+
+def _splash_kernel(heads: int, width: int, interpret: bool):
+  """A causal splash kernel for ``heads`` query heads over rows of ``width`` tokens. Built inside the
+  trace that uses it (its block tables become that program's constants; a kernel kept from another
+  trace would leak that trace's values)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
+      splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
+  block = splash_block(width)
+  sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                                block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                                block_q_dq=block, block_kv_dq=block)
+  mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((width, width)) for _ in range(heads)])
+  return kernel_lib.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                                    interpret=interpret)
+
+
+def _on_tpu(mesh: Optional[jax.sharding.Mesh]) -> bool:
+  devices = mesh.devices.flat if mesh is not None else jax.devices()
+  return next(iter(devices)).platform == "tpu"
+
+
+def splash(q_btkgh, key_btkh, val_btkh, segment_ids_bt, *, mesh: Optional[jax.sharding.Mesh] = None,
+           batch_axes=("data", "fsdp"), head_axis: Optional[str] = "tensor"):
+  """Causal attention within segments by the splash kernel (the module docstring); same values as
+  ``dense`` with ``training_mask``.
+
+  With ``mesh``, the kernel runs per device under ``shard_map``: rows split over ``batch_axes``,
+  query and kv heads over ``head_axis`` (both must divide). Rows are padded to whole kernel blocks
+  with segment 0, which no real token sees.
+  """
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
+      splash_attention_kernel as kernel_lib)
+  b, t, k, g, h = q_btkgh.shape
+  width = splash_width(t)
+  pad = width - t
+  # the kernel does not scale the scores: scale the queries (in float32, then the compute dtype)
+  q = (q_btkgh.astype(jnp.float32) / np.sqrt(h)).astype(q_btkgh.dtype)
+  q = jnp.pad(q.reshape(b, t, k * g, h), ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  key = jnp.pad(key_btkh, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  val = jnp.pad(val_btkh, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+  seg = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, pad)))
+  interpret = not _on_tpu(mesh)
+  shards = 1 if mesh is None or head_axis is None else mesh.shape[head_axis]
+  if k % shards:
+    raise ValueError(f"splash attention: {k} kv heads do not split over mesh axis "
+                     f"{head_axis}={shards}")
+
+  def local(q_bnth, k_bkth, v_bkth, seg_bt):
+    kernel = _splash_kernel(q_bnth.shape[1], width, interpret)
+    one = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=s1))
+    return jax.vmap(one)(q_bnth, k_bkth, v_bkth, seg_bt)
+
+  if mesh is None:
+    out = local(q, key, val, seg)
+  else:
+    spec = jax.sharding.PartitionSpec
+    rows = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1) or None
+    heads = head_axis if shards > 1 else None
+    out = jax.shard_map(local, mesh=mesh, in_specs=(spec(rows, heads), spec(rows, heads),
+                                                    spec(rows, heads), spec(rows)),
+                        out_specs=spec(rows, heads), check_vma=False)(q, key, val, seg)
+  return out.transpose(0, 2, 1, 3)[:, :t].reshape(b, t, k, g, h)
+
+
+def segment_attention(q_btkgh, key_btkh, val_btkh, segment_ids_bt, *, kind: str, chunk: int,
+                      mesh: Optional[jax.sharding.Mesh] = None):
+  """Causal attention within segments by ``kind`` (``Forward.attention``): ``"splash"``, or the XLA
+  reference (``chunk`` queries at a time when ``chunk`` > 0, else the whole row)."""
+  if kind == "splash":
+    return splash(q_btkgh, key_btkh, val_btkh, segment_ids_bt, mesh=mesh)
+  if chunk:
+    return blockwise(q_btkgh, key_btkh, val_btkh, segment_ids_bt, chunk)
+  return dense(q_btkgh, key_btkh, val_btkh, training_mask(segment_ids_bt))

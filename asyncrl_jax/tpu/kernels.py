@@ -1,0 +1,83 @@
+"""Analytic costs of the Pallas kernels a program calls, which XLA's cost analysis cannot see into.
+
+A Pallas kernel is a ``custom-call`` to ``tpu_custom_call`` in the optimized HLO: XLA counts no FLOPs
+for it and only its operands' and results' bytes, once. A roofline built on that treats attention as
+free. ``custom_call_cost`` gives each known kernel its work from the shapes in the HLO (the walker,
+``hlo.analyze``, multiplies it by the loops around the call):
+
+**Splash attention** (``models.attention.splash``; instructions named ``splash_mha_fwd...``,
+``splash_mha_dq...``, ``splash_mha_dkv...``). Operands ``q [R, Nq, T, H]``, ``k`` and ``v [R, Nk,
+T, H]`` per device (``R`` rows: the kernel is mapped over them; ``[Nq, T, H]`` for one row), blocks of ``b`` queries and keys; the kernel this project builds is causal, so
+of the ``n x n`` block pairs (``n = T / b``) it visits ``P = n (n + 1) / 2`` (the rest are skipped by
+its block mask). Per visited pair and query head, a ``b x b x H`` matrix product costs
+``2 b^2 H`` FLOPs, and:
+
+=======  ===============================================  ======================================
+kernel   products per pair                                 streamed per pair and query head
+=======  ===============================================  ======================================
+fwd      2 (``q k^T``, ``p v``)                            a block of ``k`` and of ``v``
+dq       3 (``q k^T``, ``do v^T``, ``ds k``)                a block of ``k`` and of ``v``
+dkv      4 (``q k^T``, ``do v^T``, ``p^T do``, ``ds^T q``)  a block of ``q`` and of ``do``
+=======  ===============================================  ======================================
+
+FLOPs = products x 2 b^2 H x P x Nq x R. Bytes = the operands and results once (what XLA counts
+already) plus the streamed blocks: 2 x b x H x itemsize x P x Nq x R (their re-reads; counted as
+``extra_bytes``).
+Elementwise work (the softmax's exponentials) is not counted, as for XLA's own products. Masking
+inside a block (segment ids, the diagonal) does not change the work: a visited block is computed
+whole.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import NamedTuple, Optional
+
+_SPLASH = re.compile(r"^splash_(mha|mqa)_(fwd|dq|dkv)")
+_PRODUCTS = {"fwd": 2, "dq": 3, "dkv": 4}
+_FLOAT = re.compile(r"\b(bf16|f16|f32)\[([\d,]+)\]")
+_MASK_INFO = re.compile(r"\bs8\[(\d+),(\d+),(\d+)\]")
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+class KernelCost(NamedTuple):
+  kernel: str  # e.g. "splash_fwd"
+  flops: float
+  extra_bytes: float  # HBM traffic beyond reading each operand and writing each result once
+
+
+def causal_block_pairs(blocks: int) -> int:
+  """Block pairs a causal kernel visits in an ``blocks x blocks`` grid: the diagonal and below."""
+  return blocks * (blocks + 1) // 2
+
+
+def splash_cost(kind: str, *, q_heads: int, seq: int, head_dim: int, block: int, itemsize: int,
+                rows: int = 1) -> KernelCost:
+  """The cost of one causal splash ``kind`` call ("fwd", "dq" or "dkv") over ``rows`` rows."""
+  pairs = causal_block_pairs(math.ceil(seq / block)) * q_heads * rows
+  flops = _PRODUCTS[kind] * 2.0 * block * block * head_dim * pairs
+  streamed = 2.0 * block * head_dim * itemsize * pairs
+  return KernelCost(f"splash_{kind}", flops, streamed)
+
+
+def custom_call_cost(name: str, operand_shapes: list, call_text: str = "") -> Optional[KernelCost]:
+  """The cost of the custom call ``name`` (an instruction name in the HLO) from its operands' shape
+  texts, or None for a call this module does not know. ``call_text``: the rest of the instruction
+  (not needed for splash; kept so other kernels can read their attributes)."""
+  del call_text
+  m = _SPLASH.match(name)
+  if not m:
+    return None
+  arrays = [(a.group(1), [int(d) for d in a.group(2).split(",")])
+            for a in (_FLOAT.search(s) for s in operand_shapes) if a]
+  arrays = [(dtype, dims) for dtype, dims in arrays if len(dims) in (3, 4)]
+  if len(arrays) < 3:
+    return None
+  dtype, dims = arrays[0]  # q: [rows, heads, T, H] or [heads, T, H]
+  rows = dims[0] if len(dims) == 4 else 1
+  q_heads, seq, head_dim = dims[-3:]
+  blocks = next((int(b.group(2)) for b in (_MASK_INFO.search(s) for s in operand_shapes) if b), 0)
+  block = seq // blocks if blocks and seq % blocks == 0 else seq
+  return splash_cost(m.group(2), q_heads=q_heads, seq=seq, head_dim=head_dim, block=block,
+                     itemsize=_ITEMSIZE[dtype], rows=rows)
