@@ -5,6 +5,8 @@ and the projected rates (``asyncrl_jax.tpu.compile``). Compiler projections, not
   .venv/bin/python benchmarks/tpu_compile.py                      # every config (about an hour on 2 cores)
   .venv/bin/python benchmarks/tpu_compile.py --configs qwen2_5_1_5b_v6e.py
   .venv/bin/python benchmarks/tpu_compile.py --assemble-only      # the table from the recorded reports
+  .venv/bin/python benchmarks/tpu_compile.py --learner-variants --configs qwen2_5_1_5b.py
+      # the learner alone under each attention x remat choice, side by side (VARIANTS)
 
 Each config's report is kept in ``results/tpu_compile/<config>.json`` (with commit, date, libtpu and
 the compile seconds) and the table in ``results/tpu_compile.md`` is rebuilt from all of them.
@@ -28,6 +30,9 @@ from benchmarks import common  # noqa: E402  pylint: disable=wrong-import-positi
 CONFIGS = ("qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py", "r1_distill_qwen_7b_v5p.py")
 RECORDS = os.path.join(common.RESULTS_DIR, "tpu_compile")
 GiB = 2**30
+# (learner.attention, learner.remat) pairs compared by --learner-variants: the XLA reference first
+VARIANTS = (("xla", "full"), ("splash", "full"), ("splash", "minimal"), ("splash", "dots_saveable"),
+            ("splash", "minimal_offloaded"))
 
 
 def compile_one(name: str) -> dict:
@@ -46,6 +51,64 @@ def compile_one(name: str) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 machine={k: v for k, v in common.machine().items() if k not in ("date", "commit")})
   return report
+
+
+def learner_variants(name: str, variants=VARIANTS) -> dict:
+  """The config's learner role compiled under each (attention, remat) pair, with its rates: which
+  choice is fastest and fits, by the compiler's figures."""
+  from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import compile as tpu_compile  # pylint: disable=import-outside-toplevel
+  module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
+  accelerators = module.ACCELERATORS
+  rows = []
+  t0 = time.perf_counter()
+  for attention, remat in variants:
+    config = module.get_config()
+    config.learner.update(attention=attention, remat=remat)
+    config = config_lib.validate(config)
+    print(f"[tpu_compile] {name} learner attention={attention} remat={remat}", flush=True)
+    try:
+      report = tpu_compile.compile_config(config, accelerators["learner"], margin=accelerators.get("margin", 0.2),
+                                          roles=("learner",), progress=lambda line: print(line, flush=True))
+    except Exception as e:  # pylint: disable=broad-except  (a choice the compiler refuses is a result)
+      rows.append({"attention": attention, "remat": remat, "error": f"{type(e).__name__}: {e}"[:600]})
+      continue
+    role = report["roles"]["learner"]
+    rates = {}
+    if role["fits"]:
+      rates = tpu_compile.learner_rates(config, models.config_of(config), role)
+      rates.pop("_lengths")
+    grad = next(p for p in role["programs"] if p["name"] == "grad_step[first]")
+    rows.append({"attention": attention, "remat": remat, "fits": role["fits"],
+                 "peak_bytes": role["peak_bytes"], "peak_program": role["peak_program"],
+                 "grad_step": {k: grad.get(k) for k in ("compiled_bytes", "flops", "bytes_accessed",
+                                                        "roofline_seconds", "bound", "kernels",
+                                                        "compile_seconds", "refused")},
+                 **rates})
+  return {"config": name, "accelerators": accelerators, "variants": rows,
+          "seconds": round(time.perf_counter() - t0), "commit": common._commit(),  # pylint: disable=protected-access
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+          "machine": {k: v for k, v in common.machine().items() if k not in ("date", "commit")}}
+
+
+def variants_section(record: dict) -> list[str]:
+  acc = record["accelerators"]
+  lines = [f"### {record['config']}: the learner ({acc['learner']}) under each attention and remat choice",
+           "", f"commit {record['commit']}, {record['date']}; one run, side by side "
+           f"({record['seconds']} s of compiling).", "",
+           "| attention | remat | fits | peak GiB per chip | grad step TFLOPs | GB moved | roofline ms "
+           "| bound | learner tokens/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for v in record["variants"]:
+    if "error" in v:
+      lines.append(f"| {v['attention']} | {v['remat']} | error: {v['error'][:120]} |||||||")
+      continue
+    g = v["grad_step"]
+    rate = (f"{v['learner_tokens_per_s']:,.0f} | {v['learner_mfu']:.1%}" if "learner_mfu" in v
+            else "- | -")
+    lines.append(f"| {v['attention']} | {v['remat']} | {'yes' if v['fits'] else 'no'} | "
+                 f"{_gib(v['peak_bytes'])} | {g['flops'] / 1e12:.0f} | {g['bytes_accessed'] / 1e9:,.0f} | "
+                 f"{g['roofline_seconds'] * 1e3:,.0f} | {g['bound']} | {rate} |")
+  return lines + [""]
 
 
 def _gib(x) -> str:
@@ -126,6 +189,10 @@ def assemble() -> str:
                  "--tpu-compile`)")
   for report in reports:
     lines += section(report)
+  for name in CONFIGS:
+    path = os.path.join(RECORDS, name.replace(".py", ".learner_variants.json"))
+    if os.path.exists(path):
+      lines += variants_section(common.read_json(path))
   path = os.path.join(common.RESULTS_DIR, "tpu_compile.md")
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
@@ -136,8 +203,16 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--assemble-only", action="store_true")
+  parser.add_argument("--learner-variants", action="store_true",
+                      help="compile the learner alone under each (attention, remat) choice in VARIANTS")
   args = parser.parse_args()
-  if not args.assemble_only:
+  if args.learner_variants:
+    os.makedirs(RECORDS, exist_ok=True)
+    for name in args.configs:
+      record = learner_variants(name)
+      with open(os.path.join(RECORDS, name.replace(".py", ".learner_variants.json")), "w") as f:
+        json.dump(record, f, indent=1)
+  elif not args.assemble_only:
     os.makedirs(RECORDS, exist_ok=True)
     for name in args.configs:
       print(f"[tpu_compile] {name}", flush=True)

@@ -228,30 +228,43 @@ def compile_role(role: str, accelerator: str, programs: list, estimates: dict, m
 SEED_LENGTHS = dict(mu=7.4, sigma=1.15)
 
 
-def model_flops_per_token(m, width: int) -> float:
-  """Training FLOPs per token by the usual count: 6 x the matrix parameters (the embedding lookup is
-  not a product; a tied embedding counts once, as the output layer) plus causal attention's
-  6 x layers x heads x head_dim x width (half of the 12 x ... of a full attention matrix)."""
+def model_flops_per_token(m, attention_length: float) -> float:
+  """Training FLOPs per token (forward and backward) by the usual count: 6 x the matrix parameters
+  (the embedding lookup is not a product; a tied embedding counts once, as the output layer) plus
+  causal attention, 6 x layers x heads x head_dim x ``attention_length`` (a token at position i
+  attends i + 1 keys: 2 products of 2 x i x head_dim FLOPs per head forward, 3x that with the
+  backward pass, i averaging half its sequence's length).
+
+  ``attention_length`` is the token-weighted mean length of the *sequences* (``attention_length``
+  below), not the packed row's width: packed sequences never attend to one another."""
   embed = m.vocab_size * m.hidden_size
   # every parameter but the embedding table's lookup; a tied table is the output layer's matrix
   matrix = m.num_params - (0 if m.tie_embeddings else embed)
-  return 6.0 * matrix + 6.0 * m.num_layers * m.num_heads * m.head_dim * width
+  return 6.0 * matrix + 6.0 * m.num_layers * m.num_heads * m.head_dim * attention_length
 
 
-def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 20) -> dict:
-  """Rates implied by the roofline times: learner tokens/s and MFU, decode tokens/s per server, and
-  the planner's async/sync ratio for the config's device split on the seed's length distribution."""
+def attention_length(lengths) -> float:
+  """The token-weighted mean sequence length, sum(L^2) / sum(L): the length whose causal attention
+  costs, per token, what the sequences ``lengths`` cost on average."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.sim import planner  # pylint: disable=import-outside-toplevel
+  lengths = np.asarray(lengths, np.float64)
+  return float((lengths ** 2).sum() / lengths.sum())
+
+
+def learner_rates(config, m, learner: dict) -> dict:
+  """The learner role's rates implied by its programs' roofline times (``learner``: a role of
+  ``compile_config``'s report): tokens/s over its chips, MFU (``model_flops_per_token`` at the
+  seed's lengths), seconds per micro-batch, micro-batches per update."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.sim.lengths import LengthModel  # pylint: disable=import-outside-toplevel
-  learner, rollout = roles["learner"], roles["rollout"]
+  from asyncrl_jax.tpu.chips import CHIPS  # pylint: disable=import-outside-toplevel
   times = {p["name"]: p["roofline_seconds"] for p in learner["programs"]}
   budget = int(config.learner.token_budget)
   minibatches = int(config.learner.ppo_minibatches)
   cap = int(config.data.max_completion_len)
   lengths = LengthModel(mu=SEED_LENGTHS["mu"], sigma=SEED_LENGTHS["sigma"], cap=cap)
-  mean_len = float(lengths.draw(np.random.default_rng(0), 100_000).mean())
-  mean_len += int(config.data.max_prompt_len) / 2
+  sequences = lengths.draw(np.random.default_rng(0), 100_000) + int(config.data.max_prompt_len) / 2
+  mean_len = float(sequences.mean())
   per_update = int(config.learner.batch_size) / minibatches * mean_len
   mbs = max(1.0, math.ceil(per_update / budget))
   per_mb = times["grad_step[first]"] + times.get("accumulate", 0.0) + times["apply"] / mbs
@@ -260,11 +273,24 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
   if "value_estimate" in times:
     per_mb += sum(t for k, t in times.items() if k.startswith("value_"))
   tokens_per_s = budget / per_mb
-  chips_l = learner["chips"]
-  from asyncrl_jax.tpu.chips import CHIPS  # pylint: disable=import-outside-toplevel
+  seq_attention = attention_length(sequences)
+  flops_per_token = model_flops_per_token(m, seq_attention)
   peak = CHIPS[learner["chip"]].bf16_flops
-  width = learner["row_len"]
-  mfu = model_flops_per_token(m, width) * tokens_per_s / (chips_l * peak)
+  return {"learner_tokens_per_s": tokens_per_s,
+          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * peak),
+          "attention_length": seq_attention, "model_flops_per_token": flops_per_token,
+          "learner_seconds_per_micro_batch": per_mb, "micro_batches_per_update": mbs,
+          "mean_trajectory_tokens": mean_len, "_lengths": lengths}
+
+
+def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 20) -> dict:
+  """Rates implied by the roofline times: learner tokens/s and MFU, decode tokens/s per server, and
+  the planner's async/sync ratio for the config's device split on the seed's length distribution."""
+  from asyncrl_jax.sim import planner  # pylint: disable=import-outside-toplevel
+  learner, rollout = roles["learner"], roles["rollout"]
+  rates_l = learner_rates(config, m, learner)
+  lengths, tokens_per_s, chips_l = rates_l.pop("_lengths"), rates_l["learner_tokens_per_s"], learner["chips"]
+  mean_len, cap = rates_l["mean_trajectory_tokens"], int(config.data.max_completion_len)
   chunk = next(p for p in rollout["programs"] if p["name"].startswith("decode_chunk"))
   step = chunk["roofline_seconds"] / steps_per_call
   slots = int(config.rollout.num_slots)
@@ -282,8 +308,7 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
   sync = planner.predict_colocated_sync(lengths, rates, devices=servers * rollout["chips"] + chips_l,
                                         batch=batch, epochs=epochs)
   return {
-      "learner_tokens_per_s": tokens_per_s, "learner_mfu": mfu,
-      "learner_seconds_per_micro_batch": per_mb, "micro_batches_per_update": mbs,
+      **rates_l,
       "decode_tokens_per_s": decode_tok_s, "decode_step_seconds": step,
       "decode_context_length": int(config.data.max_prompt_len) + cap,
       "decode_servers": servers, "rollout_chips": servers * rollout["chips"], "learner_chips": chips_l,
@@ -294,7 +319,8 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
                 "TPU compiler's programs, not measurements; the decode step attends over the whole "
                 "cache (masked), so its cost is the same at any context length up to the cache's; "
                 "trajectories of the seed's lengths with prompts at half their cap; MFU counts "
-                "model_flops_per_token (6 x matrix parameters + causal attention)"),
+                "model_flops_per_token (6 x matrix parameters + causal attention within each "
+                "sequence, at the token-weighted mean sequence length)"),
   }
 
 
