@@ -13,7 +13,9 @@ other; padding has segment 0 and sees only padding). Queries are grouped by the 
   block, and its custom backward pass keeps only the output and the log-sum-exp. It runs per device
   under ``jax.shard_map`` (Mosaic kernels are not partitioned automatically): rows split like the
   activations' batch, heads like the projections' (``tensor``). Off a TPU it runs in Pallas'
-  interpret mode (exact, slow: tests only).
+  interpret mode (exact, slow: tests only). On a TPU with bfloat16 inputs it needs the default
+  matmul precision: Mosaic refuses float32 contract precision on bfloat16 operands ("Bad lhs
+  type"), which ``jax_default_matmul_precision="highest"`` would ask of its products.
 
 Decode steps (one query per row against a KV cache) use ``dense`` with the cache mask.
 """

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncrl_jax.tpu import hlo
+from asyncrl_jax.tpu import hlo, kernels
 
 
 def _compiled(fn, *args):
@@ -119,3 +119,78 @@ def test_a_loop_without_a_constant_bound_is_counted_once_and_reported():
   cost = hlo.analyze(text)
   assert cost.loops == [("w", None)]
   assert cost.collectives["all-gather"]["count"] == 1
+
+
+# An asynchronous call as XLA prints it: its start and done both name the wrapped computation, which
+# runs once. 2 x 64 x 128 x 32 FLOPs.
+_ASYNC = """HloModule m, entry_computation_layout={(f32[64,128]{1,0}, f32[128,32]{1,0})->f32[64,32]{1,0}}
+
+%wrapped (p0: f32[64,128], p1: f32[128,32]) -> f32[64,32] {
+  %p0 = f32[64,128]{1,0} parameter(0)
+  %p1 = f32[128,32]{1,0} parameter(1)
+  ROOT %d = f32[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[64,128], b: f32[128,32]) -> f32[64,32] {
+  %a = f32[64,128]{1,0} parameter(0)
+  %b = f32[128,32]{1,0} parameter(1)
+  %start = ((f32[64,128]{1,0}, f32[128,32]{1,0}), f32[64,32]{1,0}, s32[]) async-start(%a, %b), calls=%wrapped
+  %update = ((f32[64,128]{1,0}, f32[128,32]{1,0}), f32[64,32]{1,0}, s32[]) async-update(%start), calls=%wrapped
+  ROOT %done = f32[64,32]{1,0} async-done(%update), calls=%wrapped
+}
+"""
+
+
+def test_an_asynchronous_call_is_counted_once():
+  cost = hlo.analyze(_ASYNC)
+  assert cost.flops == pytest.approx(2 * 64 * 128 * 32)
+  # negative control: the same computation called twice (two starts) counts twice
+  twice = _ASYNC.replace("  ROOT %done", "  %start2 = ((f32[64,128]{1,0}, f32[128,32]{1,0}), "
+                         "f32[64,32]{1,0}, s32[]) async-start(%a, %b), calls=%wrapped\n  ROOT %done")
+  assert hlo.analyze(twice).flops == pytest.approx(2 * 2 * 64 * 128 * 32)
+
+
+def test_the_splash_kernel_cost_is_the_hand_count():
+  """12 query heads, 4096 tokens, head_dim 128, blocks of 512: 8 x 8 block pairs, 36 of them on or
+  below the diagonal. Forward: 2 products of 2 x 512 x 512 x 128 FLOPs per pair and head."""
+  fwd = kernels.splash_cost("fwd", q_heads=12, seq=4096, head_dim=128, block=512, itemsize=2)
+  assert fwd.flops == 2 * (2 * 512 * 512 * 128) * 36 * 12 == 57_982_058_496
+  # k and v re-read per visited pair and query head, 512 x 128 bf16 each
+  assert fwd.extra_bytes == 2 * 512 * 128 * 2 * 36 * 12 == 113_246_208
+  dq = kernels.splash_cost("dq", q_heads=12, seq=4096, head_dim=128, block=512, itemsize=2, rows=3)
+  dkv = kernels.splash_cost("dkv", q_heads=12, seq=4096, head_dim=128, block=512, itemsize=2)
+  assert dq.flops == 3 * 3 / 2 * fwd.flops and dkv.flops == 2 * fwd.flops
+  assert kernels.causal_block_pairs(1) == 1 and kernels.causal_block_pairs(64) == 2080
+
+
+@pytest.mark.slow(10)
+def test_a_compiled_splash_gradient_is_costed_per_kernel_call():
+  """The splash kernel compiled for a v5p chip inside a 3-trip loop (forward and gradient): XLA
+  counts no FLOPs for its custom calls; the walker finds the forward, dq and dkv kernels with their
+  trips and costs them as ``splash_cost`` says."""
+  from asyncrl_jax.models import attention
+  from asyncrl_jax.tpu import compile as tpu_compile
+  devices = tpu_compile.topology_devices("v5p", 4)
+  mesh = jax.sharding.Mesh(np.asarray(devices[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  t, k, g, h = 1024, 2, 2, 128
+
+  def loss(q, key, val, seg):
+    def body(_, acc):
+      out = attention.splash(q, key, val, seg, mesh=mesh)
+      return acc + jnp.sum(out.astype(jnp.float32) ** 2)
+    return jax.lax.fori_loop(0, 3, body, 0.0)
+
+  bf16 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  args = (bf16(1, t, k, g, h), bf16(1, t, k, h), bf16(1, t, k, h), jax.ShapeDtypeStruct((1, t), jnp.int32))
+  # (the tests' process-wide "highest" precision would ask Mosaic for float32 products of bf16)
+  with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+  cost = hlo.analyze(compiled.as_text())
+  each = {kind: kernels.splash_cost(kind, q_heads=k * g, seq=t, head_dim=h, block=512, itemsize=2)
+          for kind in ("fwd", "dq", "dkv")}
+  # the backward kernels run per trip; the forward's inputs do not change, so XLA hoists it
+  assert cost.kernels["splash_dq"] == cost.kernels["splash_dkv"] == 3 and cost.kernels["splash_fwd"] >= 1
+  want = sum(each[name.removeprefix("splash_")].flops * n for name, n in cost.kernels.items())
+  assert cost.kernel_flops == pytest.approx(want)
+  assert cost.kernel_flops >= 3 * (each["dq"].flops + each["dkv"].flops) + each["fwd"].flops
+  assert cost.flops < 0.01 * cost.kernel_flops  # what XLA's own count sees of attention: nothing
