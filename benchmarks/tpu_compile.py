@@ -151,10 +151,10 @@ def section(report: dict) -> list[str]:
 
 
 def _with_current_estimates(report: dict) -> dict:
-  """The record's programs with ``asyncrl_jax.tools.memory``'s estimates as the code computes them now
+  """The record's programs with ``asyncrl_jax.tpu.memory``'s estimates as the code computes them now
   (the compiled figures are the record's)."""
   from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tools import memory
+  from asyncrl_jax.tpu import memory
   from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
   name = report["config"]
   config = config_lib.validate(config_lib.config_module(
@@ -178,7 +178,7 @@ def assemble() -> str:
            "The shipped TPU configs' per-step programs compiled by the TPU compiler (libtpu) for their "
            "slices on a CPU machine (`python -m asyncrl_jax info --compile`): **compiler projections, "
            "not measurements on a TPU**. Compiled bytes are per chip (arguments + outputs + temporaries "
-           "- donated); the estimate is `asyncrl_jax.tools.memory`'s for the same program; 'with resident "
+           "- donated); the estimate is `asyncrl_jax.tpu.memory`'s for the same program; 'with resident "
            "state' adds what the role holds beside the program (optimizer state, gradient sum, the "
            "version's batch), computed by the code at the commit that assembled this page. FLOPs and bytes are per chip with loops counted as often as they run "
            "(XLA's own figures count a loop body once); roofline = max(FLOPs / peak bf16, bytes / HBM "

@@ -123,8 +123,26 @@ def test_no_modules_import_each_other_in_a_loop(graph):
   assert _cycles(graph) == []
 
 
+def _packages(graph) -> dict[str, set]:
+  """The import graph between the package's folders (a folder's modules importing another's)."""
+  out = {}
+  for module, imported in graph.items():
+    out.setdefault(_part(module), set()).update(_part(o) for o in imported)
+  return {p: deps - {p} for p, deps in out.items()}
+
+
+def test_no_packages_import_each_other_in_a_loop(graph):
+  """Within a layer imports may go either way between modules, but two folders that import each
+  other (even through different modules) are one concept split in two."""
+  assert _cycles(_packages(graph)) == []
+
+
 def test_the_checks_see_a_loop_and_a_wrong_way_import():
   """Negative control: a made-up graph with a loop and an upward import is caught."""
   assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+  # two folders importing each other through different modules: no module loop, a package loop
+  modules = {"asyncrl_jax.tools.info": {"asyncrl_jax.tpu.compile"}, "asyncrl_jax.tpu.compile": set(),
+             "asyncrl_jax.tpu.other": {"asyncrl_jax.tools.memory"}, "asyncrl_jax.tools.memory": set()}
+  assert _cycles(modules) == [] and _cycles(_packages(modules)) == [["tools", "tpu"]]
   assert _layer("asyncrl_jax.rollout.engine") > _layer("asyncrl_jax.rl.losses")
   assert _layer("asyncrl_jax.infra.paths") < _layer("asyncrl_jax.models.api")

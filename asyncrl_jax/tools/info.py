@@ -1,6 +1,6 @@
 """``python -m asyncrl_jax.tools.info --config=configs/x.py [--accelerator=v5p-32 --rollout_accelerator=v5p-8]``:
 the validated config and the model size; with an accelerator, the memory estimate per device of each
-role (``asyncrl_jax.tools.memory``) and whether it fits one chip's HBM with ``--margin`` to spare.
+role (``asyncrl_jax.tpu.memory``) and whether it fits one chip's HBM with ``--margin`` to spare.
 
 The learner spans every chip of ``--accelerator``; each decode server is one host of
 ``--rollout_accelerator`` (default: the learner's type, one host of it). Exit status 1 if a role does
@@ -34,7 +34,7 @@ def _flatten(d, prefix=""):
 def memory_report(config, accelerator: str, rollout_accelerator: str = "", margin: float = 0.2):
   """Lines of the per-role memory tables and verdicts, and whether every role fits."""
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tools import memory
+  from asyncrl_jax.tpu import memory
   m = models.config_of(config)
   _, learner_chips = memory.chips(accelerator)
   rollout_accelerator = rollout_accelerator or accelerator

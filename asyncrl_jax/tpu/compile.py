@@ -152,7 +152,7 @@ def learner_programs(config, model_config, devices, *, row_len: Optional[int] = 
   among its arguments (bytes per chip)."""
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.infra import bucketing
-  from asyncrl_jax.tools import memory
+  from asyncrl_jax.tpu import memory
   from asyncrl_jax.infra import sharding
   import jax  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.learner.learner import Learner  # pylint: disable=import-outside-toplevel
@@ -336,7 +336,7 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
   import jax  # pylint: disable=import-outside-toplevel
   from importlib import metadata  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tools import memory
+  from asyncrl_jax.tpu import memory
   from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
   m = models.config_of(config)
   rollout_accelerator = rollout_accelerator or accelerator

@@ -17,7 +17,7 @@ from asyncrl_jax import models
 
 from asyncrl_jax.infra import bucketing
 
-from asyncrl_jax.tools import memory
+from asyncrl_jax.tpu import memory
 
 from asyncrl_jax import config as config_lib
 from asyncrl_jax.infra import sharding
