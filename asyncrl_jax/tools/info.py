@@ -34,12 +34,12 @@ def _flatten(d, prefix=""):
 def memory_report(config, accelerator: str, rollout_accelerator: str = "", margin: float = 0.2):
   """Lines of the per-role memory tables and verdicts, and whether every role fits."""
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tpu import memory
+  from asyncrl_jax.tpu import chips, memory  # pylint: disable=import-outside-toplevel
   m = models.config_of(config)
-  _, learner_chips = memory.chips(accelerator)
+  _, learner_chips = chips.parse(accelerator)
   rollout_accelerator = rollout_accelerator or accelerator
   roles = [(memory.learner(config, m, learner_chips), accelerator),
-           (memory.decode_server(config, m, memory.host_chips(rollout_accelerator)), rollout_accelerator)]
+           (memory.decode_server(config, m, chips.host_chips(rollout_accelerator)), rollout_accelerator)]
   if config.learner.eval_every:  # (on a pod the decode servers are other hosts: it runs on the learner's)
     roles.insert(1, (memory.evaluation(config, m, learner_chips), accelerator))
   lines, ok = [f"model parameters: {m.num_params:,}"], True

@@ -73,5 +73,12 @@ def topology_name(kind: str, chips: int) -> str:
   return f"{kind}:{_3D[chips]}"
 
 
+# Chips per slice that each generation offers (the sizes the planner may give a role): 3D tori for
+# v4 / v5p from a 4-chip host up; v5e / v6e from one chip.
+SLICES = {"v4": (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+          "v5p": (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+          "v5e": (1, 4, 8, 16, 32, 64, 128, 256),
+          "v6e": (1, 4, 8, 16, 32, 64, 128, 256)}
+
 _3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
        512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}

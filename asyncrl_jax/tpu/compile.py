@@ -223,107 +223,6 @@ def compile_role(role: str, accelerator: str, programs: list, estimates: dict, m
           "fits": not refused and peak["peak_bytes"] <= usable, "programs": results}
 
 
-# The seed's completion lengths (lognormal, median e^7.4 ~ 1636 tokens, sigma 1.15), capped at the
-# config's completion length; prompts at half their cap.
-SEED_LENGTHS = dict(mu=7.4, sigma=1.15)
-
-
-def model_flops_per_token(m, attention_length: float) -> float:
-  """Training FLOPs per token (forward and backward) by the usual count: 6 x the matrix parameters
-  (the embedding lookup is not a product; a tied embedding counts once, as the output layer) plus
-  causal attention, 6 x layers x heads x head_dim x ``attention_length`` (a token at position i
-  attends i + 1 keys: 2 products of 2 x i x head_dim FLOPs per head forward, 3x that with the
-  backward pass, i averaging half its sequence's length).
-
-  ``attention_length`` is the token-weighted mean length of the *sequences* (``attention_length``
-  below), not the packed row's width: packed sequences never attend to one another."""
-  embed = m.vocab_size * m.hidden_size
-  # every parameter but the embedding table's lookup; a tied table is the output layer's matrix
-  matrix = m.num_params - (0 if m.tie_embeddings else embed)
-  return 6.0 * matrix + 6.0 * m.num_layers * m.num_heads * m.head_dim * attention_length
-
-
-def attention_length(lengths) -> float:
-  """The token-weighted mean sequence length, sum(L^2) / sum(L): the length whose causal attention
-  costs, per token, what the sequences ``lengths`` cost on average."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  lengths = np.asarray(lengths, np.float64)
-  return float((lengths ** 2).sum() / lengths.sum())
-
-
-def learner_rates(config, m, learner: dict) -> dict:
-  """The learner role's rates implied by its programs' roofline times (``learner``: a role of
-  ``compile_config``'s report): tokens/s over its chips, MFU (``model_flops_per_token`` at the
-  seed's lengths), seconds per micro-batch, micro-batches per update."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.sim.lengths import LengthModel  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tpu.chips import CHIPS  # pylint: disable=import-outside-toplevel
-  times = {p["name"]: p["roofline_seconds"] for p in learner["programs"]}
-  budget = int(config.learner.token_budget)
-  minibatches = int(config.learner.ppo_minibatches)
-  cap = int(config.data.max_completion_len)
-  lengths = LengthModel(mu=SEED_LENGTHS["mu"], sigma=SEED_LENGTHS["sigma"], cap=cap)
-  sequences = lengths.draw(np.random.default_rng(0), 100_000) + int(config.data.max_prompt_len) / 2
-  mean_len = float(sequences.mean())
-  per_update = int(config.learner.batch_size) / minibatches * mean_len
-  mbs = max(1.0, math.ceil(per_update / budget))
-  per_mb = times["grad_step[first]"] + times.get("accumulate", 0.0) + times["apply"] / mbs
-  if "prox_pass" in times:  # every minibatch after a version's first needs its prox log-probs
-    per_mb += times["prox_pass"] * (minibatches - 1) / minibatches
-  if "value_estimate" in times:
-    per_mb += sum(t for k, t in times.items() if k.startswith("value_"))
-  tokens_per_s = budget / per_mb
-  seq_attention = attention_length(sequences)
-  flops_per_token = model_flops_per_token(m, seq_attention)
-  peak = CHIPS[learner["chip"]].bf16_flops
-  return {"learner_tokens_per_s": tokens_per_s,
-          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * peak),
-          "attention_length": seq_attention, "model_flops_per_token": flops_per_token,
-          "learner_seconds_per_micro_batch": per_mb, "micro_batches_per_update": mbs,
-          "mean_trajectory_tokens": mean_len, "_lengths": lengths}
-
-
-def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 20) -> dict:
-  """Rates implied by the roofline times: learner tokens/s and MFU, decode tokens/s per server, and
-  the planner's async/sync ratio for the config's device split on the seed's length distribution."""
-  from asyncrl_jax.sim import planner  # pylint: disable=import-outside-toplevel
-  learner, rollout = roles["learner"], roles["rollout"]
-  rates_l = learner_rates(config, m, learner)
-  lengths, tokens_per_s, chips_l = rates_l.pop("_lengths"), rates_l["learner_tokens_per_s"], learner["chips"]
-  mean_len, cap = rates_l["mean_trajectory_tokens"], int(config.data.max_completion_len)
-  chunk = next(p for p in rollout["programs"] if p["name"].startswith("decode_chunk"))
-  step = chunk["roofline_seconds"] / steps_per_call
-  slots = int(config.rollout.num_slots)
-  decode_tok_s = slots / step
-  fraction = float(config.mesh.rollout_fraction)
-  rollout_chips = int(round(chips_l * fraction / (1 - fraction)))
-  servers = max(1, rollout_chips // rollout["chips"])
-  rates = planner.Throughputs(decode_tok_s=decode_tok_s / rollout["chips"],
-                              train_tok_s=tokens_per_s / chips_l,
-                              slots_per_device=max(1, slots // rollout["chips"]))
-  eta = int(config.rl.max_staleness)
-  batch = int(config.learner.batch_size)
-  asynchronous = planner.predict(lengths, rates, rollout_devices=servers * rollout["chips"],
-                                 learner_devices=chips_l, eta=eta, batch=batch, epochs=epochs)
-  sync = planner.predict_colocated_sync(lengths, rates, devices=servers * rollout["chips"] + chips_l,
-                                        batch=batch, epochs=epochs)
-  return {
-      **rates_l,
-      "decode_tokens_per_s": decode_tok_s, "decode_step_seconds": step,
-      "decode_context_length": int(config.data.max_prompt_len) + cap,
-      "decode_servers": servers, "rollout_chips": servers * rollout["chips"], "learner_chips": chips_l,
-      "mean_trajectory_tokens": mean_len, "lengths": lengths.describe(),
-      "async_tokens_per_s": asynchronous.tokens_per_s, "sync_tokens_per_s": sync.tokens_per_s,
-      "async_over_sync": asynchronous.tokens_per_s / sync.tokens_per_s,
-      "notes": ("roofline times (max of FLOPs / peak bf16 and bytes / HBM bandwidth per chip) of the "
-                "TPU compiler's programs, not measurements; the decode step attends over the whole "
-                "cache (masked), so its cost is the same at any context length up to the cache's; "
-                "trajectories of the seed's lengths with prompts at half their cap; MFU counts "
-                "model_flops_per_token (6 x matrix parameters + causal attention within each "
-                "sequence, at the token-weighted mean sequence length)"),
-  }
-
-
 def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, margin: float = 0.2,
                    shapes: str = "covering", roles: tuple = ("learner", "rollout"),
                    progress: Callable[[str], None] = print) -> dict:
@@ -337,7 +236,7 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
   from importlib import metadata  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu import memory
-  from asyncrl_jax.tpu import chips  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import chips, projection  # pylint: disable=import-outside-toplevel
   m = models.config_of(config)
   rollout_accelerator = rollout_accelerator or accelerator
   lchip, ln = chips.parse(accelerator)
@@ -358,7 +257,7 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
   complete = len(out) == 2 and all(r["fits"] for r in out.values())
   return {"model_parameters": m.num_params, "jax": jax.__version__,
           "libtpu": metadata.version("libtpu"), "shapes": shapes, "roles": out,
-          "projection": project(config, m, out) if complete else None}
+          "projection": projection.project(config, m, out) if complete else None}
 
 
 def report_lines(report: dict) -> list[str]:
@@ -382,8 +281,13 @@ def report_lines(report: dict) -> list[str]:
   p = report["projection"]
   if p is None:
     return out
-  out.append(f"projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s (MFU {p['learner_mfu']:.0%}); "
-             f"decode {p['decode_tokens_per_s']:,.0f} tokens/s per server; async/sync "
-             f"{p['async_over_sync']:.2f}x on {p['learner_chips']} learner + {p['rollout_chips']} "
-             f"rollout chips ({p['lengths']})")
+  out.append(f"projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s (MFU {p['learner_mfu']:.1%}); "
+             f"decode {p['decode_tokens_per_s']:,.0f} tokens/s per server, its step "
+             f"{p['decode_step_over_live_roofline']:.2f}x the live-cache roofline; async/sync "
+             f"{p['async_over_sync']:.2f}x on the config's {p['learner_chips']} learner + "
+             f"{p['rollout_chips']} rollout chips ({p['lengths']}; sync: {p['sync_baseline']})")
+  best = p["planner_best"]
+  if best:
+    out.append(f"planner: best split {best['learner_chips']} learner + {best['rollout_chips']} rollout "
+               f"chips at eta {best['eta']}: {best['over_sync']:.2f}x synchronous RL")
   return out

@@ -23,8 +23,8 @@ terms in bytes:
 
 Parameters and optimizer state are split over ``fsdp x tensor``, rows over ``data x fsdp``, heads and
 the MLP width over ``tensor``. The terms count the buffers a step's program holds at its peak; XLA may
-fuse some away or keep a few copies more (``tests/tools/test_memory.py`` compares the totals with XLA's own
-``compile().memory_analysis()`` on CPU). ``ACCELERATORS`` lists HBM per chip, so that
+fuse some away or keep a few copies more (``tests/tpu/test_memory.py`` compares the totals with XLA's own
+``compile().memory_analysis()`` on CPU). ``tpu.chips.CHIPS`` lists HBM per chip, so that
 ``python -m asyncrl_jax info --config=... --accelerator=v5p-8`` says whether each role fits.
 """
 
@@ -37,16 +37,9 @@ import re
 from asyncrl_jax.infra import bucketing
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.forward import Forward
+from asyncrl_jax.tpu import chips as chips_lib
 
 GiB = 2**30
-
-# HBM per chip (bytes), from Cloud TPU's system-architecture pages.
-ACCELERATORS = {
-    "v4": 32 * GiB,
-    "v5e": 16 * GiB,   # v5litepod
-    "v5p": 95 * GiB,
-    "v6e": 32 * GiB,
-}
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -70,7 +63,7 @@ class RoleMemory:
     return out
 
 
-def _mesh_sizes(axes, devices: int) -> tuple[int, int, int]:
+def mesh_sizes(axes, devices: int) -> tuple[int, int, int]:
   """(data, fsdp, tensor) with ``-1`` resolved against ``devices``."""
   sizes = {k: int(axes[k]) for k in ("data", "fsdp", "tensor")}
   known = math.prod(v for v in sizes.values() if v != -1)
@@ -100,7 +93,7 @@ def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, t
 
 def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of the learner on ``devices`` devices (its mesh from ``config.mesh.learner``)."""
-  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
   p = _BYTES[m.param_dtype]
   shard = m.num_params / (fsdp * tensor)
   budget = int(config.learner.token_budget)
@@ -163,7 +156,7 @@ def version_batch(config, row_shards: int) -> float:
   return total
 
 
-def _serving_bytes(m: ModelConfig) -> int:
+def serving_bytes(m: ModelConfig) -> int:
   """Bytes per parameter on a decode server (``models.serving_dtypes``: the narrower of the compute
   and storage dtypes; the norm scales, a negligible share, as stored)."""
   return min(_BYTES[m.dtype], _BYTES[m.param_dtype])
@@ -171,7 +164,7 @@ def _serving_bytes(m: ModelConfig) -> int:
 
 def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of one decode server on ``devices`` devices (``config.mesh.rollout``)."""
-  data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
+  data, fsdp, tensor = mesh_sizes(config.mesh.rollout, devices)
   a = _BYTES[m.dtype]
   slots = -(-int(config.rollout.num_slots) // (data * fsdp))
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
@@ -192,7 +185,7 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   refill = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
   refill += 2 * tokens * m.hidden_size * a  # the residual stream in and out of the block
   return RoleMemory("decode server", devices, {
-      "parameters (serving dtype)": m.num_params / (fsdp * tensor) * _serving_bytes(m),
+      "parameters (serving dtype)": m.num_params / (fsdp * tensor) * serving_bytes(m),
       "KV cache": cache,
       "next-token logits": slots * vocab * 4,
       "largest re-prefill call (> a decode step)": max(step, refill),
@@ -206,7 +199,7 @@ def evaluation(config, m: ModelConfig, devices: int) -> RoleMemory:
   its larger call (``data.eval_problems`` rows greedy, or x ``data.eval_samples`` sampled, padded to
   a multiple of data x fsdp, each of prompt + completion length), and that call's largest step: the
   prompts' prefill (logits at one position per row; full attention, no chunking) or a decode step."""
-  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
   a, p = _BYTES[m.dtype], _BYTES[m.param_dtype]
   problems, samples = int(config.data.eval_problems), int(config.data.eval_samples)
   sampled = problems * samples if samples and float(config.rollout.temperature) > 0 else 0
@@ -229,31 +222,11 @@ def evaluation(config, m: ModelConfig, devices: int) -> RoleMemory:
   })
 
 
-def chips(accelerator: str) -> tuple[str, int]:
-  """``"v5p-32"`` -> ("v5p", 16 chips); v4 and v5p count TensorCores (two per chip) in the name."""
-  match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", accelerator)
-  kind = match and re.sub(r"litepod$", "e", match.group(1))  # v5litepod-8 is v5e
-  if kind not in ACCELERATORS:
-    raise ValueError(f"accelerator {accelerator!r}: expected one of {sorted(ACCELERATORS)} with a size, "
-                     "e.g. v5p-8 or v6e-16")
-  n = int(match.group(2))
-  return kind, n // 2 if kind in ("v4", "v5p") else n
-
-
-def host_chips(accelerator: str) -> int:
-  """Chips on one host of the slice: a decode server is one host (v4/v5p: 4; v5e/v6e: 8 up to an
-  8-chip slice, 4 per host beyond)."""
-  kind, n = chips(accelerator)
-  if kind in ("v4", "v5p"):
-    return min(n, 4)
-  return n if n <= 8 else 4
-
-
 def fits(role: RoleMemory, accelerator: str, margin: float = 0.2) -> tuple[bool, float]:
   """Whether ``role`` fits one chip of ``accelerator`` with ``margin`` of its HBM to spare; and the
   share of HBM it uses."""
-  kind, _ = chips(accelerator)
-  share = role.total / ACCELERATORS[kind]
+  chip, _ = chips_lib.parse(accelerator)
+  share = role.total / chip.hbm_bytes
   return share <= 1 - margin, share
 
 
@@ -273,7 +246,7 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   gradients (arguments; its outputs replace them) and the clipped gradients and updates it computes
   before the step is kept or dropped (about 1.5 parameter shards)."""
   t = learner(config, m, devices).terms
-  data, fsdp, tensor = _mesh_sizes(config.mesh.learner, devices)
+  data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
   shard = m.num_params / (fsdp * tensor) * _BYTES[m.param_dtype]
   budget = int(config.learner.token_budget)
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
@@ -302,7 +275,7 @@ def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
   another), a prefill of
   ``rows x width`` one block's (its attention block or its MLP's intermediates) for its rows."""
   role = decode_server(config, m, devices).terms
-  data, fsdp, tensor = _mesh_sizes(config.mesh.rollout, devices)
+  data, fsdp, tensor = mesh_sizes(config.mesh.rollout, devices)
   a = _BYTES[m.dtype]
   base = role["parameters (serving dtype)"] + role["KV cache"] + role["next-token logits"]
   slots = -(-int(config.rollout.num_slots) // (data * fsdp))
@@ -311,7 +284,7 @@ def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
   from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
   # the compiler hoists the weights' cast to the compute dtype out of the chunk's loop: a copy of
   # the parameters in that dtype for the whole chunk (none when they are served in it)
-  cast = (m.num_params / (fsdp * tensor) * a) if _serving_bytes(m) != a else 0.0
+  cast = (m.num_params / (fsdp * tensor) * a) if serving_bytes(m) != a else 0.0
   out = {"decode_chunk[16 steps]": base + step + cast}
   chunk = int(config.rollout.attention_chunk)
   for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):

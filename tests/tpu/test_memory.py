@@ -17,7 +17,7 @@ from asyncrl_jax import models
 
 from asyncrl_jax.infra import bucketing
 
-from asyncrl_jax.tpu import memory
+from asyncrl_jax.tpu import chips, memory
 
 from asyncrl_jax import config as config_lib
 from asyncrl_jax.infra import sharding
@@ -196,10 +196,11 @@ def test_the_critic_is_counted_in_value_mode():
 
 
 def test_accelerator_names():
-  assert memory.chips("v5p-8") == ("v5p", 4) and memory.chips("v6e-16") == ("v6e", 16)
-  assert memory.chips("v5litepod-8") == ("v5e", 8) and memory.chips("v4-32") == ("v4", 16)
+  kinds = lambda acc: (chips.parse(acc)[0].kind, chips.parse(acc)[1])
+  assert kinds("v5p-8") == ("v5p", 4) and kinds("v6e-16") == ("v6e", 16)
+  assert kinds("v5litepod-8") == ("v5e", 8) and kinds("v4-32") == ("v4", 16)
   with pytest.raises(ValueError, match="'v9x-8'"):
-    memory.chips("v9x-8")
+    chips.parse("v9x-8")
   ok, share = memory.fits(memory.RoleMemory("learner", 1, {"x": 76 * memory.GiB}), "v5p-8", margin=0.2)
   assert ok and share == pytest.approx(0.8)
   assert not memory.fits(memory.RoleMemory("learner", 1, {"x": 77 * memory.GiB}), "v5p-8", margin=0.2)[0]
@@ -251,6 +252,6 @@ def test_every_shipped_accelerator_config_fits_with_the_margin_its_docstring_sta
     assert ok, (name, lines)
     assert f"with {acc['margin']:.0%} of HBM to spare" in " ".join(module.__doc__.split()), name
     # every learner chip holds whole rows: the token budget is a multiple of the rows' width per chip
-    _, chips = memory.chips(acc["learner"])
-    assert config.learner.token_budget % chips == 0, name
+    _, n_chips = chips.parse(acc["learner"])
+    assert config.learner.token_budget % n_chips == 0, name
     assert config.rl.max_staleness == 4 and config.learner.batch_size == 512 * 16, name
