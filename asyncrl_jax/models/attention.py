@@ -9,8 +9,10 @@ other; padding has segment 0 and sees only padding). Queries are grouped by the 
   once or ``chunk`` queries at a time (each block rematerialised).
 * ``splash`` (``"splash"``): the Pallas TPU kernel that ships with jax
   (``jax.experimental.pallas.ops.tpu.splash_attention``): scores live in VMEM one block at a time
-  (online softmax), blocks entirely above the diagonal are skipped, the segment ids mask inside a
-  block, and its custom backward pass keeps only the output and the log-sum-exp. It runs per device
+  (online softmax), blocks entirely above the diagonal are skipped and so are blocks whose queries
+  and keys share no segment (packed sequences never see each other: each row's block tables are
+  built from its segment ids), the segment ids mask inside a block, and its fused custom backward
+  pass keeps only the output and the log-sum-exp. It runs per device
   under ``jax.shard_map`` (Mosaic kernels are not partitioned automatically): rows split like the
   activations' batch, heads like the projections' (``tensor``). Off a TPU it runs in Pallas'
   interpret mode (exact, slow: tests only). On a TPU with bfloat16 inputs it needs the default
@@ -89,19 +91,71 @@ def splash_block(t: int) -> int:
   return min(SPLASH_BLOCK, -(-t // _LANES) * _LANES)
 
 
-def _splash_kernel(heads: int, width: int, interpret: bool):
-  """A causal splash kernel for ``heads`` query heads over rows of ``width`` tokens. Built inside the
-  trace that uses it (its block tables become that program's constants; a kernel kept from another
-  trace would leak that trace's values)."""
+def _splash_kernel(heads: int, width: int, interpret: bool, block: int = 0):
+  """A causal splash kernel for ``heads`` query heads over rows of ``width`` tokens, with the fused
+  backward pass (one kernel for dq, dk and dv: 5 block products per pair instead of 7). Built
+  inside the trace that uses it (its block tables become that program's values; a kernel kept from
+  another trace would leak that trace's values)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
       splash_attention_kernel as kernel_lib, splash_attention_mask as mask_lib)
-  block = splash_block(width)
+  block = block or splash_block(width)
   sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                                 block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                                block_q_dq=block, block_kv_dq=block)
+                                use_fused_bwd_kernel=True)
   mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((width, width)) for _ in range(heads)])
   return kernel_lib.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
                                     interpret=interpret)
+
+
+def segment_block_overlap(segment_ids_t: jax.Array, block: int) -> jax.Array:
+  """``[n, n]`` bool: query block i and key block j hold a common segment (``n = T / block``).
+
+  Segments are contiguous runs in a packed row, padding (0) only at its end: numbered as one more
+  segment after the last, ids never decrease along the row, so two blocks share a segment iff their
+  id ranges overlap. Every block overlaps itself: a query always sees at least its own block."""
+  n = segment_ids_t.shape[0] // block
+  seg = jnp.where(segment_ids_t > 0, segment_ids_t, jnp.max(segment_ids_t) + 1).reshape(n, block)
+  lo, hi = seg.min(axis=1), seg.max(axis=1)
+  return (lo[:, None] <= hi[None, :]) & (lo[None, :] <= hi[:, None])
+
+
+def _skip_cross_segment_blocks(kernel, segment_ids_t: jax.Array, block: int):
+  """``kernel`` with its block tables restricted to block pairs that share a segment: the causal
+  kernel computes every block on or below the diagonal, most of which, in a row of packed
+  sequences, pair two sequences that never see each other (their scores are masked to nothing).
+
+  The tables (splash's ``MaskInfo``: ``block_mask[h, i, j]`` for query block i and key block j, 0 =
+  skip; ``data_next``: the block each grid step fetches) become values of this row's segment ids. A
+  skipped step fetches a block that a neighbouring visited step fetches anyway, so it moves no HBM
+  bytes: the forward's row i visits key blocks ``first_i .. i`` (``first_i``: the first that
+  overlaps), the fused backward's row j visits query blocks ``j .. last_j``."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
+      splash_attention_kernel as kernel_lib)
+  overlap = segment_block_overlap(segment_ids_t, block)
+  n = overlap.shape[0]
+  idx = jnp.arange(n)
+  first = jnp.argmax(overlap, axis=1)  # [i]: first key block query block i sees
+  last = n - 1 - jnp.argmax(overlap[::-1, :], axis=0)  # [j]: last query block that sees key block j
+  nxt = lambda a: jnp.concatenate([a[1:], a[-1:]])  # the next row's start (prefetched early)
+  # forward: row i, step j fetches key block j where visited; before, the first; after, the next
+  # row's first
+  fwd_next = jnp.where(idx[None, :] < first[:, None], first[:, None],
+                       jnp.where(idx[None, :] > idx[:, None], nxt(first)[:, None], idx[None, :]))
+  # backward (key-block rows): row j, step i fetches query block i where visited; before j, j;
+  # after last_j, the next row's first (j + 1)
+  bwd_next = jnp.where(idx[None, :] < idx[:, None], idx[:, None],
+                       jnp.where(idx[None, :] > last[:, None], nxt(idx)[:, None], idx[None, :]))
+
+  def restrict(info, data_next):
+    if info is None:
+      return None
+    keep = overlap[None] & (info.block_mask > 0)
+    return info._replace(block_mask=jnp.where(keep, info.block_mask, 0).astype(info.block_mask.dtype),
+                         data_next=jnp.broadcast_to(data_next, info.data_next.shape).astype(
+                             info.data_next.dtype))
+
+  return kernel_lib.SplashAttentionKernel(restrict(kernel.fwd_mask_info, fwd_next), None,
+                                          restrict(kernel.dkv_mask_info, bwd_next), **kernel.kwargs)
 
 
 def _on_tpu(mesh: Optional[jax.sharding.Mesh]) -> bool:
@@ -110,13 +164,14 @@ def _on_tpu(mesh: Optional[jax.sharding.Mesh]) -> bool:
 
 
 def splash(q_btkgh, key_btkh, val_btkh, segment_ids_bt, *, mesh: Optional[jax.sharding.Mesh] = None,
-           batch_axes=("data", "fsdp"), head_axis: Optional[str] = "tensor"):
+           batch_axes=("data", "fsdp"), head_axis: Optional[str] = "tensor", skip_blocks: bool = True):
   """Causal attention within segments by the splash kernel (the module docstring); same values as
   ``dense`` with ``training_mask``.
 
   With ``mesh``, the kernel runs per device under ``shard_map``: rows split over ``batch_axes``,
   query and kv heads over ``head_axis`` (both must divide). Rows are padded to whole kernel blocks
-  with segment 0, which no real token sees.
+  with segment 0, which no real token sees. ``skip_blocks``: each row skips the block pairs that
+  share no segment (``_skip_cross_segment_blocks``; the values are the same either way).
   """
   from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
       splash_attention_kernel as kernel_lib)
@@ -137,7 +192,11 @@ def splash(q_btkgh, key_btkh, val_btkh, segment_ids_bt, *, mesh: Optional[jax.sh
 
   def local(q_bnth, k_bkth, v_bkth, seg_bt):
     kernel = _splash_kernel(q_bnth.shape[1], width, interpret)
-    one = lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=s1))
+
+    def one(q1, k1, v1, s1):  # one row: its own block tables, from its segments
+      row_kernel = _skip_cross_segment_blocks(kernel, s1, splash_block(width)) if skip_blocks else kernel
+      return row_kernel(q1, k1, v1, segment_ids=kernel_lib.SegmentIds(q=s1, kv=s1))
+
     return jax.vmap(one)(q_bnth, k_bkth, v_bkth, seg_bt)
 
   if mesh is None:

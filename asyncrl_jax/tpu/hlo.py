@@ -6,8 +6,9 @@ XLA's own ``cost_analysis()`` counts a ``while`` loop's body once, whatever its 
 program whose log-softmax runs over 19 vocabulary chunks and whose attention over 64 query blocks,
 that undercounts most of the work. Here each computation is costed once and multiplied along the call
 graph by the trip count of every loop that encloses it, read from the loop's condition (an induction
-variable compared ``<`` a constant, as ``lax.scan``, ``fori_loop`` and ``lax.map`` lower; a loop that
-may stop early, like the decode chunk, is counted at its bound).
+variable compared ``<`` a constant, as ``lax.scan``, ``fori_loop`` and ``lax.map`` lower, less the
+variable's first value, which is 1 when the compiler peeled the first iteration out of the loop; a
+loop that may stop early, like the decode chunk, is counted at its bound).
 
 ``analyze(text)`` returns ``Cost``: ``flops`` and ``bytes`` with loops counted, ``flops_once`` and
 ``bytes_once`` with every body counted once (what ``cost_analysis()`` measures: the ratio of the two
@@ -120,6 +121,8 @@ def parse(text: str) -> tuple[dict, str]:
       continue
     m = _INSTR.match(line)
     if not m:
+      if current:  # an instruction printed over several lines (a kernel's metadata holds newlines)
+        current[-1].attrs += " " + line.strip()
       continue
     shape, tail = _split_shape(m.group(3))
     opcode, operands, attrs, literal = _split_call(tail)
@@ -198,6 +201,47 @@ def _trip_count(condition: list, computations: dict) -> int | None:
   return max(bounds) if bounds else None
 
 
+def _induction_index(condition: list, computations: dict) -> int | None:
+  """Which element of the loop's state tuple the condition compares ``<`` its bound (a
+  ``get-tuple-element`` of the condition's parameter, directly or through a fusion)."""
+  by_name = {i.name: i for i in condition}
+
+  def tuple_index(name):
+    instr = by_name.get(name)
+    m = instr and instr.opcode == "get-tuple-element" and re.search(r"index=(\d+)", instr.attrs)
+    return int(m.group(1)) if m else None
+
+  for instr in condition:
+    if instr.opcode == "compare" and "direction=LT" in instr.attrs and instr.operands:
+      return tuple_index(instr.operands[0])
+    if instr.opcode == "fusion":
+      for called in re.findall(r"calls=%?([\w.\-]+)", instr.attrs):
+        inner = computations.get(called, [])
+        params = {i.name: int(i.literal) for i in inner if i.opcode == "parameter"}
+        for c in inner:
+          if c.opcode == "compare" and "direction=LT" in c.attrs and c.operands[:1] and \
+              c.operands[0] in params and params[c.operands[0]] < len(instr.operands):
+            return tuple_index(instr.operands[params[c.operands[0]]])
+  return None
+
+
+def _loop_start(loop: Instruction, index: int | None, by_name: dict) -> int:
+  """The induction variable's first value: the constant the loop's initial state holds at
+  ``index`` (through copies), 0 when it cannot be read. The compiler may peel a first iteration out
+  of a loop, which then starts at 1."""
+  init = by_name.get(loop.operands[0]) if loop.operands else None
+  if index is None or init is None or init.opcode != "tuple" or index >= len(init.operands):
+    return 0
+  value = by_name.get(init.operands[index])
+  for _ in range(4):
+    if value is None or value.opcode == "constant":
+      break
+    value = by_name.get(value.operands[0]) if value.opcode in ("copy", "bitcast", "convert") else None
+  if value is not None and value.opcode == "constant" and re.fullmatch(r"-?\d+", value.literal):
+    return int(value.literal)
+  return 0
+
+
 def analyze(text: str) -> Cost:
   """The module's ``Cost`` per run (see the module docstring)."""
   computations, entry = parse(text)
@@ -213,8 +257,8 @@ def analyze(text: str) -> Cost:
       elif instr.opcode == "dot":
         flops += _dot_flops(instr, shapes)
       elif instr.opcode == "custom-call":
-        kernel = kernels.custom_call_cost(re.sub(r"\.\d+$", "", instr.name),
-                                          [shapes.get(o, "") for o in instr.operands], instr.attrs)
+        kernel = kernels.custom_call_cost(instr.name, [shapes.get(o, "") for o in instr.operands],
+                                          instr.attrs, instr.shape)
         if kernel is not None:
           custom.append(kernel)
       kind = instr.opcode.removesuffix("-start")
@@ -254,7 +298,12 @@ def analyze(text: str) -> Cost:
       called = {k: re.findall(r"%?([\w.\-]+)", v) for k, v in _CALLS.findall(instr.attrs)}
       if instr.opcode == "while":
         body, cond = called.get("body", [None])[0], called.get("condition", [None])[0]
-        trips = _trip_count(computations.get(cond, []), computations)
+        condition = computations.get(cond, [])
+        trips = _trip_count(condition, computations)
+        if trips is not None:  # counted from the induction variable's first value
+          start = _loop_start(instr, _induction_index(condition, computations),
+                              {i.name: i for i in computations.get(name, [])})
+          trips = max(trips - start, 0)
         cost.loops.append((instr.name, trips))
         visit(body, times * (trips or 1), once, inside_fusion)
         continue

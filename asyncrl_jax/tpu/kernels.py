@@ -6,7 +6,7 @@ free. ``custom_call_cost`` gives each known kernel its work from the shapes in t
 ``hlo.analyze``, multiplies it by the loops around the call):
 
 **Splash attention** (``models.attention.splash``; instructions named ``splash_mha_fwd...``,
-``splash_mha_dq...``, ``splash_mha_dkv...``). Operands ``q [R, Nq, T, H]``, ``k`` and ``v [R, Nk,
+``splash_mha_dq...``, ``splash_mha_dkv...``, or calls with those names in their ``op_name``). Operands ``q [R, Nq, T, H]``, ``k`` and ``v [R, Nk,
 T, H]`` per device (``R`` rows: the kernel is mapped over them; ``[Nq, T, H]`` for one row), blocks of ``b`` queries and keys; the kernel this project builds is causal, so
 of the ``n x n`` block pairs (``n = T / b``) it visits ``P = n (n + 1) / 2`` (the rest are skipped by
 its block mask). Per visited pair and query head, a ``b x b x H`` matrix product costs
@@ -18,7 +18,11 @@ kernel   products per pair                                 streamed per pair and
 fwd      2 (``q k^T``, ``p v``)                            a block of ``k`` and of ``v``
 dq       3 (``q k^T``, ``do v^T``, ``ds k``)                a block of ``k`` and of ``v``
 dkv      4 (``q k^T``, ``do v^T``, ``p^T do``, ``ds^T q``)  a block of ``q`` and of ``do``
+fused    5 (dkv's four and ``ds k``: dq and dk, dv in one)  a block of ``q`` and of ``do``
 =======  ===============================================  ======================================
+
+(The fused backward kernel is a ``dkv`` kernel that also returns dq, as partial sums per key block:
+a result shaped like ``q``.)
 
 FLOPs = products x 2 b^2 H x P x Nq x R. Bytes = the operands and results once (what XLA counts
 already) plus the streamed blocks: 2 x b x H x itemsize x P x Nq x R (their re-reads; counted as
@@ -34,8 +38,8 @@ import math
 import re
 from typing import NamedTuple, Optional
 
-_SPLASH = re.compile(r"^splash_(mha|mqa)_(fwd|dq|dkv)")
-_PRODUCTS = {"fwd": 2, "dq": 3, "dkv": 4}
+_SPLASH = re.compile(r"splash_(mha|mqa)_(fwd|dq|dkv)")
+_PRODUCTS = {"fwd": 2, "dq": 3, "dkv": 4, "fused_bwd": 5}
 _FLOAT = re.compile(r"\b(bf16|f16|f32)\[([\d,]+)\]")
 _MASK_INFO = re.compile(r"\bs8\[(\d+),(\d+),(\d+)\]")
 _ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
@@ -54,19 +58,31 @@ def causal_block_pairs(blocks: int) -> int:
 
 def splash_cost(kind: str, *, q_heads: int, seq: int, head_dim: int, block: int, itemsize: int,
                 rows: int = 1) -> KernelCost:
-  """The cost of one causal splash ``kind`` call ("fwd", "dq" or "dkv") over ``rows`` rows."""
+  """The cost of one causal splash ``kind`` call ("fwd", "dq", "dkv" or "fused_bwd") over ``rows``
+  rows."""
   pairs = causal_block_pairs(math.ceil(seq / block)) * q_heads * rows
   flops = _PRODUCTS[kind] * 2.0 * block * block * head_dim * pairs
   streamed = 2.0 * block * head_dim * itemsize * pairs
   return KernelCost(f"splash_{kind}", flops, streamed)
 
 
-def custom_call_cost(name: str, operand_shapes: list, call_text: str = "") -> Optional[KernelCost]:
+def kernel_name(name: str, call_text: str = "") -> str:
+  """The Pallas kernel a custom call runs: its instruction's name (``splash_mha_fwd...``), or, where
+  the compiler renamed it (a kernel mapped over rows becomes a ``closed_call`` in a loop), the last
+  kernel name in its ``op_name`` metadata."""
+  found = _SPLASH.findall(name)
+  if not found:
+    op_name = re.search(r'op_name="([^"]*)"', call_text)
+    found = _SPLASH.findall(op_name.group(1)) if op_name else []
+  return f"splash_{found[-1][0]}_{found[-1][1]}" if found else ""
+
+
+def custom_call_cost(name: str, operand_shapes: list, call_text: str = "",
+                     result_shape: str = "") -> Optional[KernelCost]:
   """The cost of the custom call ``name`` (an instruction name in the HLO) from its operands' shape
-  texts, or None for a call this module does not know. ``call_text``: the rest of the instruction
-  (not needed for splash; kept so other kernels can read their attributes)."""
-  del call_text
-  m = _SPLASH.match(name)
+  texts, the rest of its text and its result's shape text, or None for a call this module does not
+  know."""
+  m = _SPLASH.search(kernel_name(name, call_text))
   if not m:
     return None
   arrays = [(a.group(1), [int(d) for d in a.group(2).split(",")])
@@ -79,5 +95,11 @@ def custom_call_cost(name: str, operand_shapes: list, call_text: str = "") -> Op
   q_heads, seq, head_dim = dims[-3:]
   blocks = next((int(b.group(2)) for b in (_MASK_INFO.search(s) for s in operand_shapes) if b), 0)
   block = seq // blocks if blocks and seq % blocks == 0 else seq
-  return splash_cost(m.group(2), q_heads=q_heads, seq=seq, head_dim=head_dim, block=block,
+  kind = m.group(2)
+  # the fused backward is a dkv kernel that also returns dq (partial sums per key block): a result
+  # shaped like q, [..., Nq, T, H]
+  results = [[int(d) for d in a.group(2).split(",")] for a in _FLOAT.finditer(result_shape)]
+  if kind == "dkv" and any(r[-3:] == [q_heads, seq, head_dim] for r in results if len(r) >= 3):
+    kind = "fused_bwd"
+  return splash_cost(kind, q_heads=q_heads, seq=seq, head_dim=head_dim, block=block,
                      itemsize=_ITEMSIZE[dtype], rows=rows)

@@ -139,3 +139,32 @@ def test_forward_options_are_checked():
     Forward(attention="flash")
   with pytest.raises(models.ForwardError, match="remat='some'"):
     Forward(remat="some")
+
+
+def test_splash_skips_exactly_the_block_pairs_that_share_no_segment():
+  """Blocks of 128 over a 512-token row holding segments [0, 100), [100, 300), [300, 480) and
+  padding: query block 3 (384-511: segment 3 and padding) shares nothing with key blocks 0 and 1
+  (segments 1-2), so the kernel visits 8 of the 10 causal pairs. Skipping a pair that is needed
+  changes the values (the tables are really used), and the skipping itself does not."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+  seg = np.zeros(512, np.int32)
+  seg[:100], seg[100:300], seg[300:480] = 1, 2, 3
+  seg = jnp.asarray(seg)
+  overlap = np.asarray(attention.segment_block_overlap(seg, 128))
+  causal = np.tril(np.ones((4, 4), bool))
+  assert (overlap & causal).sum() == 8 and not overlap[3, 0] and not overlap[3, 1] and overlap[3, 2]
+  rng = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 512, 16)), jnp.float32) for _ in range(3))
+  kernel = attention._splash_kernel(2, 512, True, block=128)  # pylint: disable=protected-access
+  skipping = attention._skip_cross_segment_blocks(kernel, seg, 128)  # pylint: disable=protected-access
+  ids = kernel_lib.SegmentIds(q=seg, kv=seg)
+  valid = (seg > 0)[None, :, None]
+  full, skipped = kernel(q, k, v, segment_ids=ids), skipping(q, k, v, segment_ids=ids)
+  np.testing.assert_allclose(np.where(valid, skipped, 0), np.where(valid, full, 0), atol=1e-6)
+  # negative control: also skipping pair (2, 1), which segment 2 needs, changes query block 2
+  info = skipping.fwd_mask_info
+  broken = kernel_lib.SplashAttentionKernel(
+      info._replace(block_mask=info.block_mask.at[:, 2, 1].set(0)), None, skipping.dkv_mask_info,
+      **skipping.kwargs)
+  wrong = broken(q, k, v, segment_ids=ids)
+  assert float(jnp.max(jnp.abs(wrong[:, 256:300] - full[:, 256:300]))) > 1e-3

@@ -39,6 +39,20 @@ def test_a_loop_of_matmuls_counts_every_trip(trips):
   del n
 
 
+def test_a_loop_that_starts_past_zero_counts_its_trips_from_its_start():
+  """A loop whose counter runs from 2 while below 7 (as a loop with a peeled first iteration runs
+  from 1): 5 trips, not 7 (negative control below: read from 0, the count is 7)."""
+  m, k = 64, 128
+  fn = lambda a, w: jax.lax.while_loop(lambda c: c[0] < 7, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+                                       (jnp.int32(2), a))[1]
+  compiled = _compiled(fn, jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, k), jnp.float32))
+  cost = hlo.analyze(compiled.as_text())
+  assert [t for _, t in cost.loops] == [5]
+  assert cost.flops == pytest.approx(5 * 2 * m * k * k)
+  unaware = compiled.as_text().replace("constant(2)", "constant(0)")
+  assert [t for _, t in hlo.analyze(unaware).loops] == [7]
+
+
 def test_bytes_of_a_plain_program_match_xla():
   def fn(a, b):
     return jnp.exp(a) @ b + 1.0
@@ -159,15 +173,17 @@ def test_the_splash_kernel_cost_is_the_hand_count():
   assert fwd.extra_bytes == 2 * 512 * 128 * 2 * 36 * 12 == 113_246_208
   dq = kernels.splash_cost("dq", q_heads=12, seq=4096, head_dim=128, block=512, itemsize=2, rows=3)
   dkv = kernels.splash_cost("dkv", q_heads=12, seq=4096, head_dim=128, block=512, itemsize=2)
-  assert dq.flops == 3 * 3 / 2 * fwd.flops and dkv.flops == 2 * fwd.flops
+  fused = kernels.splash_cost("fused_bwd", q_heads=12, seq=4096, head_dim=128, block=512, itemsize=2)
+  assert dq.flops == 3 * 3 / 2 * fwd.flops and dkv.flops == 2 * fwd.flops and fused.flops == 2.5 * fwd.flops
   assert kernels.causal_block_pairs(1) == 1 and kernels.causal_block_pairs(64) == 2080
 
 
 @pytest.mark.slow(10)
 def test_a_compiled_splash_gradient_is_costed_per_kernel_call():
-  """The splash kernel compiled for a v5p chip inside a 3-trip loop (forward and gradient): XLA
-  counts no FLOPs for its custom calls; the walker finds the forward, dq and dkv kernels with their
-  trips and costs them as ``splash_cost`` says."""
+  """The splash kernel compiled for a v5p chip inside a 3-trip loop (forward and gradient, each row
+  with its own block tables, so the kernel runs in a loop over rows): XLA counts no FLOPs for its
+  custom calls; the walker finds the forward and the fused backward kernels with their trips and
+  costs them as ``splash_cost`` says."""
   from asyncrl_jax.models import attention
   from asyncrl_jax.tpu import compile as tpu_compile
   devices = tpu_compile.topology_devices("v5p", 4)
@@ -187,10 +203,12 @@ def test_a_compiled_splash_gradient_is_costed_per_kernel_call():
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
   cost = hlo.analyze(compiled.as_text())
   each = {kind: kernels.splash_cost(kind, q_heads=k * g, seq=t, head_dim=h, block=512, itemsize=2)
-          for kind in ("fwd", "dq", "dkv")}
-  # the backward kernels run per trip; the forward's inputs do not change, so XLA hoists it
-  assert cost.kernels["splash_dq"] == cost.kernels["splash_dkv"] == 3 and cost.kernels["splash_fwd"] >= 1
+          for kind in ("fwd", "fused_bwd")}
+  # the (fused) backward kernel runs per trip (the compiler keeps one more outside the loop); the
+  # forward's inputs do not change, so XLA hoists it
+  assert set(cost.kernels) == {"splash_fwd", "splash_fused_bwd"}, cost.kernels
+  assert cost.kernels["splash_fused_bwd"] >= 3 and cost.kernels["splash_fwd"] >= 1
   want = sum(each[name.removeprefix("splash_")].flops * n for name, n in cost.kernels.items())
   assert cost.kernel_flops == pytest.approx(want)
-  assert cost.kernel_flops >= 3 * (each["dq"].flops + each["dkv"].flops) + each["fwd"].flops
+  assert cost.kernel_flops >= 3 * each["fused_bwd"].flops + each["fwd"].flops
   assert cost.flops < 0.01 * cost.kernel_flops  # what XLA's own count sees of attention: nothing
