@@ -35,17 +35,30 @@ VARIANTS = (("xla", "full"), ("splash", "full"), ("splash", "minimal"), ("splash
             ("splash", "minimal_offloaded"))
 
 
-def compile_one(name: str) -> dict:
-  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tpu import compile as tpu_compile  # pylint: disable=import-outside-toplevel
+def compile_one(name: str, reuse_rollout: bool = False) -> dict:
+  """The config's report; with ``reuse_rollout`` only the learner is compiled and the decode
+  server's role is taken from the config's previous record (for a change that leaves the decode
+  programs alone: the record says which commit compiled them), the projection recomputed."""
+  from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import compile as tpu_compile, projection  # pylint: disable=import-outside-toplevel
   module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
   accelerators = module.ACCELERATORS
   config = config_lib.validate(module.get_config())
   commit = common._commit()  # pylint: disable=protected-access  (the code that compiles)
   t0 = time.perf_counter()
+  previous = None
+  if reuse_rollout:
+    previous = common.read_json(os.path.join(RECORDS, name.replace(".py", ".json")))
   report = tpu_compile.compile_config(config, accelerators["learner"], accelerators["rollout"],
                                       margin=accelerators.get("margin", 0.2),
+                                      roles=("learner",) if reuse_rollout else ("learner", "rollout"),
                                       progress=lambda line: print(line, flush=True))
+  if reuse_rollout:
+    report["roles"]["rollout"] = previous["roles"]["rollout"]
+    report["roles"]["rollout"]["compiled_at_commit"] = previous.get("rollout_commit", previous["commit"])
+    report["rollout_commit"] = report["roles"]["rollout"]["compiled_at_commit"]
+    fits = all(r["fits"] for r in report["roles"].values())
+    report["projection"] = projection.project(config, models.config_of(config), report["roles"]) if fits else None
   report.update(config=name, accelerators=accelerators, seconds=round(time.perf_counter() - t0),
                 commit=commit,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -141,12 +154,27 @@ def section(report: dict) -> list[str]:
                  f"{r['peak_program']} at {_gib(r['peak_bytes'])} GiB with its resident state.")
   if p is None:
     return lines + ["", "No projection: a role does not fit.", ""]
+  if report.get("rollout_commit"):
+    lines += ["", f"(The decode server's programs are those compiled at commit {report['rollout_commit']}: "
+              "the change since leaves them alone.)"]
   lines += ["", f"Projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s on {p['learner_chips']} "
-            f"chips (MFU {p['learner_mfu']:.0%}); decode {p['decode_tokens_per_s']:,.0f} tokens/s per "
-            f"server ({p['decode_step_seconds'] * 1e3:.1f} ms per step at {p['decode_context_length']:,} "
-            f"cache positions); planner: async (eta from the config) / colocated sync "
-            f"{p['async_over_sync']:.2f}x on {p['learner_chips']} learner + {p['rollout_chips']} "
-            f"rollout chips, {p['lengths']}.", ""]
+            f"chips, **MFU {p['learner_mfu']:.1%}** (model FLOPs {p['model_flops_per_token']:.3g} per "
+            f"token: 6 x parameters + causal attention within sequences at the token-weighted mean "
+            f"length {p['attention_length']:,.0f}"
+            + (f"; the splash kernel visits {p['splash_visited_fraction']:.0%} of its causal block pairs "
+               "at these lengths" if p.get("splash_visited_fraction", 1) < 1 else "") + "); "
+            f"decode {p['decode_tokens_per_s']:,.0f} tokens/s per server ({p['decode_step_seconds'] * 1e3:.1f} "
+            f"ms per step reading all {p['decode_context_length']:,} cache positions; the live-cache "
+            f"roofline at the mean live context {p['decode_live_context']:,.0f} is "
+            f"{p['decode_live_step_seconds'] * 1e3:.1f} ms: **{p['decode_step_over_live_roofline']:.2f}x**); "
+            f"async / sync {p['async_over_sync']:.2f}x on the config's {p['learner_chips']} learner + "
+            f"{p['rollout_chips']} rollout chips (sync: {p['sync_baseline']}), {p['lengths']}.", ""]
+  best = p.get("planner_best")
+  if best:
+    lines += [f"Planner (every legal learner slice and eta on the same {p['learner_chips'] + p['rollout_chips']} "
+              f"chips): best **{best['learner_chips']} learner + {best['rollout_chips']} rollout chips at "
+              f"eta {best['eta']}: {best['over_sync']:.2f}x** synchronous RL "
+              f"({p['planner_sync']['kind']}).", ""]
   return lines
 
 
@@ -203,6 +231,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--assemble-only", action="store_true")
+  parser.add_argument("--reuse-rollout", action="store_true",
+                      help="compile the learner only; take the decode server's programs from the record")
   parser.add_argument("--learner-variants", action="store_true",
                       help="compile the learner alone under each (attention, remat) choice in VARIANTS")
   args = parser.parse_args()
@@ -216,7 +246,7 @@ def main() -> None:
     os.makedirs(RECORDS, exist_ok=True)
     for name in args.configs:
       print(f"[tpu_compile] {name}", flush=True)
-      report = compile_one(name)
+      report = compile_one(name, reuse_rollout=args.reuse_rollout)
       with open(os.path.join(RECORDS, name.replace(".py", ".json")), "w") as f:
         json.dump(report, f, indent=1)
   print(f"wrote {assemble()}")

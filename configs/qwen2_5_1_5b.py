@@ -21,11 +21,17 @@ device (AReaL: 30720-32768 per GPU), so ``learner.token_budget`` = 16 x 32768.
 Memory (``python -m asyncrl_jax info --config=configs/qwen2_5_1_5b.py --accelerator=v5p-32
 --rollout_accelerator=v5p-8 --compile``: the TPU compiler's figures, docs/tpu.md): each role fits its
 chips with 20% of HBM to spare: the learner's largest program needs 11.9 GiB per chip with its
-resident state, a decode server's 28.9 GiB. That takes remat, a chunked log-softmax, blockwise attention and the
+resident state, a decode server's 28.9 GiB. That takes full remat, a chunked log-softmax and the
 layers as one scan (``learner.scan_layers``: unrolled, the compiler held 71.6 GiB) in the learner,
 and on the decode servers blockwise prefill attention and re-prefill calls of at most 4 full-length
 rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
 not split over tensor=4.
+
+Speed (the same compile, docs/tpu.md): the learner's attention is the splash TPU kernel
+(``learner.attention="splash"``: scores stay on chip, blocks that pair two packed sequences are
+skipped), which makes its gradient step compute-bound; ``remat="full"`` is kept because the
+"minimal" and "dots_saveable" policies compiled to the same FLOPs with 46 GiB more per chip
+(benchmarks/RESULTS.md, tpu_compile, the learner under each choice).
 
 Held-out evaluation is off (``learner.eval_every=0``, as in every config derived from this one): on
 the learner's chips it would decode 256 x (1 + 4) completions of up to 27648 tokens between two
@@ -52,7 +58,7 @@ def get_config():
                    prefill_tokens=4 * 28672)
   c.learner.update(batch_size=512 * 16, token_budget=LEARNER_CHIPS * 32768, learning_rate=2e-5,
                    warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat="full",
-                   vocab_chunk=8192, attention_chunk=512, scan_layers=True, eval_every=0)
+                   vocab_chunk=8192, attention="splash", scan_layers=True, eval_every=0)
   c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.75)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)

@@ -53,6 +53,43 @@ def attention_length(lengths) -> float:
   return float((lengths ** 2).sum() / lengths.sum())
 
 
+def splash_visited_fraction(config, row_len: int, *, n: int = 4096) -> float:
+  """The share of the causal splash kernel's block pairs that rows of packed sequences visit: ``n``
+  sequences of the seed's lengths packed into rows of ``row_len`` as the learner packs them
+  (``rl.batching.pack``), each row skipping the pairs that share no segment
+  (``models.attention.segment_block_overlap``: computed with the same rule in numpy here)."""
+  from asyncrl_jax.models.attention import splash_block  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl import batching  # pylint: disable=import-outside-toplevel
+  _, sequences = seed_sequences(config, n)
+  lengths = np.minimum(sequences.astype(np.int64), row_len)
+  block = splash_block(row_len)
+  blocks = -(-row_len // block)
+  causal = np.tril(np.ones((blocks, blocks), bool))
+  visited = total = 0
+  for row in batching.pack(lengths.tolist(), row_len):
+    seg = np.full(blocks * block, len(row) + 1)  # padding: one more segment after the last
+    start = 0
+    for k, i in enumerate(row):
+      seg[start:start + lengths[i]] = k + 1
+      start += lengths[i]
+    ids = seg.reshape(blocks, block)
+    lo, hi = ids.min(axis=1), ids.max(axis=1)
+    overlap = (lo[:, None] <= hi[None, :]) & (lo[None, :] <= hi[:, None])
+    visited += int((overlap & causal).sum())
+    total += int(causal.sum())
+  return visited / total
+
+
+def _with_skipped_blocks(program: dict, fraction: float, chip) -> float:
+  """A program's roofline seconds with its splash kernels visiting ``fraction`` of the causal
+  kernel's block pairs (the compiled program is costed at all of them: which pairs a row skips
+  depends on its segment ids)."""
+  kernels = program.get("kernels") or {}
+  flops = program["flops"] - kernels.get("flops", 0.0) * (1 - fraction)
+  traffic = program["bytes_accessed"] - kernels.get("extra_bytes", 0.0) * (1 - fraction)
+  return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
+
+
 def learner_rates(config, m, learner: dict) -> dict:
   """The learner role's rates implied by its programs' roofline times (``learner``: a role of
   ``compile_config``'s report): tokens/s over its chips, MFU (``model_flops_per_token`` at the
@@ -60,7 +97,10 @@ def learner_rates(config, m, learner: dict) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.sim.lengths import LengthModel  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu.chips import CHIPS  # pylint: disable=import-outside-toplevel
-  times = {p["name"]: p["roofline_seconds"] for p in learner["programs"]}
+  chip = CHIPS[learner["chip"]]
+  fraction = (splash_visited_fraction(config, int(learner["row_len"]))
+              if config.learner.attention == "splash" else 1.0)
+  times = {p["name"]: _with_skipped_blocks(p, fraction, chip) for p in learner["programs"]}
   budget = int(config.learner.token_budget)
   minibatches = int(config.learner.ppo_minibatches)
   cap = int(config.data.max_completion_len)
@@ -77,9 +117,10 @@ def learner_rates(config, m, learner: dict) -> dict:
   tokens_per_s = budget / per_mb
   seq_attention = attention_length(sequences)
   flops_per_token = model_flops_per_token(m, seq_attention)
-  peak = CHIPS[learner["chip"]].bf16_flops
   return {"learner_tokens_per_s": tokens_per_s,
-          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * peak),
+          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * chip.bf16_flops),
+          "splash_visited_fraction": fraction,
+          "learner_program_seconds": times,
           "attention_length": seq_attention, "model_flops_per_token": flops_per_token,
           "learner_seconds_per_micro_batch": per_mb, "micro_batches_per_update": mbs,
           "mean_trajectory_tokens": mean_len, "_lengths": lengths}
@@ -119,7 +160,10 @@ def learner_rates(config, m, learner: dict) -> dict:
   ``compile_config``'s report): tokens/s over its chips, MFU (``model_flops_per_token`` at the
   seed's lengths), seconds per micro-batch, micro-batches per update."""
   from asyncrl_jax.tpu.chips import CHIPS  # pylint: disable=import-outside-toplevel
-  times = {p["name"]: p["roofline_seconds"] for p in learner["programs"]}
+  chip = CHIPS[learner["chip"]]
+  fraction = (splash_visited_fraction(config, int(learner["row_len"]))
+              if config.learner.attention == "splash" else 1.0)
+  times = {p["name"]: _with_skipped_blocks(p, fraction, chip) for p in learner["programs"]}
   budget = int(config.learner.token_budget)
   minibatches = int(config.learner.ppo_minibatches)
   _, sequences = seed_sequences(config)
@@ -134,9 +178,10 @@ def learner_rates(config, m, learner: dict) -> dict:
   tokens_per_s = budget / per_mb
   seq_attention = attention_length(sequences)
   flops_per_token = model_flops_per_token(m, seq_attention)
-  peak = CHIPS[learner["chip"]].bf16_flops
   return {"learner_tokens_per_s": tokens_per_s,
-          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * peak),
+          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * chip.bf16_flops),
+          "splash_visited_fraction": fraction,
+          "learner_program_seconds": times,
           "attention_length": seq_attention, "model_flops_per_token": flops_per_token,
           "learner_seconds_per_micro_batch": per_mb, "micro_batches_per_update": mbs,
           "mean_trajectory_tokens": mean_len}
