@@ -21,7 +21,7 @@ from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, LOGPROB
 from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
-from asyncrl_jax.models.forward import ATTENTION_KINDS, REMAT_POLICIES
+from asyncrl_jax.models.forward import ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES
 
 
 def config_module(path: str, beside: str = ""):
@@ -235,6 +235,8 @@ def _validate_learner(config) -> None:
          f"one of {REMAT_POLICIES}")
   _check(config.learner.attention in ATTENTION_KINDS, "learner.attention", config.learner.attention,
          f"one of {ATTENTION_KINDS}")
+  _check(config.rollout.decode_attention in DECODE_KINDS, "rollout.decode_attention",
+         config.rollout.decode_attention, f"one of {DECODE_KINDS}")
   _check(isinstance(config.learner.scan_layers, bool), "learner.scan_layers",
          config.learner.scan_layers, "True or False")
   _check(isinstance(config.learner.warm_up, bool), "learner.warm_up", config.learner.warm_up,

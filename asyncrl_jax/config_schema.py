@@ -117,6 +117,10 @@ def _rollout_section() -> ml_collections.ConfigDict:
       attention_chunk=0,
       # tokens (rows x width) per batched-prefill call at most, single rows excepted (0: no cap)
       prefill_tokens=0,
+      # how a decode step attends to the KV cache: "xla" reads every position (masked); "ragged" is
+      # the Pallas paged kernel, reading each slot's positions only up to its own (on a TPU, with
+      # model.head_dim a multiple of 128; elsewhere an XLA stand-in, exact and no faster: tests)
+      decode_attention="xla",
   ))
 
 

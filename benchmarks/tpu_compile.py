@@ -5,6 +5,7 @@ and the projected rates (``asyncrl_jax.tpu.compile``). Compiler projections, not
   .venv/bin/python benchmarks/tpu_compile.py                      # every config (about an hour on 2 cores)
   .venv/bin/python benchmarks/tpu_compile.py --configs qwen2_5_1_5b_v6e.py
   .venv/bin/python benchmarks/tpu_compile.py --assemble-only      # the table from the recorded reports
+  .venv/bin/python benchmarks/tpu_compile.py --roles rollout    # one role; the other from its record
   .venv/bin/python benchmarks/tpu_compile.py --learner-variants --configs qwen2_5_1_5b.py
       # the learner alone under each attention x remat choice, side by side (VARIANTS)
 
@@ -35,10 +36,10 @@ VARIANTS = (("xla", "full"), ("splash", "full"), ("splash", "minimal"), ("splash
             ("splash", "minimal_offloaded"))
 
 
-def compile_one(name: str, reuse_rollout: bool = False) -> dict:
-  """The config's report; with ``reuse_rollout`` only the learner is compiled and the decode
-  server's role is taken from the config's previous record (for a change that leaves the decode
-  programs alone: the record says which commit compiled them), the projection recomputed."""
+def compile_one(name: str, roles: tuple = ("learner", "rollout")) -> dict:
+  """The config's report. A role not in ``roles`` is taken from the config's previous record (for a
+  change that leaves its programs alone: the report says which commit compiled each role) and the
+  projection recomputed by the current code."""
   from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu import compile as tpu_compile, projection  # pylint: disable=import-outside-toplevel
   module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
@@ -46,17 +47,16 @@ def compile_one(name: str, reuse_rollout: bool = False) -> dict:
   config = config_lib.validate(module.get_config())
   commit = common._commit()  # pylint: disable=protected-access  (the code that compiles)
   t0 = time.perf_counter()
-  previous = None
-  if reuse_rollout:
-    previous = common.read_json(os.path.join(RECORDS, name.replace(".py", ".json")))
+  reused = [r for r in ("learner", "rollout") if r not in roles]
+  previous = common.read_json(os.path.join(RECORDS, name.replace(".py", ".json"))) if reused else None
   report = tpu_compile.compile_config(config, accelerators["learner"], accelerators["rollout"],
-                                      margin=accelerators.get("margin", 0.2),
-                                      roles=("learner",) if reuse_rollout else ("learner", "rollout"),
+                                      margin=accelerators.get("margin", 0.2), roles=tuple(roles),
                                       progress=lambda line: print(line, flush=True))
-  if reuse_rollout:
-    report["roles"]["rollout"] = previous["roles"]["rollout"]
-    report["roles"]["rollout"]["compiled_at_commit"] = previous.get("rollout_commit", previous["commit"])
-    report["rollout_commit"] = report["roles"]["rollout"]["compiled_at_commit"]
+  report["role_commits"] = {r: commit for r in roles}
+  for role in reused:
+    report["roles"][role] = previous["roles"][role]
+    report["role_commits"][role] = previous.get("role_commits", {}).get(role, previous["commit"])
+  if reused:
     fits = all(r["fits"] for r in report["roles"].values())
     report["projection"] = projection.project(config, models.config_of(config), report["roles"]) if fits else None
   report.update(config=name, accelerators=accelerators, seconds=round(time.perf_counter() - t0),
@@ -154,9 +154,10 @@ def section(report: dict) -> list[str]:
                  f"{r['peak_program']} at {_gib(r['peak_bytes'])} GiB with its resident state.")
   if p is None:
     return lines + ["", "No projection: a role does not fit.", ""]
-  if report.get("rollout_commit"):
-    lines += ["", f"(The decode server's programs are those compiled at commit {report['rollout_commit']}: "
-              "the change since leaves them alone.)"]
+  commits = report.get("role_commits") or {}
+  if len(set(commits.values())) > 1:
+    lines += ["", "(Roles compiled at different commits, each left alone by the changes since: "
+              + ", ".join(f"{r} at {c}" for r, c in commits.items()) + ".)"]
   lines += ["", f"Projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s on {p['learner_chips']} "
             f"chips, **MFU {p['learner_mfu']:.1%}** (model FLOPs {p['model_flops_per_token']:.3g} per "
             f"token: 6 x parameters + causal attention within sequences at the token-weighted mean "
@@ -231,8 +232,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
   parser.add_argument("--assemble-only", action="store_true")
-  parser.add_argument("--reuse-rollout", action="store_true",
-                      help="compile the learner only; take the decode server's programs from the record")
+  parser.add_argument("--roles", nargs="+", default=["learner", "rollout"], choices=["learner", "rollout"],
+                      help="compile these roles; take the others' programs from the config's record")
   parser.add_argument("--learner-variants", action="store_true",
                       help="compile the learner alone under each (attention, remat) choice in VARIANTS")
   args = parser.parse_args()
@@ -246,7 +247,7 @@ def main() -> None:
     os.makedirs(RECORDS, exist_ok=True)
     for name in args.configs:
       print(f"[tpu_compile] {name}", flush=True)
-      report = compile_one(name, reuse_rollout=args.reuse_rollout)
+      report = compile_one(name, roles=tuple(args.roles))
       with open(os.path.join(RECORDS, name.replace(".py", ".json")), "w") as f:
         json.dump(report, f, indent=1)
   print(f"wrote {assemble()}")

@@ -27,6 +27,11 @@ and on the decode servers blockwise prefill attention and re-prefill calls of at
 rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
 not split over tensor=4.
 
+Decode steps read each slot's cache only up to its position (``rollout.decode_attention="ragged"``:
+the Pallas paged kernel over the cache viewed as pages), so a step moves the weights and the live
+keys and values rather than every position; the cache itself is still allocated in full per slot,
+which 256 slots per server (64 per chip) fill to the margin's side.
+
 Speed (the same compile, docs/tpu.md): the learner's attention is the splash TPU kernel
 (``learner.attention="splash"``: scores stay on chip, blocks that pair two packed sequences are
 skipped), which makes its gradient step compute-bound; ``remat="full"`` is kept because the
@@ -54,8 +59,8 @@ def get_config():
                  param_dtype="float32")
   c.data.update(task="tfds", path="~/tensorflow_datasets", max_prompt_len=1024,
                 max_completion_len=27648)
-  c.rollout.update(num_slots=128, temperature=1.0, top_p=1.0, attention_chunk=512,
-                   prefill_tokens=4 * 28672)
+  c.rollout.update(num_slots=256, temperature=1.0, top_p=1.0, attention_chunk=512,
+                   decode_attention="ragged", prefill_tokens=4 * 28672)
   c.learner.update(batch_size=512 * 16, token_budget=LEARNER_CHIPS * 32768, learning_rate=2e-5,
                    warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat="full",
                    vocab_chunk=8192, attention="splash", scan_layers=True, eval_every=0)

@@ -32,4 +32,5 @@ def get_config():
   c.learner.token_budget = 32 * 32768  # 32 learner chips, 32768 tokens each
   c.mesh.rollout.update(data=1, fsdp=1, tensor=4)
   c.rollout.prefill_tokens = 1 * 28672  # full-length rows one at a time (each split over 4 chips)
+  c.rollout.num_slots = 128  # the 7B cache fills a v5p chip's margin at 128 slots per server
   return c

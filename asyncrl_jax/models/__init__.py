@@ -3,10 +3,11 @@
 import jax
 
 from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_hidden, apply_logits,
-                                    count_params, decode, init_cache, init_params, logits,
+                                    cache_length, count_params, decode, init_cache, init_params, logits,
                                     param_shardings, serving_dtypes, serving_params)
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
-from asyncrl_jax.models.forward import ATTENTION_KINDS, REMAT_POLICIES, Forward, ForwardError
+from asyncrl_jax.models.forward import (ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES, Forward,
+                                        ForwardError)
 from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf, load_hf,
                                    read_hf_config)
 from asyncrl_jax.models.transformer import KVCache
@@ -33,8 +34,8 @@ def from_config(config, mesh):
 
 
 __all__ = [
-    "ATTENTION_KINDS", "REMAT_POLICIES", "Forward", "ForwardError", "ModelConfig", "ModelConfigError",
-    "CheckpointError", "KVCache", "abstract_params", "apply_decode",
+    "ATTENTION_KINDS", "DECODE_KINDS", "REMAT_POLICIES", "Forward", "ForwardError", "ModelConfig", "ModelConfigError",
+    "CheckpointError", "KVCache", "abstract_params", "apply_decode", "cache_length",
     "apply_hidden", "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params",
     "decode", "export_hf", "from_config",
     "init_cache", "init_params", "load_hf", "logits", "param_shardings", "serving_dtypes",

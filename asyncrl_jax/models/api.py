@@ -173,26 +173,33 @@ def logits(config: ModelConfig, params: Params, tokens, *, positions=None, segme
 
 
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-  """An empty KV cache: per layer (keys, values), each ``[batch, length, num_kv_heads, head_dim]``."""
+  """An empty KV cache: per layer one ``[batch, length, 2 x num_kv_heads, head_dim]`` array, each kv
+  head's key and value side by side (``transformer.interleave_kv``)."""
   if length > config.max_seq_len:
     raise ValueError(f"cache length {length} exceeds model.max_seq_len={config.max_seq_len}")
   dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch, length, config.num_kv_heads, config.head_dim)
-  return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+  shape = (batch, length, 2 * config.num_kv_heads, config.head_dim)
+  return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+
+
+def cache_length(cache: KVCache) -> int:
+  """Positions per row of a KV cache."""
+  return cache[0].shape[1]
 
 
 def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,
                  mesh: Optional[Mesh] = None, *, logits_at_b=None, cache_rows_b=None,
-                 attention_chunk: int = 0) -> tuple[jax.Array, KVCache]:
+                 attention_chunk: int = 0, decode: str = "xla") -> tuple[jax.Array, KVCache]:
   """Traceable cached forward: writes keys/values at ``positions_bt``; returns (logits [B,T,V], cache),
   or (logits [B,1,V] at ``logits_at_b`` only, cache) when a position per row is given (a prefill).
 
   ``cache_rows_b``: the rows are prefills from position 0 written into these cache rows (a cache with
   more rows than the batch, e.g. the decode slots); ids out of range are dropped (padding rows).
-  ``attention_chunk``: such a prefill attends that many queries at a time.
+  ``attention_chunk``: such a prefill attends that many queries at a time. ``decode``: how a decode
+  step (one token per row) attends to the cache (``Forward.decode``).
   """
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, Forward(attention_chunk=attention_chunk)).apply(
+    return _module(config, mesh, Forward(attention_chunk=attention_chunk, decode=decode)).apply(
         {"params": params}, tokens_bt, positions_bt, None, cache, logits_at_b, cache_rows_b)
 
 

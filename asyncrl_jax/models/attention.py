@@ -19,7 +19,9 @@ other; padding has segment 0 and sees only padding). Queries are grouped by the 
   matmul precision: Mosaic refuses float32 contract precision on bfloat16 operands ("Bad lhs
   type"), which ``jax_default_matmul_precision="highest"`` would ask of its products.
 
-Decode steps (one query per row against a KV cache) use ``dense`` with the cache mask.
+Decode steps (one query per row against a KV cache) use ``dense`` with the cache mask, or
+``ragged_decode``: the Pallas ragged paged attention kernel over the cache viewed as pages, reading
+each row only up to its position (``Forward.decode``).
 """
 
 from __future__ import annotations
@@ -220,3 +222,94 @@ def segment_attention(q_btkgh, key_btkh, val_btkh, segment_ids_bt, *, kind: str,
   if chunk:
     return blockwise(q_btkgh, key_btkh, val_btkh, segment_ids_bt, chunk)
   return dense(q_btkgh, key_btkh, val_btkh, training_mask(segment_ids_bt))
+
+
+# Tokens per page of the paged view of a KV cache (the largest of these that divides its length).
+PAGE_SIZES = (128, 64, 32, 16)
+# The ragged paged attention kernel's blocks (passed, so that its lowering never reads the device
+# table of the machine it compiles on): pages per key block, queries per block, VMEM it may use.
+RAGGED_PAGES_PER_BLOCK = 8
+RAGGED_QUERIES_PER_BLOCK = 8
+RAGGED_VMEM_BYTES = 64 * 2**20
+
+
+def page_size(cache_len: int) -> int:
+  """Tokens per page for a cache of ``cache_len`` positions (``PAGE_SIZES``)."""
+  for size in PAGE_SIZES:
+    if cache_len % size == 0:
+      return size
+  raise ValueError(f"a paged decode needs a cache length divisible by one of {PAGE_SIZES}; "
+                   f"got {cache_len} (rollout.decode_attention='ragged')")
+
+
+def paged_view(kv_bs2kh: jax.Array, positions_b: jax.Array) -> dict:
+  """A decode step's cache ``[B, S, 2K, H]`` (one layer; the step's token already written at
+  ``positions_b``) as the ragged paged attention kernel reads it: ``pages [B * S / P, P, 2K, H]`` (a
+  reshape: row b's positions are its pages ``b * S / P ...``), ``page_indices [B, S / P]`` (that
+  identity table), ``kv_lens`` = position + 1 (the kernel reads no page past it), one query per row
+  (``cu_q_lens`` = 0, 1, ..., B) and ``num_seqs`` = [B]."""
+  b, s = kv_bs2kh.shape[:2]
+  p = page_size(s)
+  return dict(kv_pages=kv_bs2kh.reshape((b * s // p, p) + kv_bs2kh.shape[2:]),
+              kv_lens=(positions_b + 1).astype(jnp.int32),
+              page_indices=jnp.arange(b * s // p, dtype=jnp.int32).reshape(b, s // p),
+              cu_q_lens=jnp.arange(b + 1, dtype=jnp.int32), num_seqs=jnp.asarray([b], jnp.int32))
+
+
+def ragged_decode(q_b1kgh, kv_bs2kh, positions_b, *, mesh: Optional[jax.sharding.Mesh] = None,
+                  batch_axes=("data", "fsdp"), head_axis: Optional[str] = "tensor"):
+  """One decode step's attention by the ragged paged attention TPU kernel
+  (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``): each row reads its cache's pages
+  only up to its position, so a step moves the live keys and values, not the whole cache. Same
+  values as ``dense`` with ``cache_mask``. ``q [B, 1, K, G, H]``, the layer's cache ``[B, S, 2K,
+  H]`` (``transformer.interleave_kv`` layout) with this step's keys and values written. Under
+  ``mesh`` it runs per device (rows over ``batch_axes``, heads over ``head_axis``).
+
+  Off a TPU the kernel's Pallas interpret mode does not run it (jax 0.10.2), so ``paged_reference``
+  stands in: the kernel's contract (the same page view, table and lengths) in XLA, gathering every
+  page: exact and no faster than ``"xla"``, for tests on the CPU."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (  # pylint: disable=import-outside-toplevel
+      kernel as ragged)
+  b, _, k, g, h = q_b1kgh.shape
+  on_tpu = _on_tpu(mesh)
+
+  def local(q_bnh, kv, pos):
+    view = paged_view(kv, pos)
+    if not on_tpu:
+      return paged_reference(q_bnh, **view, sm_scale=1.0 / float(np.sqrt(h)))
+    return ragged.ragged_paged_attention(
+        q_bnh, view["kv_pages"], view["kv_lens"], view["page_indices"], view["cu_q_lens"],
+        view["num_seqs"], sm_scale=1.0 / float(np.sqrt(h)),
+        num_kv_pages_per_block=min(RAGGED_PAGES_PER_BLOCK, kv.shape[1] // page_size(kv.shape[1])),
+        num_queries_per_block=RAGGED_QUERIES_PER_BLOCK, vmem_limit_bytes=RAGGED_VMEM_BYTES)
+
+  q = q_b1kgh.reshape(b, k * g, h)
+  if mesh is None:
+    out = local(q, kv_bs2kh, positions_b)
+  else:
+    spec = jax.sharding.PartitionSpec
+    rows = tuple(a for a in batch_axes if mesh.shape.get(a, 1) > 1) or None
+    heads = head_axis if head_axis is not None and mesh.shape.get(head_axis, 1) > 1 else None
+    out = jax.shard_map(local, mesh=mesh, in_specs=(spec(rows, heads), spec(rows, None, heads),
+                                                    spec(rows)),
+                        out_specs=spec(rows, heads), check_vma=False)(q, kv_bs2kh, positions_b)
+  return out.reshape(b, 1, k, g, h)
+
+
+def paged_reference(q_bnh, *, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale: float):
+  """The ragged paged attention kernel's result for one query per row (a decode step), in XLA:
+  each row's pages gathered through ``page_indices``, positions at or past ``kv_lens`` masked.
+  ``cu_q_lens`` and ``num_seqs`` must say one query per row (checked by shape only)."""
+  b, n, h = q_bnh.shape
+  if cu_q_lens.shape != (b + 1,) or num_seqs.shape != (1,):
+    raise ValueError("paged_reference takes one query per row")
+  pages = kv_pages[page_indices]  # [B, pages per row, P, 2K, H]
+  kv = pages.reshape((b, -1) + kv_pages.shape[2:])
+  key, val = kv[:, :, 0::2], kv[:, :, 1::2]
+  k = key.shape[2]
+  q = q_bnh.reshape(b, k, n // k, h)
+  scores = jnp.einsum("BKGH,BSKH->BKGS", q, key).astype(jnp.float32) * sm_scale
+  visible = jnp.arange(kv.shape[1])[None, :] < kv_lens[:, None]
+  scores = jnp.where(visible[:, None, None, :], scores, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(q_bnh.dtype)
+  return jnp.einsum("BKGS,BSKH->BKGH", probs, val).reshape(b, n, h)

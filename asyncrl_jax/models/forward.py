@@ -11,6 +11,7 @@ the log-prob and value functions and the learner pass one thing instead of a gro
 * ``remat``: what a block keeps for the backward pass (``REMAT_POLICIES``).
 * ``attention_chunk``: queries per block of the ``"xla"`` attention (0: all at once).
 * ``scan_layers``: the blocks as one ``lax.scan`` over their stacked parameters.
+* ``decode``: how a decode step attends to its KV cache (``DECODE_KINDS``; ``rollout.decode_attention``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from typing import Optional
 import jax
 
 ATTENTION_KINDS = ("xla", "splash")
+# How a decode step (one new token per row) attends to its KV cache: "xla" reads every cache position
+# (masked); "ragged" is the Pallas ragged paged attention kernel, reading each row's pages only up to
+# its position (on a TPU; elsewhere an XLA stand-in of its contract, for tests).
+DECODE_KINDS = ("xla", "ragged")
 
 # What a rematerialised block keeps for its backward pass (MaxText's names where they exist):
 #   none            no recomputation: every activation is kept
@@ -46,6 +51,7 @@ class Forward:
   remat: str = "none"
   attention_chunk: int = 0
   scan_layers: bool = False
+  decode: str = "xla"
 
   def __post_init__(self):
     remat = {True: "full", False: "none"}.get(self.remat, self.remat) if isinstance(
@@ -55,6 +61,8 @@ class Forward:
       raise ForwardError(f"attention={self.attention!r}: must be one of {ATTENTION_KINDS}")
     if self.remat not in REMAT_POLICIES:
       raise ForwardError(f"remat={self.remat!r}: must be one of {REMAT_POLICIES} (or True / False)")
+    if self.decode not in DECODE_KINDS:
+      raise ForwardError(f"decode={self.decode!r}: must be one of {DECODE_KINDS}")
     if not isinstance(self.attention_chunk, int) or self.attention_chunk < 0:
       raise ForwardError(f"attention_chunk={self.attention_chunk!r}: must be an integer >= 0")
 

@@ -36,8 +36,22 @@ from asyncrl_jax.models import attention as attention_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.forward import Forward
 
-# A KV cache: one (keys [B, S, K, H], values [B, S, K, H]) pair per layer.
-KVCache = tuple[tuple[jax.Array, jax.Array], ...]
+# A KV cache: one array per layer, [B, S, 2K, H], each kv head's key and value side by side (key of
+# head i at 2i, value at 2i + 1): the layout of paged attention's pages, so that a slot's rows are
+# its pages (``models.attention.ragged_decode``).
+KVCache = tuple[jax.Array, ...]
+
+
+def interleave_kv(key_btkh: jax.Array, val_btkh: jax.Array) -> jax.Array:
+  """Keys and values ``[B, T, K, H]`` as one ``[B, T, 2K, H]`` array, key and value of a head side by
+  side."""
+  b, t, k, h = key_btkh.shape
+  return jnp.stack([key_btkh, val_btkh], axis=3).reshape(b, t, 2 * k, h)
+
+
+def split_kv(kv_bt2kh: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``interleave_kv``'s inverse: (keys, values), each ``[B, T, K, H]``."""
+  return kv_bt2kh[:, :, 0::2], kv_bt2kh[:, :, 1::2]
 
 
 def _dtype(name: str):
@@ -108,18 +122,21 @@ class Attention(nn.Module):
     q = rope(q, positions_bt, cfg.rope_theta)
     key = rope(key, positions_bt, cfg.rope_theta)
 
-    new_cache = None
-    if cache is not None:
-      cache_k, cache_v = cache
-      rows = (jnp.arange(x.shape[0]) if cache_rows_b is None else cache_rows_b)[:, None]
-      cache_k = cache_k.at[rows, positions_bt].set(key.astype(cache_k.dtype), mode="drop")
-      cache_v = cache_v.at[rows, positions_bt].set(val.astype(cache_v.dtype), mode="drop")
-      new_cache = (cache_k, cache_v)
-      if cache_rows_b is None:  # decoding: attend to the whole cache; a slot prefill, to its own tokens
-        key, val = cache_k.astype(dt), cache_v.astype(dt)
-
     b, t = q.shape[:2]
     q = q.reshape(b, t, k, n // k, h)  # group query heads by the kv head they share
+    new_cache = None
+    if cache is not None:
+      rows = (jnp.arange(x.shape[0]) if cache_rows_b is None else cache_rows_b)[:, None]
+      new_cache = cache.at[rows, positions_bt].set(interleave_kv(key, val).astype(cache.dtype),
+                                                   mode="drop")
+      if cache_rows_b is None and t == 1 and self.forward.decode == "ragged":
+        out = attention_lib.ragged_decode(q, new_cache, positions_bt[:, 0], mesh=self.mesh)
+        out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
+        return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
+                          self.mesh), new_cache
+      if cache_rows_b is None:  # decoding: attend to the whole cache; a slot prefill, to its own tokens
+        key, val = (x.astype(dt) for x in split_kv(new_cache))
+
     if mask.ndim == 2:
       out = attention_lib.segment_attention(q, key, val, mask, kind=self.forward.attention,
                                             chunk=self.forward.attention_chunk, mesh=self.mesh)
@@ -196,7 +213,7 @@ class Transformer(nn.Module):
       # blockwise: each attention block builds its own part of the mask from the segment ids
       mask = segment_ids_bt
     else:
-      mask = cache_mask(positions_bt, cache[0][0].shape[1])
+      mask = cache_mask(positions_bt, cache[0].shape[1])
     remat = self.forward.rematerialises and cache is None
     block = nn.remat(Block, policy=self.forward.checkpoint_policy()) if remat else Block
     new_cache = []

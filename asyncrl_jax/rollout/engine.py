@@ -76,13 +76,17 @@ class Engine(ContextExtension, engine_api.Engine):
     attention_chunk: prefills attend this many queries at a time (0: all at once).
     prefill_tokens: no batched-prefill call computes more tokens than this, unless it is one row (0:
       no cap); bounds a re-prefill's activation memory at long lengths.
+    decode_attention: how a decode step attends to the cache: "xla" (every position, masked) or
+      "ragged" (the paged kernel reading each slot's positions up to its own on a TPU; elsewhere its
+      XLA stand-in, for tests: ``models.attention.ragged_decode``).
   """
 
   def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
                max_target_length: int, sampling: SamplingSettings = SamplingSettings(),
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
                hf_path: str = "", seed: int = 0, background_compile: bool = True,
-               attention_chunk: int = 0, prefill_tokens: int = 0):
+               attention_chunk: int = 0, prefill_tokens: int = 0, decode_attention: str = "xla"):
+    check_decode_attention(decode_attention, config, mesh, max_target_length)
     if max_target_length > config.max_seq_len:
       raise ValueError(f"max_target_length={max_target_length} exceeds model.max_seq_len="
                        f"{config.max_seq_len}")
@@ -95,6 +99,7 @@ class Engine(ContextExtension, engine_api.Engine):
                        f"size {batch_ways}")
     self.config = config
     self.attention_chunk = attention_chunk
+    self.decode_attention = decode_attention
     self._mesh = mesh
     self.num_slots = num_slots
     self._max_prefill = max_prefill_length
@@ -229,9 +234,9 @@ class Engine(ContextExtension, engine_api.Engine):
       raise ValueError(f"true_length={true_length} must be in [1, min(len(padded_tokens)="
                        f"{len(padded_tokens)}, max_prefill_length={self._max_prefill})]")
     if existing_prefix is not None:  # the new tokens continue the prefix (its cache is reused)
-      room = existing_prefix.cache[0][0].shape[1] + len(padded_tokens)
+      room = models.cache_length(existing_prefix.cache) + len(padded_tokens)
       if room > self.max_target_length:
-        raise ValueError(f"the prefix's cache ({existing_prefix.cache[0][0].shape[1]}) plus "
+        raise ValueError(f"the prefix's cache ({models.cache_length(existing_prefix.cache)}) plus "
                          f"{len(padded_tokens)} tokens exceeds max_target_length={self.max_target_length}")
       return self._jit_prefill_more(params, existing_prefix, jnp.asarray(padded_tokens[None]),
                                     int(true_length))
@@ -417,7 +422,7 @@ class Engine(ContextExtension, engine_api.Engine):
     tokens, logp = sample(ban_stop_tokens(state.logits, banned, self._stop_ids), key, self.sampling)
     positions = jnp.minimum(state.positions, self.max_target_length - 1)
     logits, cache = models.apply_decode(self.config, params, tokens[:, None], positions[:, None],
-                                        state.cache, self._mesh)
+                                        state.cache, self._mesh, decode=self.decode_attention)
     active = state.budget > 0
     finishing = active & (jnp.isin(tokens, self._stop_ids) | (state.budget == 1))
     budget = jnp.where(finishing, 0, jnp.maximum(state.budget - 1, 0))
@@ -492,4 +497,20 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
                 sampling=SamplingSettings.from_config(config), tokenizer_path=config.data.tokenizer_path, params=params,
                 hf_path=config.model.hf_path, seed=config.seed if seed is None else seed,
                 attention_chunk=config.rollout.attention_chunk,
-                prefill_tokens=config.rollout.prefill_tokens)
+                prefill_tokens=config.rollout.prefill_tokens,
+                decode_attention=config.rollout.decode_attention)
+
+
+def check_decode_attention(kind: str, config: ModelConfig, mesh: Mesh, cache_len: int) -> None:
+  """Raises ValueError, naming ``rollout.decode_attention``, when ``kind`` cannot run: the paged
+  view needs a cache length that whole pages divide, and the TPU kernel head_dim a multiple of 128
+  (off a TPU its XLA stand-in runs, for tests: ``models.attention.ragged_decode``)."""
+  if kind not in models.DECODE_KINDS:
+    raise ValueError(f"rollout.decode_attention={kind!r}: must be one of {models.DECODE_KINDS}")
+  if kind != "ragged":
+    return
+  if mesh.devices.flat[0].platform == "tpu" and config.head_dim % 128:
+    raise ValueError(f"rollout.decode_attention='ragged' needs model.head_dim a multiple of 128; got "
+                     f"{config.head_dim}")
+  from asyncrl_jax.models import attention  # pylint: disable=import-outside-toplevel
+  attention.page_size(cache_len)

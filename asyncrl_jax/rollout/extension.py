@@ -97,7 +97,7 @@ class ContextExtension:
     return self._jit_park(decode_state, jax.device_put(mask, self._replicated))
 
   def _prefill_more_impl(self, params, prefix: Prefix, tokens_1p, true_length: int) -> Prefix:
-    held, p = prefix.cache[0][0].shape[1], tokens_1p.shape[1]
+    held, p = models.cache_length(prefix.cache), tokens_1p.shape[1]
     cache = jax.tree.map(
         lambda c: jnp.zeros((1, held + p) + c.shape[2:], c.dtype).at[:, :held].set(c), prefix.cache)
     j = jnp.arange(p, dtype=jnp.int32)[None]

@@ -127,7 +127,8 @@ def compile_program(name: str, fn, args, chip, mesh=None) -> dict:
                  "code": int(mem.generated_code_size_in_bytes)},
       "flops": flops, "bytes_accessed": traffic, "xla_flops": xla_flops, "xla_bytes_accessed": xla_bytes,
       "loops": [[n, t] for n, t in cost.loops], "roofline_seconds": roofline,
-      "kernels": {"calls": cost.kernels, "flops": cost.kernel_flops, "extra_bytes": cost.kernel_bytes},
+      "kernels": {"calls": cost.kernels, "flops": cost.kernel_flops, "extra_bytes": cost.kernel_bytes,
+                  "paged_flops": cost.paged_flops, "paged_bytes": cost.paged_bytes},
       "bound": "compute" if flops / chip.bf16_flops >= traffic / chip.hbm_bandwidth else "memory",
       "collectives": cost.collectives, "compile_seconds": round(seconds, 1),
   }

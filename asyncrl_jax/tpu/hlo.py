@@ -70,6 +70,9 @@ class Cost:
   kernel_flops: float = 0.0
   kernel_bytes: float = 0.0
   kernels: dict = dataclasses.field(default_factory=dict)
+  # of which (flops) or of the operands' bytes: what scales with a paged cache's live share
+  paged_flops: float = 0.0
+  paged_bytes: float = 0.0
 
 
 def shape_bytes(shape: str) -> float:
@@ -285,6 +288,8 @@ def analyze(text: str) -> Cost:
     for kernel in custom:
       cost.kernel_flops += kernel.flops * times
       cost.kernel_bytes += kernel.extra_bytes * times
+      cost.paged_flops += kernel.paged_flops * times
+      cost.paged_bytes += kernel.paged_bytes * times
       calls[kernel.kernel] += times
     if not inside_fusion:  # a fusion's inner instructions are one kernel: its own operands count
       cost.bytes += traffic * times

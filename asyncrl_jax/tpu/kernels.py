@@ -30,6 +30,12 @@ already) plus the streamed blocks: 2 x b x H x itemsize x P x Nq x R (their re-r
 Elementwise work (the softmax's exponentials) is not counted, as for XLA's own products. Masking
 inside a block (segment ids, the diagonal) does not change the work: a visited block is computed
 whole.
+
+**Ragged paged attention** (``models.attention.ragged_decode``; ``ragged_paged_attention_kernel``):
+each query token attends its row's positions up to its length, reading those pages once. The
+lengths are values, not shapes, so the call is costed at the whole cache (``4 x tokens x heads x
+head_dim x positions`` FLOPs, the pages' bytes) and both are marked as scaling with the live share
+(``paged_flops``, ``paged_bytes``), which ``tpu.projection`` applies at the config's lengths.
 """
 
 from __future__ import annotations
@@ -49,6 +55,19 @@ class KernelCost(NamedTuple):
   kernel: str  # e.g. "splash_fwd"
   flops: float
   extra_bytes: float  # HBM traffic beyond reading each operand and writing each result once
+  # work and operand bytes that scale with the live length of a paged cache (counted here at the
+  # whole cache: which pages a row reads depends on its position; ``tpu.projection`` scales them)
+  paged_flops: float = 0.0
+  paged_bytes: float = 0.0
+
+
+def ragged_paged_cost(*, q_tokens: int, q_heads: int, head_dim: int, cache_positions: int,
+                      pages_bytes: float) -> KernelCost:
+  """One ragged paged attention call at most: every query token attending ``cache_positions``
+  positions (2 products of 2 x head_dim FLOPs per position and head), its pages read once. All of
+  it scales with the live share of the cache."""
+  flops = 4.0 * q_tokens * q_heads * head_dim * cache_positions
+  return KernelCost("ragged_paged_attention", flops, 0.0, paged_flops=flops, paged_bytes=pages_bytes)
 
 
 def causal_block_pairs(blocks: int) -> int:
@@ -82,6 +101,8 @@ def custom_call_cost(name: str, operand_shapes: list, call_text: str = "",
   """The cost of the custom call ``name`` (an instruction name in the HLO) from its operands' shape
   texts, the rest of its text and its result's shape text, or None for a call this module does not
   know."""
+  if "ragged_paged_attention" in name or "ragged_paged_attention" in call_text[:2000]:
+    return _ragged_cost(operand_shapes)
   m = _SPLASH.search(kernel_name(name, call_text))
   if not m:
     return None
@@ -103,3 +124,20 @@ def custom_call_cost(name: str, operand_shapes: list, call_text: str = "",
     kind = "fused_bwd"
   return splash_cost(kind, q_heads=q_heads, seq=seq, head_dim=head_dim, block=block,
                      itemsize=_ITEMSIZE[dtype], rows=rows)
+
+
+def _ragged_cost(operand_shapes: list) -> Optional[KernelCost]:
+  """Operands: kv_lens, page_indices [B, pages per row], cu_q_lens, (state), num_seqs, q [T, N, H],
+  kv_pages [pages, page size, 2K, H]."""
+  arrays = [(a.group(1), [int(d) for d in a.group(2).split(",")])
+            for a in (_FLOAT.search(s) for s in operand_shapes) if a]
+  table = next((re.search(r"\bs32\[(\d+),(\d+)\]", s) for s in operand_shapes
+                if re.search(r"\bs32\[(\d+),(\d+)\]", s)), None)
+  if len(arrays) < 2 or table is None:
+    return None
+  (_, q), (dtype, pages) = arrays[0], arrays[1]
+  if len(q) != 3 or len(pages) != 4:
+    return None
+  return ragged_paged_cost(q_tokens=q[0], q_heads=q[1], head_dim=q[2],
+                           cache_positions=int(table.group(2)) * pages[1],
+                           pages_bytes=math.prod(pages) * _ITEMSIZE[dtype])

@@ -90,6 +90,15 @@ def _with_skipped_blocks(program: dict, fraction: float, chip) -> float:
   return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
 
 
+def _at_live_share(program: dict, share: float, chip) -> float:
+  """A program's roofline seconds with its paged kernels' work and cache reads (costed at the whole
+  cache) scaled to ``share`` of it."""
+  kernels = program.get("kernels") or {}
+  flops = program["flops"] - kernels.get("paged_flops", 0.0) * (1 - share)
+  traffic = program["bytes_accessed"] - kernels.get("paged_bytes", 0.0) * (1 - share)
+  return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
+
+
 def learner_rates(config, m, learner: dict) -> dict:
   """The learner role's rates implied by its programs' roofline times (``learner``: a role of
   ``compile_config``'s report): tokens/s over its chips, MFU (``model_flops_per_token`` at the
@@ -256,11 +265,13 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
   rates_l = learner_rates(config, m, learner)
   chips_l, server = learner["chips"], rollout["chips"]
   chunk = next(p for p in rollout["programs"] if p["name"].startswith("decode_chunk"))
-  step = chunk["roofline_seconds"] / steps_per_call
   slots = int(config.rollout.num_slots)
   prompt = int(config.data.max_prompt_len) / 2
   _, sequences = seed_sequences(config)
   context = live_context(sequences, prompt)
+  cache_len = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
+  # a paged kernel reads each slot's cache only up to its position: its share at the live context
+  step = _at_live_share(chunk, context / cache_len, CHIPS[rollout["chip"]]) / steps_per_call
   live = decode_live_step(config, m, CHIPS[rollout["chip"]], server_chips=server, context=context)
   fraction = float(config.mesh.rollout_fraction)
   rollout_chips = max(1, int(round(chips_l * fraction / (1 - fraction)))) // server * server

@@ -168,3 +168,32 @@ def test_splash_skips_exactly_the_block_pairs_that_share_no_segment():
       **skipping.kwargs)
   wrong = broken(q, k, v, segment_ids=ids)
   assert float(jnp.max(jnp.abs(wrong[:, 256:300] - full[:, 256:300]))) > 1e-3
+
+
+def test_the_paged_view_read_as_the_kernel_reads_it_equals_the_cached_decode():
+  """A decode step's cache viewed as pages (``paged_view``: identity page table, lengths = position +
+  1) gives, through the ragged kernel's own reference implementation, what the masked decode over the
+  whole cache gives; so does our jittable stand-in. Off by one in the lengths, it does not."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as ragged
+  from asyncrl_jax.models.transformer import split_kv
+  b, s, k, g, h = 4, 64, 2, 2, 32
+  rng = np.random.default_rng(11)
+  kv = jnp.asarray(rng.normal(size=(b, s, 2 * k, h)), jnp.float32)
+  q = jnp.asarray(rng.normal(size=(b, 1, k, g, h)), jnp.float32)
+  positions = jnp.asarray([0, 15, 16, 63], jnp.int32)  # a page's first and last positions, the end
+  key, val = split_kv(kv)
+  from asyncrl_jax.models.transformer import cache_mask
+  want = attention.dense(q, key, val, cache_mask(positions[:, None], s)).reshape(b, k * g, h)
+  view = attention.paged_view(kv, positions)
+  assert view["kv_pages"].shape == (b * s // 64, 64, 2 * k, h)  # pages of 64: the largest that divides
+  scale = 1 / np.sqrt(h)
+  reference = ragged.ref_ragged_paged_attention(q.reshape(b, k * g, h), **view, sm_scale=scale)
+  np.testing.assert_allclose(np.asarray(reference), np.asarray(want), rtol=1e-5, atol=1e-5)
+  ours = jax.jit(functools.partial(attention.paged_reference, sm_scale=scale))(q.reshape(b, k * g, h), **view)
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(want), rtol=1e-5, atol=1e-5)
+  short = dict(view, kv_lens=view["kv_lens"] - 1)
+  wrong = ragged.ref_ragged_paged_attention(q.reshape(b, k * g, h), **dict(short, kv_lens=jnp.maximum(
+      short["kv_lens"], 1)), sm_scale=scale)
+  assert float(jnp.max(jnp.abs(wrong - want))) > 1e-3
+  with pytest.raises(ValueError, match="divisible by one of"):
+    attention.page_size(100)

@@ -182,3 +182,40 @@ def test_the_benchmark_table_reads_a_report(report):
   assert len(rows) == len(r["roles"]["learner"]["programs"]) + len(r["roles"]["rollout"]["programs"])
   assert "abc1234" in text and "libtpu" in text and "Projection: learner" in text
   assert text.count("fits one") == 2
+
+
+@pytest.mark.slow(20)
+def test_the_paged_decode_step_compiles_and_reads_only_the_live_share_of_its_cache():
+  """``rollout.decode_attention="ragged"``: the decode chunk compiles for a v5p chip with the ragged
+  paged attention kernel (head_dim 128, as the kernel needs), once per layer and step; the walker
+  marks the kernel's work and cache reads as scaling with the live share, and the projection's
+  step at a quarter of the cache reads about a quarter of its cache bytes. The masked decode over
+  the whole cache (the control) has no such share."""
+  from asyncrl_jax.tpu import projection
+
+  def config(decode):
+    c = config_lib.base_config()
+    c.model.update(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2,
+                   num_kv_heads=1, head_dim=128, max_seq_len=512, dtype="bfloat16")
+    c.data.update(max_prompt_len=32, max_completion_len=480)
+    c.rollout.update(num_slots=16, decode_attention=decode)
+    c.mesh.rollout.update(data=-1, fsdp=1, tensor=1)
+    return config_lib.validate(c)
+
+  import jax  # pylint: disable=import-outside-toplevel
+  chunks = {}
+  for decode in ("xla", "ragged"):
+    c = config(decode)
+    # (the tests' process-wide "highest" precision would ask Mosaic for float32 products of bf16)
+    with jax.default_matmul_precision("default"):
+      r = tpu_compile.compile_config(c, "v5p-8", "v5p-8", roles=("rollout",), progress=lambda _: None)
+    chunks[decode] = r["roles"]["rollout"]["programs"][0]
+  paged = chunks["ragged"]["kernels"]
+  assert paged["calls"] == {"ragged_paged_attention": 2 * 16}
+  cache = (16 // 4) * 512 * 2 * 128 * 2  # one layer's cache per chip: 4 slots x 512 x 2K x H, bf16
+  assert paged["paged_bytes"] == pytest.approx(2 * 16 * cache)
+  chip = chips.CHIPS["v5p"]
+  full = projection._at_live_share(chunks["ragged"], 1.0, chip)  # pylint: disable=protected-access
+  quarter = projection._at_live_share(chunks["ragged"], 0.25, chip)  # pylint: disable=protected-access
+  assert quarter < full
+  assert chunks["xla"]["kernels"]["paged_bytes"] == 0
