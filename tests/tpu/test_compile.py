@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from asyncrl_jax import config as config_lib, models
-from asyncrl_jax.tpu import chips, compile as tpu_compile
+from asyncrl_jax.tpu import chips, compile as tpu_compile, projection
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,7 +78,7 @@ def test_flops_are_the_model_flops_with_loops_counted(report):
   grad = learner["programs"][0]
   tokens = config.learner.token_budget / learner["chips"]
   width = learner["row_len"]
-  model = tpu_compile.model_flops_per_token(m, width) * tokens
+  model = projection.model_flops_per_token(m, width) * tokens  # (one sequence per row here)
   assert 1.0 <= grad["flops"] / model <= 2.0  # + remat's second forward pass, full attention blocks
   assert grad["xla_flops"] < 0.7 * grad["flops"]
   rollout = r["roles"]["rollout"]
@@ -191,8 +191,6 @@ def test_the_paged_decode_step_compiles_and_reads_only_the_live_share_of_its_cac
   marks the kernel's work and cache reads as scaling with the live share, and the projection's
   step at a quarter of the cache reads about a quarter of its cache bytes. The masked decode over
   the whole cache (the control) has no such share."""
-  from asyncrl_jax.tpu import projection
-
   def config(decode):
     c = config_lib.base_config()
     c.model.update(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=2,
