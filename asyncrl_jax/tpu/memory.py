@@ -103,9 +103,13 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   forward = Forward.from_learner(config)
   chunk = forward.attention_chunk
   block = _block_activations(m, tokens, rows, width, tensor, chunk)
-  if forward.attention == "splash":  # scores stay on chip; the kernel keeps its output's log-sum-exp
-    block["attention"] = rows * m.num_heads / tensor * width * 4
-    chunk = width  # (its residuals are small: counted like a chunk's, live in one block at a time)
+  if forward.attention == "splash":
+    # scores stay on chip; the kernel keeps its output's log-sum-exp, and its fused backward pass
+    # writes dq as float32 partial sums, one per key block, while one layer's backward runs
+    from asyncrl_jax.models.attention import splash_block  # pylint: disable=import-outside-toplevel
+    partials = width // splash_block(width) * width * m.head_dim * 4
+    block["attention"] = rows * m.num_heads / tensor * (width * 4 + partials)
+    chunk = width  # (live while one layer's attention runs, like a chunk's)
   per_layer = block["residuals"] + (0 if chunk else block["attention"])  # kept for the backward pass
   layer_input = tokens * m.hidden_size * _BYTES[m.dtype]
   if forward.remat in ("full", "minimal_offloaded"):  # (offloaded products live in host memory)
@@ -256,7 +260,10 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   # (of the log-softmax's three [tokens, columns] float32 buffers, the TPU compiler's gradient step
   # holds two at its peak: the third is fused; its buffer report shows it)
   grad = t["parameters"] + shard + t["activations"] + t["log-softmax"] * 2 / 3 + micro_batch
-  block = _block_activations(m, tokens, rows, width, tensor, int(config.learner.attention_chunk))
+  forward_options = Forward.from_learner(config)
+  block = _block_activations(m, tokens, rows, width, tensor, forward_options.attention_chunk)
+  if forward_options.attention == "splash":  # a forward pass keeps no scores: the output's lse only
+    block["attention"] = rows * m.num_heads / tensor * width * 4
   mlp = 3 * tokens * m.intermediate_size / tensor * _BYTES[m.dtype]
   forward = max(mlp, block["attention"], t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
   prox = t["parameters"] + micro_batch + forward + tokens * 4
