@@ -18,8 +18,9 @@ Counted: ``dot`` and ``convolution`` FLOPs (2 per multiply-add; convolutions ove
 positions, which is how the TPU compiler writes batched matrix products); elementwise work is not
 (it is a few percent of a transformer's). Bytes: each top-level instruction's operands and result,
 except those that move no data (parameters, tuples, bitcasts, constants). Pallas kernels (custom
-calls) get their analytic cost from ``tpu.kernels``, kept apart (``kernel_flops``, ``kernel_bytes``)
-because XLA's own figures, which the ratio corrects, never include them. An asynchronous operation's
+calls) get their analytic cost from ``tpu.kernels``, kept apart (``kernel_flops``, ``kernel_bytes``:
+their operands and results once, which XLA's figures leave out, plus their re-reads) because XLA's
+own figures, which the ratio corrects, never include them. An asynchronous operation's
 ``-update`` and ``-done`` halves name the computation its ``-start`` runs: it is counted once.
 """
 
@@ -69,6 +70,7 @@ class Cost:
   # counted: FLOPs, bytes beyond their operands and results, calls per kernel
   kernel_flops: float = 0.0
   kernel_bytes: float = 0.0
+  kernel_reread_bytes: float = 0.0  # of which re-reads (what a block-skipping kernel skips)
   kernels: dict = dataclasses.field(default_factory=dict)
   # of which (flops) or of the operands' bytes: what scales with a paged cache's live share
   paged_flops: float = 0.0
@@ -263,7 +265,10 @@ def analyze(text: str) -> Cost:
         kernel = kernels.custom_call_cost(instr.name, [shapes.get(o, "") for o in instr.operands],
                                           instr.attrs, instr.shape)
         if kernel is not None:
-          custom.append(kernel)
+          # XLA's own count leaves out a custom call's operands and results: the kernel's traffic
+          # is those (read and written once) plus what its cost adds
+          io = shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
+          custom.append((kernel, io))
       kind = instr.opcode.removesuffix("-start")
       if kind in COLLECTIVES and not instr.opcode.endswith("-done"):
         coll[kind][0] += 1
@@ -285,9 +290,10 @@ def analyze(text: str) -> Cost:
     flops, traffic, coll, custom = own.get(name, (0.0, 0.0, {}, []))
     cost.flops += flops * times
     cost.flops_once += flops * once
-    for kernel in custom:
+    for kernel, io in custom:
       cost.kernel_flops += kernel.flops * times
-      cost.kernel_bytes += kernel.extra_bytes * times
+      cost.kernel_bytes += (kernel.extra_bytes + io) * times
+      cost.kernel_reread_bytes += kernel.extra_bytes * times
       cost.paged_flops += kernel.paged_flops * times
       cost.paged_bytes += kernel.paged_bytes * times
       calls[kernel.kernel] += times

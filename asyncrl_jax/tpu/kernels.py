@@ -24,9 +24,9 @@ fused    5 (dkv's four and ``ds k``: dq and dk, dv in one)  a block of ``q`` and
 (The fused backward kernel is a ``dkv`` kernel that also returns dq, as partial sums per key block:
 a result shaped like ``q``.)
 
-FLOPs = products x 2 b^2 H x P x Nq x R. Bytes = the operands and results once (what XLA counts
-already) plus the streamed blocks: 2 x b x H x itemsize x P x Nq x R (their re-reads; counted as
-``extra_bytes``).
+FLOPs = products x 2 b^2 H x P x Nq x R. Bytes = the operands and results once (XLA's own cost
+analysis leaves a custom call's operands and results out: the walker adds them) plus the streamed
+blocks: 2 x b x H x itemsize x P x Nq x R (their re-reads, ``extra_bytes``).
 Elementwise work (the softmax's exponentials) is not counted, as for XLA's own products. Masking
 inside a block (segment ids, the diagonal) does not change the work: a visited block is computed
 whole.
@@ -54,7 +54,7 @@ _ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4}
 class KernelCost(NamedTuple):
   kernel: str  # e.g. "splash_fwd"
   flops: float
-  extra_bytes: float  # HBM traffic beyond reading each operand and writing each result once
+  extra_bytes: float  # re-reads beyond its operands and results once (the walker adds those)
   # work and operand bytes that scale with the live length of a paged cache (counted here at the
   # whole cache: which pages a row reads depends on its position; ``tpu.projection`` scales them)
   paged_flops: float = 0.0

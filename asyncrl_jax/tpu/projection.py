@@ -86,7 +86,7 @@ def _with_skipped_blocks(program: dict, fraction: float, chip) -> float:
   depends on its segment ids)."""
   kernels = program.get("kernels") or {}
   flops = program["flops"] - kernels.get("flops", 0.0) * (1 - fraction)
-  traffic = program["bytes_accessed"] - kernels.get("extra_bytes", 0.0) * (1 - fraction)
+  traffic = program["bytes_accessed"] - kernels.get("reread_bytes", 0.0) * (1 - fraction)
   return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
 
 
