@@ -70,7 +70,7 @@ def learner_variants(name: str, variants=VARIANTS) -> dict:
   """The config's learner role compiled under each (attention, remat) pair, with its rates: which
   choice is fastest and fits, by the compiler's figures."""
   from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tpu import compile as tpu_compile  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import compile as tpu_compile, projection  # pylint: disable=import-outside-toplevel
   module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
   accelerators = module.ACCELERATORS
   rows = []
@@ -89,8 +89,7 @@ def learner_variants(name: str, variants=VARIANTS) -> dict:
     role = report["roles"]["learner"]
     rates = {}
     if role["fits"]:
-      rates = tpu_compile.learner_rates(config, models.config_of(config), role)
-      rates.pop("_lengths")
+      rates = projection.learner_rates(config, models.config_of(config), role)
     grad = next(p for p in role["programs"] if p["name"] == "grad_step[first]")
     rows.append({"attention": attention, "remat": remat, "fits": role["fits"],
                  "peak_bytes": role["peak_bytes"], "peak_program": role["peak_program"],

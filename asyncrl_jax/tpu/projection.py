@@ -99,42 +99,6 @@ def _at_live_share(program: dict, share: float, chip) -> float:
   return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
 
 
-def learner_rates(config, m, learner: dict) -> dict:
-  """The learner role's rates implied by its programs' roofline times (``learner``: a role of
-  ``compile_config``'s report): tokens/s over its chips, MFU (``model_flops_per_token`` at the
-  seed's lengths), seconds per micro-batch, micro-batches per update."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.sim.lengths import LengthModel  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tpu.chips import CHIPS  # pylint: disable=import-outside-toplevel
-  chip = CHIPS[learner["chip"]]
-  fraction = (splash_visited_fraction(config, int(learner["row_len"]))
-              if config.learner.attention == "splash" else 1.0)
-  times = {p["name"]: _with_skipped_blocks(p, fraction, chip) for p in learner["programs"]}
-  budget = int(config.learner.token_budget)
-  minibatches = int(config.learner.ppo_minibatches)
-  cap = int(config.data.max_completion_len)
-  lengths = LengthModel(mu=SEED_LENGTHS["mu"], sigma=SEED_LENGTHS["sigma"], cap=cap)
-  sequences = lengths.draw(np.random.default_rng(0), 100_000) + int(config.data.max_prompt_len) / 2
-  mean_len = float(sequences.mean())
-  per_update = int(config.learner.batch_size) / minibatches * mean_len
-  mbs = max(1.0, math.ceil(per_update / budget))
-  per_mb = times["grad_step[first]"] + times.get("accumulate", 0.0) + times["apply"] / mbs
-  if "prox_pass" in times:  # every minibatch after a version's first needs its prox log-probs
-    per_mb += times["prox_pass"] * (minibatches - 1) / minibatches
-  if "value_estimate" in times:
-    per_mb += sum(t for k, t in times.items() if k.startswith("value_"))
-  tokens_per_s = budget / per_mb
-  seq_attention = attention_length(sequences)
-  flops_per_token = model_flops_per_token(m, seq_attention)
-  return {"learner_tokens_per_s": tokens_per_s,
-          "learner_mfu": flops_per_token * tokens_per_s / (learner["chips"] * chip.bf16_flops),
-          "splash_visited_fraction": fraction,
-          "learner_program_seconds": times,
-          "attention_length": seq_attention, "model_flops_per_token": flops_per_token,
-          "learner_seconds_per_micro_batch": per_mb, "micro_batches_per_update": mbs,
-          "mean_trajectory_tokens": mean_len, "_lengths": lengths}
-
-
 def seed_sequences(config, n: int = 100_000):
   """``(LengthModel of completions, sequences)``: completion lengths of the seed's distribution capped
   at the config's, and ``n`` drawn sequences (prompt at half its cap + completion)."""
