@@ -123,6 +123,57 @@ def variants_section(record: dict) -> list[str]:
   return lines + [""]
 
 
+# The records before the kernels (results/tpu_compile/before/, compiled at 3b19c27) ran the configs
+# as they were then: these fields differ from today's configs.
+BEFORE = {"learner.attention": "xla", "learner.attention_chunk": 512, "rollout.decode_attention": "xla",
+          "rollout.num_slots": 128}
+
+
+def before_after_section() -> list[str]:
+  """Per config, the programs compiled before the kernels and now, both projected by today's code
+  (the honest MFU, the live-cache roofline, the planner): the change in one table."""
+  from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tpu import projection  # pylint: disable=import-outside-toplevel
+  rows = []
+  for name in CONFIGS:
+    before_path = os.path.join(RECORDS, "before", name.replace(".py", ".json"))
+    after_path = os.path.join(RECORDS, name.replace(".py", ".json"))
+    if not (os.path.exists(before_path) and os.path.exists(after_path)):
+      continue
+    module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
+    for label, path, overrides in (("before", before_path, BEFORE), ("after", after_path, {})):
+      record = common.read_json(path)
+      config = module.get_config()
+      for key, value in overrides.items():
+        section_name, field = key.split(".")
+        config[section_name][field] = value
+      config = config_lib.validate(config)
+      if not all(r["fits"] for r in record["roles"].values()):
+        rows.append(f"| {name} | {label} ({record['commit']}) | does not fit |||||||")
+        continue
+      p = projection.project(config, models.config_of(config), record["roles"])
+      best = p["planner_best"]
+      rows.append(
+          f"| {name} | {label} ({record.get('role_commits', {}).get('learner', record['commit'])}) | "
+          f"{_gib(record['roles']['learner']['peak_bytes'])} | {_gib(record['roles']['rollout']['peak_bytes'])} | "
+          f"{p['learner_tokens_per_s']:,.0f} | {p['learner_mfu']:.1%} | "
+          f"{p['decode_tokens_per_s']:,.0f} ({config.rollout.num_slots} slots) | "
+          f"{p['decode_step_over_live_roofline']:.2f}x | {p['async_over_sync']:.2f}x ({p['sync_baseline']}) | "
+          f"{best['learner_chips']}+{best['rollout_chips']} chips, eta {best['eta']}: {best['over_sync']:.2f}x |")
+  if not rows:
+    return []
+  return ["### Before and after the kernels", "",
+          "The same arithmetic (`asyncrl_jax.tpu.projection` at the commit that assembled this page) on "
+          "the programs compiled before the kernels (`results/tpu_compile/before/`, configs as they were: "
+          + ", ".join(f"`{k}={v!r}`" for k, v in BEFORE.items()) + ") and now. MFU: 6 x parameters + "
+          "causal attention within each sequence; decode step / live roofline: the compiled decode step "
+          "against (serving weights + each slot's KV cache up to its live context) / HBM bandwidth; "
+          "async / sync at the config's split; the planner's best split of the same chips.", "",
+          "| config | compile | learner GiB per chip | decode GiB per chip | learner tokens/s | MFU | "
+          "decode tokens/s per server | decode step / live roofline | async / sync (config's split) | "
+          "planner's best |", "|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+
+
 def _gib(x) -> str:
   return "-" if x is None else f"{x / GiB:.2f}"
 
@@ -215,6 +266,7 @@ def assemble() -> str:
   if not reports:
     lines.append("(not run yet: `.venv/bin/python benchmarks/tpu_compile.py` after `bash launch/setup.sh "
                  "--tpu-compile`)")
+  lines += before_after_section()
   for report in reports:
     lines += section(report)
   for name in CONFIGS:

@@ -206,8 +206,11 @@ def plan_split(config, m, *, kind: str, total_chips: int, server_chips: int, lea
     s = planner.predict_colocated_sync(lengths, rates, devices=total_chips, batch=batch, epochs=epochs)
     sync = {"kind": "colocated", "tokens_per_s": s.tokens_per_s}
   else:
-    best0 = max((c for c in candidates if c["eta"] == 0 and c["fits"]), key=lambda c: c["tokens_per_s"])
-    sync = {"kind": "separate slices (eta 0)", "tokens_per_s": best0["tokens_per_s"],
+    at_zero = [c for c in candidates if c["eta"] == 0]
+    fitting = [c for c in at_zero if c["fits"]]
+    best0 = max(fitting or at_zero, key=lambda c: c["tokens_per_s"])
+    sync = {"kind": "separate slices (eta 0)" + ("" if fitting else ", none fits by the estimate"),
+            "tokens_per_s": best0["tokens_per_s"],
             "learner_chips": best0["learner_chips"], "rollout_chips": best0["rollout_chips"]}
   sync["colocated_bytes_per_chip"] = together
   for c in candidates:
