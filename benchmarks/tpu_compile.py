@@ -208,6 +208,8 @@ def section(report: dict) -> list[str]:
   if len(set(commits.values())) > 1:
     lines += ["", "(Roles compiled at different commits, each left alone by the changes since: "
               + ", ".join(f"{r} at {c}" for r, c in commits.items()) + ".)"]
+  chunk = next(q for q in report["roles"]["rollout"]["programs"] if q["name"].startswith("decode_chunk"))
+  paged = bool((chunk.get("kernels") or {}).get("paged_bytes"))
   lines += ["", f"Projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s on {p['learner_chips']} "
             f"chips, **MFU {p['learner_mfu']:.1%}** (model FLOPs {p['model_flops_per_token']:.3g} per "
             f"token: 6 x parameters + causal attention within sequences at the token-weighted mean "
@@ -215,7 +217,9 @@ def section(report: dict) -> list[str]:
             + (f"; the splash kernel visits {p['splash_visited_fraction']:.0%} of its causal block pairs "
                "at these lengths" if p.get("splash_visited_fraction", 1) < 1 else "") + "); "
             f"decode {p['decode_tokens_per_s']:,.0f} tokens/s per server ({p['decode_step_seconds'] * 1e3:.1f} "
-            f"ms per step reading all {p['decode_context_length']:,} cache positions; the live-cache "
+            + ("ms per step, the paged kernel reading each slot up to its position, at the mean live "
+               "context" if paged else f"ms per step reading all {p['decode_context_length']:,} cache positions")
+            + "; the live-cache "
             f"roofline at the mean live context {p['decode_live_context']:,.0f} is "
             f"{p['decode_live_step_seconds'] * 1e3:.1f} ms: **{p['decode_step_over_live_roofline']:.2f}x**); "
             f"async / sync {p['async_over_sync']:.2f}x on the config's {p['learner_chips']} learner + "
