@@ -242,6 +242,21 @@ def page_size(cache_len: int) -> int:
                    f"got {cache_len} (rollout.decode_attention='ragged')")
 
 
+def check_decode_attention(kind: str, *, head_dim: int, platform: str, cache_len: int) -> None:
+  """Raises ValueError, naming ``rollout.decode_attention``, when ``kind`` cannot run: the paged view
+  needs a cache length that whole pages divide, and the TPU kernel ``head_dim`` a multiple of 128
+  (off a TPU its XLA stand-in runs, for tests)."""
+  from asyncrl_jax.models.forward import DECODE_KINDS  # pylint: disable=import-outside-toplevel
+  if kind not in DECODE_KINDS:
+    raise ValueError(f"rollout.decode_attention={kind!r}: must be one of {DECODE_KINDS}")
+  if kind != "ragged":
+    return
+  if platform == "tpu" and head_dim % 128:
+    raise ValueError(f"rollout.decode_attention='ragged' needs model.head_dim a multiple of 128; got "
+                     f"{head_dim}")
+  page_size(cache_len)
+
+
 def paged_view(kv_bs2kh: jax.Array, positions_b: jax.Array) -> dict:
   """A decode step's cache ``[B, S, 2K, H]`` (one layer; the step's token already written at
   ``positions_b``) as the ragged paged attention kernel reads it: ``pages [B * S / P, P, 2K, H]`` (a

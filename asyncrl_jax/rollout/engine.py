@@ -32,6 +32,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncrl_jax import models
+from asyncrl_jax.models import attention
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.infra.bucketing import bounded_traces
 from asyncrl_jax.models.config import ModelConfig
@@ -86,7 +87,8 @@ class Engine(ContextExtension, engine_api.Engine):
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
                hf_path: str = "", seed: int = 0, background_compile: bool = True,
                attention_chunk: int = 0, prefill_tokens: int = 0, decode_attention: str = "xla"):
-    check_decode_attention(decode_attention, config, mesh, max_target_length)
+    attention.check_decode_attention(decode_attention, head_dim=config.head_dim,
+                                     platform=mesh.devices.flat[0].platform, cache_len=max_target_length)
     if max_target_length > config.max_seq_len:
       raise ValueError(f"max_target_length={max_target_length} exceeds model.max_seq_len="
                        f"{config.max_seq_len}")
@@ -500,17 +502,3 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
                 prefill_tokens=config.rollout.prefill_tokens,
                 decode_attention=config.rollout.decode_attention)
 
-
-def check_decode_attention(kind: str, config: ModelConfig, mesh: Mesh, cache_len: int) -> None:
-  """Raises ValueError, naming ``rollout.decode_attention``, when ``kind`` cannot run: the paged
-  view needs a cache length that whole pages divide, and the TPU kernel head_dim a multiple of 128
-  (off a TPU its XLA stand-in runs, for tests: ``models.attention.ragged_decode``)."""
-  if kind not in models.DECODE_KINDS:
-    raise ValueError(f"rollout.decode_attention={kind!r}: must be one of {models.DECODE_KINDS}")
-  if kind != "ragged":
-    return
-  if mesh.devices.flat[0].platform == "tpu" and config.head_dim % 128:
-    raise ValueError(f"rollout.decode_attention='ragged' needs model.head_dim a multiple of 128; got "
-                     f"{config.head_dim}")
-  from asyncrl_jax.models import attention  # pylint: disable=import-outside-toplevel
-  attention.page_size(cache_len)

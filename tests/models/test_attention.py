@@ -197,3 +197,14 @@ def test_the_paged_view_read_as_the_kernel_reads_it_equals_the_cached_decode():
   assert float(jnp.max(jnp.abs(wrong - want))) > 1e-3
   with pytest.raises(ValueError, match="divisible by one of"):
     attention.page_size(100)
+
+
+def test_a_paged_decode_that_cannot_run_is_refused_naming_the_field():
+  attention.check_decode_attention("xla", head_dim=32, platform="cpu", cache_len=100)  # no pages needed
+  attention.check_decode_attention("ragged", head_dim=32, platform="cpu", cache_len=128)  # the stand-in
+  with pytest.raises(ValueError, match=r"rollout\.decode_attention='ragged' needs model\.head_dim"):
+    attention.check_decode_attention("ragged", head_dim=64, platform="tpu", cache_len=128)
+  with pytest.raises(ValueError, match=r"rollout\.decode_attention='ragged'\)"):
+    attention.check_decode_attention("ragged", head_dim=128, platform="tpu", cache_len=100)
+  with pytest.raises(ValueError, match=r"rollout\.decode_attention='paged'"):
+    attention.check_decode_attention("paged", head_dim=128, platform="tpu", cache_len=128)
