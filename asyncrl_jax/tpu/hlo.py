@@ -247,38 +247,42 @@ def _loop_start(loop: Instruction, index: int | None, by_name: dict) -> int:
   return 0
 
 
+def _own_cost(instrs: list, shapes: dict) -> tuple:
+  """A computation's own instructions (not those it calls): matrix-product FLOPs, bytes moved,
+  collectives (kind -> [count, bytes]) and its known kernels with their operand and result bytes."""
+  flops = traffic = 0.0
+  coll = collections.defaultdict(lambda: [0, 0.0])
+  custom = []
+  for instr in instrs:
+    if instr.opcode == "convolution":
+      flops += _conv_flops(instr, shapes)
+    elif instr.opcode == "dot":
+      flops += _dot_flops(instr, shapes)
+    elif instr.opcode == "custom-call":
+      kernel = kernels.custom_call_cost(instr.name, [shapes.get(o, "") for o in instr.operands],
+                                        instr.attrs, instr.shape)
+      if kernel is not None:
+        # XLA's own count leaves out a custom call's operands and results: the kernel's traffic
+        # is those (read and written once) plus what its cost adds
+        io = shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
+        custom.append((kernel, io))
+    kind = instr.opcode.removesuffix("-start")
+    if kind in COLLECTIVES and not instr.opcode.endswith("-done"):
+      coll[kind][0] += 1
+      # an async start's result is a tuple (its operand, its result, and context scalars): the
+      # data it moves is its largest array
+      coll[kind][1] += max((shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY.findall(instr.shape)),
+                           default=0.0)
+    if instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
+      traffic += shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
+  return flops, traffic, coll, custom
+
+
 def analyze(text: str) -> Cost:
   """The module's ``Cost`` per run (see the module docstring)."""
   computations, entry = parse(text)
   shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
-  own = {}  # computation -> (flops, bytes, collectives, kernel costs) of its own instructions
-  for name, instrs in computations.items():
-    flops = traffic = 0.0
-    coll = collections.defaultdict(lambda: [0, 0.0])
-    custom = []
-    for instr in instrs:
-      if instr.opcode == "convolution":
-        flops += _conv_flops(instr, shapes)
-      elif instr.opcode == "dot":
-        flops += _dot_flops(instr, shapes)
-      elif instr.opcode == "custom-call":
-        kernel = kernels.custom_call_cost(instr.name, [shapes.get(o, "") for o in instr.operands],
-                                          instr.attrs, instr.shape)
-        if kernel is not None:
-          # XLA's own count leaves out a custom call's operands and results: the kernel's traffic
-          # is those (read and written once) plus what its cost adds
-          io = shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
-          custom.append((kernel, io))
-      kind = instr.opcode.removesuffix("-start")
-      if kind in COLLECTIVES and not instr.opcode.endswith("-done"):
-        coll[kind][0] += 1
-        # an async start's result is a tuple (its operand, its result, and context scalars): the
-        # data it moves is its largest array
-        coll[kind][1] += max((shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY.findall(instr.shape)),
-                             default=0.0)
-      if instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
-        traffic += shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
-    own[name] = (flops, traffic, coll, custom)
+  own = {name: _own_cost(instrs, shapes) for name, instrs in computations.items()}
   fused = {c for instrs in computations.values() for i in instrs if i.opcode == "fusion"
            for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)}
   cost = Cost()

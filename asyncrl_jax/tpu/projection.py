@@ -80,22 +80,19 @@ def splash_visited_fraction(config, row_len: int, *, n: int = 4096) -> float:
   return visited / total
 
 
-def _with_skipped_blocks(program: dict, fraction: float, chip) -> float:
-  """A program's roofline seconds with its splash kernels visiting ``fraction`` of the causal
-  kernel's block pairs (the compiled program is costed at all of them: which pairs a row skips
-  depends on its segment ids)."""
-  kernels = program.get("kernels") or {}
-  flops = program["flops"] - kernels.get("flops", 0.0) * (1 - fraction)
-  traffic = program["bytes_accessed"] - kernels.get("reread_bytes", 0.0) * (1 - fraction)
-  return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
+# Which of a program's kernel figures (``tpu.compile``'s ``kernels``) scale with a share of the work
+# the compiled program was costed at: splash's block pairs (a row's skipped pairs depend on its
+# segment ids), a paged decode's cache (a slot's pages up to its position).
+SCALED = {"splash_blocks": ("flops", "reread_bytes"), "live_cache": ("paged_flops", "paged_bytes")}
 
 
-def _at_live_share(program: dict, share: float, chip) -> float:
-  """A program's roofline seconds with its paged kernels' work and cache reads (costed at the whole
-  cache) scaled to ``share`` of it."""
+def roofline_at(program: dict, chip, share: float, work: str) -> float:
+  """A program's roofline seconds with its kernels' ``work`` (``SCALED``) at ``share`` of what it
+  was costed at."""
+  flops_key, bytes_key = SCALED[work]
   kernels = program.get("kernels") or {}
-  flops = program["flops"] - kernels.get("paged_flops", 0.0) * (1 - share)
-  traffic = program["bytes_accessed"] - kernels.get("paged_bytes", 0.0) * (1 - share)
+  flops = program["flops"] - kernels.get(flops_key, 0.0) * (1 - share)
+  traffic = program["bytes_accessed"] - kernels.get(bytes_key, 0.0) * (1 - share)
   return max(flops / chip.bf16_flops, traffic / chip.hbm_bandwidth)
 
 
@@ -136,7 +133,7 @@ def learner_rates(config, m, learner: dict) -> dict:
   chip = CHIPS[learner["chip"]]
   fraction = (splash_visited_fraction(config, int(learner["row_len"]))
               if config.learner.attention == "splash" else 1.0)
-  times = {p["name"]: _with_skipped_blocks(p, fraction, chip) for p in learner["programs"]}
+  times = {p["name"]: roofline_at(p, chip, fraction, "splash_blocks") for p in learner["programs"]}
   budget = int(config.learner.token_budget)
   minibatches = int(config.learner.ppo_minibatches)
   _, sequences = seed_sequences(config)
@@ -238,7 +235,7 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
   context = live_context(sequences, prompt)
   cache_len = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   # a paged kernel reads each slot's cache only up to its position: its share at the live context
-  step = _at_live_share(chunk, context / cache_len, CHIPS[rollout["chip"]]) / steps_per_call
+  step = roofline_at(chunk, CHIPS[rollout["chip"]], context / cache_len, "live_cache") / steps_per_call
   live = decode_live_step(config, m, CHIPS[rollout["chip"]], server_chips=server, context=context)
   fraction = float(config.mesh.rollout_fraction)
   rollout_chips = max(1, int(round(chips_l * fraction / (1 - fraction)))) // server * server

@@ -213,7 +213,7 @@ def test_the_paged_decode_step_compiles_and_reads_only_the_live_share_of_its_cac
   cache = (16 // 4) * 512 * 2 * 128 * 2  # one layer's cache per chip: 4 slots x 512 x 2K x H, bf16
   assert paged["paged_bytes"] == pytest.approx(2 * 16 * cache)
   chip = chips.CHIPS["v5p"]
-  full = projection._at_live_share(chunks["ragged"], 1.0, chip)  # pylint: disable=protected-access
-  quarter = projection._at_live_share(chunks["ragged"], 0.25, chip)  # pylint: disable=protected-access
-  assert quarter < full
+  full = projection.roofline_at(chunks["ragged"], chip, 1.0, "live_cache")
+  quarter = projection.roofline_at(chunks["ragged"], chip, 0.25, "live_cache")
+  assert quarter < full and full == pytest.approx(chunks["ragged"]["roofline_seconds"])
   assert chunks["xla"]["kernels"]["paged_bytes"] == 0
