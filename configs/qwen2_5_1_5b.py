@@ -1,5 +1,5 @@
-"""Qwen2.5-1.5B-class reasoning RL on math, on Cloud TPU v5p: a v5p-32 learner (16 chips) and 12
-single-host v5p-8 decode servers (48 chips), the 3:1 rollout:learner split
+"""Qwen2.5-1.5B-class reasoning RL on math, on Cloud TPU v5p: a v5p-64 learner (32 chips) and 8
+single-host v5p-8 decode servers (32 chips), the 1:1 split the planner picks for these 64 chips
 (launch/tpu/examples/qwen2_5_1_5b_v5p.env).
 
   python -m asyncrl_jax.train --config=configs/qwen2_5_1_5b.py --workdir=gs://BUCKET/run \
@@ -49,8 +49,8 @@ than a chip holds. Evaluate exported checkpoints with ``python -m asyncrl_jax ev
 
 from asyncrl_jax.config import base_config
 
-ACCELERATORS = dict(learner="v5p-32", rollout="v5p-8", margin=0.2)
-LEARNER_CHIPS = 16
+ACCELERATORS = dict(learner="v5p-64", rollout="v5p-8", margin=0.2)
+LEARNER_CHIPS = 32
 
 
 def get_config():
@@ -68,7 +68,7 @@ def get_config():
                    warmup_steps=0, weight_decay=0.05, grad_clip=1.0, ppo_minibatches=4, remat="full",
                    vocab_chunk=8192, attention="splash", scan_layers=True, eval_every=0)
   c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
-  c.mesh.update(rollout_fraction=0.75)
+  c.mesh.update(rollout_fraction=0.5)
   c.mesh.learner.update(data=1, fsdp=-1, tensor=1)
   c.mesh.rollout.update(data=-1, fsdp=1, tensor=1)
   c.checkpoint.update(every_steps=50, max_to_keep=3, async_save=True)

@@ -1,5 +1,6 @@
-"""R1-Distill-Qwen-7B reasoning RL on math, on Cloud TPU v5p: a v5p-64 learner (32 chips, 8 hosts) and
-24 single-host v5p-8 decode servers (96 chips), the 3:1 rollout:learner split.
+"""R1-Distill-Qwen-7B reasoning RL on math, on Cloud TPU v5p: a v5p-128 learner (64 chips, 16 hosts)
+and 16 single-host v5p-8 decode servers (64 chips), the 1:1 split the planner picks for these 128
+chips (launch/tpu/examples/r1_distill_qwen_7b_v5p.env).
 
   python -m asyncrl_jax.train --config=configs/r1_distill_qwen_7b_v5p.py --workdir=gs://BUCKET/run \
       --config.model.hf_path=/path/to/DeepSeek-R1-Distill-Qwen-7B --config.data.path=/path/to/data
@@ -21,7 +22,7 @@ from asyncrl_jax.config import config_module
 
 _base = config_module("qwen2_5_1_5b.py", beside=__file__)
 
-ACCELERATORS = dict(learner="v5p-64", rollout="v5p-8", margin=0.2)
+ACCELERATORS = dict(learner="v5p-128", rollout="v5p-8", margin=0.2)
 
 
 def get_config():
@@ -29,7 +30,7 @@ def get_config():
   c.model.update(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
                  num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1e4, tie_embeddings=False,
                  max_seq_len=32768)
-  c.learner.token_budget = 32 * 32768  # 32 learner chips, 32768 tokens each
+  c.learner.token_budget = 64 * 32768  # 64 learner chips, 32768 tokens each
   c.mesh.rollout.update(data=1, fsdp=1, tensor=4)
   c.rollout.prefill_tokens = 1 * 28672  # full-length rows one at a time (each split over 4 chips)
   c.rollout.num_slots = 128  # the 7B cache fills a v5p chip's margin at 128 slots per server

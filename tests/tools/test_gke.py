@@ -54,7 +54,7 @@ def test_learner_jobset_wires_every_host_to_the_coordinator(tmp_path, accelerato
   ids = [_process_id(container, s, i) for s in range(slices) for i in range(hosts)]
   assert ids == list(range(slices * hosts))  # pod i of slice s: process s * hosts + i
   assert ("MEGASCALE_NUM_SLICES" in env) == (slices > 1)
-  assert "--config.rollout.servers=12" in container["command"][2]
+  assert "--config.rollout.servers=8" in container["command"][2]  # ROLLOUT_SERVERS in the example env
 
 
 def test_decode_servers_register_with_the_learner(tmp_path):
