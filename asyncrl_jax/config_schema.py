@@ -267,6 +267,10 @@ def _env_section() -> ml_collections.ConfigDict:
       # slot (a parked episode never waits for a worker)
       workers=0,
       step_timeout=30.0,  # seconds; a longer step ends its episode as "env_timeout"
+      # the Python tool runs model code in a bubblewrap sandbox (envs.sandbox) and refuses to run
+      # where the kernel refuses its namespaces; True runs it there with resource limits only (not a
+      # boundary: logged at the start and in summary.json)
+      allow_unsandboxed=False,
   ))
 
 

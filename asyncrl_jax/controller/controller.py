@@ -438,7 +438,8 @@ class Controller:
     ids = [(g, i) for g in groups for i in sorted(g.requests)]
     trajectories = [g.trajectories[i] for g, i in ids]
     rewards = np.array([g.rewards[i] for g, i in ids], np.float32)
-    penalty = np.array([overlong_penalty(len(t.completion_tokens), g.requests[i].max_new_tokens,
+    # counted on the policy's own tokens: an episode's observations are not its length
+    penalty = np.array([overlong_penalty(int(t.actions.sum()), g.requests[i].max_new_tokens,
                                          self.overlong_penalty_len) for (g, i), t in zip(ids, trajectories)],
                        np.float32)
     shaped = rewards + penalty  # (the batch reports the task's rewards; advantages see the penalty)

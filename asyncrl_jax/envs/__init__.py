@@ -11,6 +11,7 @@ from typing import Optional  # noqa: E402
 
 from asyncrl_jax.data import tool_arithmetic  # noqa: E402
 from asyncrl_jax.envs.base import names  # noqa: E402
+from asyncrl_jax.envs.sandbox import SandboxUnavailable  # noqa: E402,F401  (the run refuses with it)
 
 
 def episode_template(config) -> Optional[dict]:
@@ -25,4 +26,34 @@ def episode_template(config) -> Optional[dict]:
   builtin = config.data.task == "tool_arithmetic" and env.name == "tools"
   options = dict(tool_arithmetic.ENV_OPTIONS) if builtin else {}
   options.update(json.loads(env.options))
+  if env.name == "tools" and options.get("tool") == "python":
+    options["allow_unsandboxed"] = bool(env.allow_unsandboxed)
   return {"env": env.name, "options": options, "max_turns": int(env.max_turns)}
+
+
+def observation_markers(config) -> Optional[tuple]:
+  """(open, close) around what the run's tool environment answers (the built-in ``tools``
+  environment's ``result_open`` / ``result_close``), for demonstrations that show tool calls; None
+  where the run has no such environment."""
+  template = episode_template(config)
+  if not template or template["env"] != "tools":
+    return None
+  from asyncrl_jax.envs import tools_env  # pylint: disable=import-outside-toplevel
+  options = template["options"]
+  return (options.get("result_open", tools_env.RESULT_OPEN), options.get("result_close", tools_env.RESULT_CLOSE))
+
+
+def sandbox_status(config) -> Optional[dict]:
+  """For a run whose episodes run model code (the built-in Python tool): ``{"sandboxed": bool,
+  "why": ...}``, checked once on this machine; None for runs without it. Raises
+  ``sandbox.SandboxUnavailable`` when the sandbox cannot run and ``env.allow_unsandboxed`` is False."""
+  template = episode_template(config)
+  if not template or template["env"] != "tools" or template["options"].get("tool") != "python":
+    return None
+  from asyncrl_jax.envs import sandbox  # pylint: disable=import-outside-toplevel
+  ok, why = sandbox.available()
+  if not ok and not config.env.allow_unsandboxed:
+    raise sandbox.SandboxUnavailable(
+        f"the Python tool's sandbox cannot run on this machine ({why}); set "
+        "--config.env.allow_unsandboxed=True to run model code with resource limits only")
+  return {"sandboxed": ok, "why": why, "interpreter": sandbox.interpreter() if ok else None}

@@ -8,7 +8,7 @@ letters sets it to ``""``). Any other action ends the episode with the reward of
 the problem's answer. ``max_calls`` ends an episode that keeps calling (reward 0, ``info["ended"]``
 says why). ``latency`` (``lognormal:median=,sigma=``) waits a drawn time per call, for benchmarks of
 slow environments (drawn per episode from ``seed`` and the episode's id). Tools: ``calculator`` (``envs.calculator``), ``python`` (``envs.python_tool``:
-the output is the code's stdout, or its error).
+the code runs in the bubblewrap sandbox of ``envs.sandbox``; the output is its stdout, or its error).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from asyncrl_jax.envs.base import StepResult, register
 from asyncrl_jax.envs.latency import Latency
 
 TOOLS = ("calculator", "python")
+RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"  # around a tool's answer, by default
 
 
 @register("tools")
@@ -32,9 +33,10 @@ class ToolEnvironment:
   """One episode of a tool-using problem (``{"question", "answer"}``)."""
 
   def __init__(self, tool: str = "calculator", call_open: str = "<calc>", call_close: str = "</calc>",
-               result_open: str = "<result>", result_close: str = "</result>", max_calls: int = 8,
+               result_open: str = RESULT_OPEN, result_close: str = RESULT_CLOSE, max_calls: int = 8,
                latency: str = "", seed: int = 0, python_limits: Optional[python_tool.Limits] = None,
-               error_output: str = "error: {error}", episode_id: str = ""):
+               error_output: str = "error: {error}", episode_id: str = "",
+               allow_unsandboxed: bool = False):
     if tool not in TOOLS:
       raise ValueError(f"tool {tool!r}: must be one of {TOOLS}")
     if not (call_open and call_close) or max_calls < 0:
@@ -48,6 +50,7 @@ class ToolEnvironment:
     # the members of a group, and the episodes of a run, wait independent times
     self._rng = np.random.default_rng([seed, zlib.crc32(episode_id.encode())])
     self._limits = python_limits or python_tool.Limits()
+    self.allow_unsandboxed = allow_unsandboxed
     self.error_output = error_output  # the output a failed call shows the policy ("{error}": why)
     self.answer: Optional[str] = None
     self.calls = 0
@@ -63,7 +66,7 @@ class ToolEnvironment:
         return calculator.calculate(text), ""
       except calculator.CalculatorError as e:
         return self.error_output.format(error=e), str(e)
-    r = python_tool.run_python(text, self._limits)
+    r = python_tool.run_python(text, self._limits, self.allow_unsandboxed)
     if r.timed_out:
       return self.error_output.format(error="timed out"), "timed out"
     if r.exit_code != 0:

@@ -85,6 +85,7 @@ class EpisodeEvaluator:
       env.reset(dict(p))
     prompts = [list(x) for x in self.prompt_ids for _ in range(copies)]
     completions = [[] for _ in range(n)]
+    actions = [[] for _ in range(n)]  # 1 per policy token, 0 per observation token
     rewards = np.zeros(n, np.float32)
     active = np.ones(n, bool)
     calls = errors = 0
@@ -118,6 +119,7 @@ class EpisodeEvaluator:
         room = self.max_new_tokens - len(completions[i])
         over = len(action) > room or (final is None and action[-1:] != [self.stop_id])
         completions[i] += action[:room]
+        actions[i] += [1.0] * len(action[:room])
         if over:  # the token budget ran out inside the action: no answer
           active[i] = False
         else:
@@ -144,11 +146,13 @@ class EpisodeEvaluator:
           active[i] = False
           continue
         completions[i] += observation
+        actions[i] += [0.0] * len(observation)
     for env in envs:
       if hasattr(env, "close"):
         env.close()
-    self.last_samples = [(p, np.asarray(c, np.int32), float(r))
-                         for p, c, r in zip(prompts, completions, rewards)]
+    # (prompt ids, completion ids, reward, action mask: 0 on the environments' observations)
+    self.last_samples = [(p, np.asarray(c, np.int32), float(r), np.asarray(a, np.float32))
+                         for p, c, r, a in zip(prompts, completions, rewards, actions)]
     self.last_tools = {"tool_calls_per_episode": calls / max(n, 1), "tool_errors": errors}
     return rewards
 

@@ -162,8 +162,9 @@ class RunEvaluation:
   def value_figures(self, critic) -> dict:
     """The value model's explained variance (and means) on the last evaluation's held-out
     completions, as ``eval_value_*`` metrics."""
-    sequences = [batching.make_sequence(p, c, token_reward=r)
-                 for p, c, r in self.evaluator.last_samples if len(c)]
+    # an episode's samples carry their action mask: the value model is scored on policy tokens only
+    sequences = [batching.make_sequence(p, c, token_reward=r, action_mask=rest[0] if rest else None)
+                 for p, c, r, *rest in self.evaluator.last_samples if len(c)]
     if not sequences:
       return {}
     return {f"eval_{k}": v for k, v in critic.explained_variance(sequences).items()}

@@ -9,7 +9,7 @@ from typing import Optional
 
 import jax
 
-from asyncrl_jax import models
+from asyncrl_jax import envs, models
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.sft.supervised import warm_start
 
@@ -40,7 +40,8 @@ def _fine_tune(config, model_config, params, mesh, builder, tokenizer, workdir: 
     params, loss = warm_start(
         model_config, params, mesh,
         pipeline.read_split(builder_lib.demonstrations_from_config(config, workdir), "train"),
-        tokenizer, steps=steps, progress=progress, schedule=schedule, **common)
+        tokenizer, steps=steps, progress=progress, schedule=schedule,
+        observation=envs.observation_markers(config), **common)
     return params, loss, steps_run[0], {}
 
   def rft_progress(stats, loss):

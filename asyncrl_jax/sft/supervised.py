@@ -25,10 +25,33 @@ from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.tokenization import Tokenizer
 
 
-def demonstration(tokenizer: Tokenizer, question: str, solution: str) -> batching.SequenceData:
-  """Prompt + solution + EOS; loss on the solution and EOS tokens only."""
-  return batching.make_sequence(tokenizer.encode_prompt(question),
-                                tokenizer.encode(solution) + [tokenizer.eos_id])
+def demonstration(tokenizer: Tokenizer, question: str, solution: str,
+                  observation: Optional[tuple] = None) -> batching.SequenceData:
+  """Prompt + solution + EOS; loss on the solution and EOS tokens only.
+
+  ``observation`` = (open, close): the spans of the solution from an ``open`` marker to its
+  ``close`` marker (both included) are what a tool answered, not what the policy writes: they are
+  context (action mask 0, no loss), tokenized apart from the text around them as in an episode, so
+  the warm start does not teach the policy to write the tool's answers itself."""
+  if not observation:
+    return batching.make_sequence(tokenizer.encode_prompt(question),
+                                  tokenizer.encode(solution) + [tokenizer.eos_id])
+  open_, close = observation
+  tokens, actions, rest = [], [], solution
+  while rest:
+    start = rest.find(open_)
+    end = rest.find(close, start + len(open_)) if start >= 0 else -1
+    if start < 0 or end < 0:
+      head, span, rest = rest, "", ""
+    else:
+      head, span, rest = rest[:start], rest[start:end + len(close)], rest[end + len(close):]
+    for text, is_action in ((head, 1.0), (span, 0.0)):
+      if text:
+        ids = tokenizer.encode(text)
+        tokens += ids
+        actions += [is_action] * len(ids)
+  return batching.make_sequence(tokenizer.encode_prompt(question), tokens + [tokenizer.eos_id],
+                                action_mask=actions + [1.0])
 
 
 def nll_loss(model_config: ModelConfig, mesh: Mesh):
@@ -43,7 +66,8 @@ def nll_loss(model_config: ModelConfig, mesh: Mesh):
 def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence[dict],
                tokenizer: Tokenizer, *, steps: int, batch_size: int, learning_rate: float, seed: int,
                token_budget: int, progress: Optional[Callable[[int, float], None]] = None,
-               schedule: str = "cosine", max_seconds: Optional[float] = None, grad_clip: float = 1.0):
+               schedule: str = "cosine", max_seconds: Optional[float] = None, grad_clip: float = 1.0,
+               observation: Optional[tuple] = None):
   """Runs up to ``steps`` AdamW steps of teacher forcing on ``examples`` (dicts with question, solution).
 
   ``schedule``: ``cosine`` decays ``learning_rate`` to 10% over ``steps``; ``constant`` keeps it (for
@@ -51,6 +75,8 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   (each step is then waited for, so the budget is measured, not dispatched). Gradients are clipped to
   global norm ``grad_clip``. Each step is one update of the shared update loop (``asyncrl_jax.learner.updater``,
   as the learner's): the batch is packed into fixed-shape micro-batches whose gradients are summed.
+  ``observation``: the tool answers' markers in the solutions (``demonstration``; the run's are
+  ``envs.observation_markers(config)``): no loss on what the tool answered.
   Returns ``(params, last loss)``; the number of steps run is passed to ``progress`` last.
   """
   if not examples:
@@ -72,7 +98,8 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     idx = rng.integers(0, len(examples), batch_size)
     for j in idx:
       if j not in sequences:
-        sequences[j] = demonstration(tokenizer, examples[j]["question"], examples[j]["solution"])
+        sequences[j] = demonstration(tokenizer, examples[j]["question"], examples[j]["solution"],
+                                     observation)
     per_mb, _ = updater.update(*updater.place([sequences[j] for j in idx]), loss="nll")
     loss = sum(m["loss"] for m in per_mb)
     out_of_time = False

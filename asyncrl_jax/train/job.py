@@ -34,7 +34,7 @@ from typing import Optional
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import config as config_lib, models
+from asyncrl_jax import config as config_lib, envs, models
 from asyncrl_jax.controller.controller import Controller, SamplingMismatch
 from asyncrl_jax.controller.schedule import PublishSchedule
 from asyncrl_jax.data import builder as builder_lib, pipeline
@@ -98,7 +98,8 @@ def _warm_start(config, data: _Data, evaluate: Optional[RunEvaluation]):
         pipeline.read_split(builder_lib.demonstrations_from_config(config, data.workdir), "train"),
         data.tokenizer, steps=config.learner.warm_start_steps, batch_size=config.learner.warm_start_batch,
         learning_rate=config.learner.warm_start_lr, seed=config.seed,
-        token_budget=config.learner.token_budget, progress=progress, grad_clip=config.learner.grad_clip)
+        token_budget=config.learner.token_budget, progress=progress, grad_clip=config.learner.grad_clip,
+        observation=envs.observation_markers(config))
     bar.close()  # the RL optimizer state is still the untouched initial one
     meta["warm_start_seconds"] = time.time() - t
     return params, meta
@@ -370,6 +371,11 @@ def run(config, workdir: str) -> dict:
   signal.siginterrupt(signal.SIGTERM, False)  # native threads' system calls restart, not fail
   if jax.process_index() != 0:
     return _follow(config, workdir)
+  sandboxing = envs.sandbox_status(config)  # (refused before any setup where the sandbox cannot run)
+  if sandboxing and not sandboxing["sandboxed"]:
+    logging.warning("UNSANDBOXED: model-written code runs with resource limits only "
+                    "(env.allow_unsandboxed=True; the sandbox cannot run here: %s)", sandboxing["why"])
+    say(f"warning: the Python tool runs model code UNSANDBOXED (env.allow_unsandboxed): {sandboxing['why']}")
   meshes = sharding.role_meshes(config)
   data = _Data.from_config(config, workdir)
   log = RunLog(workdir, config, data.tokenizer)
@@ -427,7 +433,7 @@ def run(config, workdir: str) -> dict:
       reward_failures=getattr(data.reward, "failures", 0),
       decode_server_faults=report.faults, decode_server_events=report.events,
       learner_processes=jax.process_count(), decode_servers=backend.num_servers,
-      stopped_on_alarm=alarms,
+      stopped_on_alarm=alarms, python_tool_sandbox=sandboxing,
       transfer_bytes_sent=report.bytes_by_source,
       devices={"rollout": dict(meshes.rollout.shape) if meshes.rollout else meshes.remote,
                "learner": dict(meshes.learner.shape)})
@@ -453,7 +459,7 @@ def main(argv=None) -> None:
     cli.use_compile_cache(_WORKDIR.value)
     try:
       result = run(config, _WORKDIR.value)
-    except (config_lib.ConfigError, auth.AuthError) as e:
+    except (config_lib.ConfigError, auth.AuthError, envs.SandboxUnavailable) as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     except (NonFiniteError, SamplingMismatch) as e:  # a clear stop: the message says what and where

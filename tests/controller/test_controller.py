@@ -464,6 +464,26 @@ def test_overlong_filter_and_soft_penalty():
   ctl.close()
 
 
+def test_the_overlong_penalty_counts_the_policys_tokens_not_an_episodes_observations():
+  """8 completion tokens of which 3 are a tool's answer (action mask 0): the policy wrote 5, so the
+  penalty over the last 4 of 8 is -(5 - 4) / 4 = -0.25, not the -1 of 8 tokens."""
+  ctl, _, submitted, _ = _shaping(eta=0, overlong_penalty_len=4)
+  ctl.pump()
+  for i, r in enumerate(submitted):
+    t = _answered(ctl, r, True)
+    if i == 0:
+      t = _finish(r, 0, reason="length")
+      t.completion_tokens = np.asarray([4, 13, 4, 14, 5, 13, 4, 14], np.int32)
+      t.action_mask = np.asarray([1, 1, 0, 0, 0, 1, 1, 1], np.int32)
+      t.logprobs = np.where(t.action_mask == 1, -0.5, 0.0).astype(np.float32)  # observations: none
+      t.versions = np.where(t.action_mask == 1, 0, -1).astype(np.int32)
+    ctl.on_trajectory(t)
+  b = ctl.next_batch(version=0, timeout=10)
+  assert b.overlong_penalty == pytest.approx(-0.25 / 4)  # the batch's mean over its 4 completions
+  assert b.sequences[0].mask.sum() == 5
+  ctl.close()
+
+
 def test_settled_waits_for_every_admitted_group_to_be_scored():
   """Pinned staleness publishes the next version only when the bound's rollouts under this one have
   finished *and been scored*: a group still being scored may be dropped by the group filter and give

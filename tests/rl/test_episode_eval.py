@@ -42,10 +42,11 @@ def test_greedy_episodes_match_the_decode_server():
     t = server.finished.get()
     by_id[int(t.prompt_id)] = t
   called = rewarded = 0
-  for i, (prompt, completion, reward) in enumerate(evaluator.last_samples):
+  for i, (prompt, completion, reward, actions) in enumerate(evaluator.last_samples):
     t = by_id[i]
     assert completion.tolist() == t.completion_tokens.tolist(), (i, TOK.decode(completion),
                                                                   TOK.decode(t.completion_tokens))
+    assert actions.tolist() == t.actions.astype(float).tolist()  # observations: 0, as the server's
     assert reward == pytest.approx(t.episode_reward) == rewards[i]
     called += len(t.turns) > 1
     rewarded += reward > 0

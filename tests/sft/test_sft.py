@@ -104,3 +104,29 @@ def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="at least one example"):
     warm_start(CFG, params, _mesh(), [], TOKENIZER, steps=1, batch_size=4, learning_rate=1e-3, seed=0,
                token_budget=256)
+
+
+def test_tool_demonstrations_put_no_loss_on_what_the_tool_answered():
+  """The warm start of a tool run (``envs.observation_markers``: ``{`` and ``}`` in
+  configs/tool_use.py) trains the call and the final answer, not the calculator's answer."""
+  import os  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import envs  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.config import config_module  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import ToolTokenizer  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  markers = envs.observation_markers(config_module(os.path.join(root, "configs", "tool_use.py")).get_config())
+  assert markers == ("{", "}")
+  tok = ToolTokenizer()
+  solution = "[12+345]{357}[1+2]{3}#360"
+  plain = demonstration(tok, "12+345+1+2=", solution)
+  masked = demonstration(tok, "12+345+1+2=", solution, markers)
+  np.testing.assert_array_equal(plain.tokens, masked.tokens)  # a character vocabulary: same tokens
+  prompt = len(tok.encode_prompt("12+345+1+2="))
+  text = [tok.decode([t]) for t in masked.tokens[prompt:-1]]
+  assert "".join(text) == solution
+  observed = [i for i, m in enumerate(masked.mask[prompt:-1]) if m == 0]
+  assert "".join(text[i] for i in observed) == "{357}{3}"  # exactly the tool's answers
+  assert masked.mask[-1] == 1 and plain.mask[prompt:].all()  # EOS trained; before: everything
+  assert float(masked.mask.sum()) == float(plain.mask.sum()) - len("{357}{3}")
+  unclosed = demonstration(tok, "1+2=", "[1+2]{3", markers)
+  assert unclosed.mask[len(tok.encode_prompt("1+2=")):].all()  # no close marker: not a tool answer
