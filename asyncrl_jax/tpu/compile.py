@@ -251,6 +251,9 @@ def compile_config(config, accelerator: str, rollout_accelerator: str = "", *, m
     out["learner"] = compile_role("learner", accelerator, programs, estimates["learner"], margin,
                                   progress, learner.mesh)
     out["learner"]["row_len"] = row_len
+    # a record projects with its own micro-batch and split, not today's config's
+    out["learner"]["token_budget"] = int(config.learner.token_budget)
+    out["learner"]["rollout_fraction"] = float(config.mesh.rollout_fraction)
   if "rollout" in roles:
     mesh, programs = decode_programs(config, m, topology_devices(rchip.kind, host), shapes=shapes)
     out["rollout"] = compile_role("rollout", f"{rchip.kind}-{host * rchip.cores_in_name}", programs,

@@ -134,7 +134,9 @@ def learner_rates(config, m, learner: dict) -> dict:
   fraction = (splash_visited_fraction(config, int(learner["row_len"]))
               if config.learner.attention == "splash" else 1.0)
   times = {p["name"]: roofline_at(p, chip, fraction, "splash_blocks") for p in learner["programs"]}
-  budget = int(config.learner.token_budget)
+  # the tokens per micro-batch the programs were compiled for: a record of another slice size keeps
+  # its own (records before this field: one row per chip, as every shipped config had)
+  budget = int(learner.get("token_budget") or learner["chips"] * learner["row_len"])
   minibatches = int(config.learner.ppo_minibatches)
   _, sequences = seed_sequences(config)
   mean_len = float(sequences.mean())
@@ -237,7 +239,7 @@ def project(config, m, roles: dict, *, steps_per_call: int = 16, epochs: int = 2
   # a paged kernel reads each slot's cache only up to its position: its share at the live context
   step = roofline_at(chunk, CHIPS[rollout["chip"]], context / cache_len, "live_cache") / steps_per_call
   live = decode_live_step(config, m, CHIPS[rollout["chip"]], server_chips=server, context=context)
-  fraction = float(config.mesh.rollout_fraction)
+  fraction = float(learner.get("rollout_fraction", config.mesh.rollout_fraction))
   rollout_chips = max(1, int(round(chips_l * fraction / (1 - fraction)))) // server * server
   rollout_chips = max(rollout_chips, server)
   plan = plan_split(config, m, kind=learner["chip"], total_chips=chips_l + rollout_chips,
