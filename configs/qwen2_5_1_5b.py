@@ -69,7 +69,7 @@ def get_config():
                    vocab_chunk=8192, attention="splash", scan_layers=True, eval_every=0)
   c.rl.update(loss="decoupled_ppo", max_staleness=4, eps_clip=0.2, advantage="group", group_size=16)
   c.mesh.update(rollout_fraction=0.5)
-  c.mesh.learner.update(data=1, fsdp=-1, tensor=1)
+  c.mesh.learner.update(data=2, fsdp=-1, tensor=1)  # FSDP over 16 chips, two replicas (see above)
   c.mesh.rollout.update(data=-1, fsdp=1, tensor=1)
   c.checkpoint.update(every_steps=50, max_to_keep=3, async_save=True)
   return c

@@ -32,6 +32,7 @@ def get_config():
                  max_seq_len=32768)
   c.learner.token_budget = 64 * 32768  # 64 learner chips, 32768 tokens each
   c.mesh.rollout.update(data=1, fsdp=1, tensor=4)
+  c.mesh.learner.update(data=1, fsdp=-1, tensor=1)  # FSDP over all 64 chips (no replicas: see above)
   c.rollout.prefill_tokens = 1 * 28672  # full-length rows one at a time (each split over 4 chips)
   c.rollout.num_slots = 128  # the 7B cache fills a v5p chip's margin at 128 slots per server
   return c
