@@ -145,6 +145,9 @@ BENCHMARKS = {
     "slow_tools": ("slow_tools.py", ["--quick"], [],
                    "Seed: 4 rollouts finishing at 5, 8, 13 and 40 s wait 23.5 s on average for their group; "
                    "asynchrony should hide slow tools where the learner is not the bottleneck."),
+    "tool_controls": ("tool_controls.py", ["--steps", "40"], ["--seeds", "3"],
+                      "Issue: RL with the calculator beside RL whose calculator answers nothing and more "
+                      "supervised training for the same wall time, 3 seeds: what the tool buys."),
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),

@@ -36,7 +36,7 @@ class ToolEnvironment:
                result_open: str = RESULT_OPEN, result_close: str = RESULT_CLOSE, max_calls: int = 8,
                latency: str = "", seed: int = 0, python_limits: Optional[python_tool.Limits] = None,
                error_output: str = "error: {error}", episode_id: str = "",
-               allow_unsandboxed: bool = False):
+               allow_unsandboxed: bool = False, constant_output: Optional[str] = None):
     if tool not in TOOLS:
       raise ValueError(f"tool {tool!r}: must be one of {TOOLS}")
     if not (call_open and call_close) or max_calls < 0:
@@ -51,6 +51,9 @@ class ToolEnvironment:
     self._rng = np.random.default_rng([seed, zlib.crc32(episode_id.encode())])
     self._limits = python_limits or python_tool.Limits()
     self.allow_unsandboxed = allow_unsandboxed
+    # a control: every call is made as usual but answers this text instead of the tool's output
+    # (``""``: the tool tells the policy nothing), so what the tool's answers buy can be measured
+    self.constant_output = constant_output
     self.error_output = error_output  # the output a failed call shows the policy ("{error}": why)
     self.answer: Optional[str] = None
     self.calls = 0
@@ -87,6 +90,8 @@ class ToolEnvironment:
     if waited:
       time.sleep(waited)
     output, error = self._run(action[start + len(self.call_open):-len(self.call_close)])
+    if self.constant_output is not None:
+      output, error = self.constant_output, ""
     info = {"tool": self.tool, "latency": waited}
     if error:
       info["error"] = error

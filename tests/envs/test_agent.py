@@ -129,5 +129,6 @@ def test_the_main_job_trains_an_openai_client_agent(tmp_path):
   assert [m["version"] for m in metrics] == [1, 2, 3]
   dumped = [json.loads(l) for l in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
   assert all(d["turns"] for d in dumped)
-  assert any(turn["observation_text"] for d in dumped for turn in d["turns"]) or \
-      summary["turns_per_episode"] == 1.0
+  # the warm-started model calls the calculator: some episodes went back to the model with a tool
+  # message (a run where no episode did would not test the agent loop at all)
+  assert summary["turns_per_episode"] > 1.0, summary

@@ -210,3 +210,14 @@ def test_tool_latency_is_drawn_per_episode():
     return env.step("<calc>1+1</calc>").info["latency"]
   waits = [first_wait(f"p0-s{j}") for j in range(4)]
   assert len(set(waits)) == 4 and first_wait("p0-s1") == waits[1]
+
+
+def test_the_constant_output_control_answers_every_call_with_its_text():
+  env = tools_env.ToolEnvironment(constant_output="")
+  env.reset({"question": "12+30=", "answer": "42"})
+  call = env.step("<calc>12+30</calc>")
+  assert call.observation == "<result></result>" and not call.done and call.info["tool"] == "calculator"
+  assert env.calls == 1  # a call all the same (counted, limited by max_calls)
+  real = tools_env.ToolEnvironment()
+  real.reset({"question": "12+30=", "answer": "42"})
+  assert real.step("<calc>12+30</calc>").observation == "<result>42</result>"  # negative control

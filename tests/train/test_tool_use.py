@@ -38,7 +38,9 @@ def test_tool_use_runs_and_resumes_with_episodes_in_flight(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   for key in ("tool_calls_per_episode", "turns_per_episode", "tool_errors", "env_failures"):
     assert key in summary, sorted(summary)
-  assert summary["episodes"] == 2 * 16 and summary["turns_per_episode"] >= 1
+  assert summary["episodes"] == 2 * 16
+  # the warm start teaches calls: episodes called the calculator and took more than one turn
+  assert summary["tool_calls_per_episode"] > 0 and summary["turns_per_episode"] > 1.0, summary
   assert summary["final_eval_accuracy"] is not None
   tok = ToolTokenizer()
   dumped = _lines(tmp_path / "trajectories.jsonl")
