@@ -16,30 +16,34 @@ Settings and their source (AReaL, arXiv:2505.24298, and its repository's 1.5B ma
 16), prompts up to 1024 tokens and completions up to 27648 (32k context), learning rate 2e-5, 4 PPO
 minibatches per batch, temperature 1, decoupled PPO, eta 4 (AReaL's recommended
 ``max_head_offpolicyness``; its ablation is flat for eta <= 8), and 32768 tokens per micro-batch per
-device (AReaL: 30720-32768 per GPU), so ``learner.token_budget`` = 16 x 32768.
+device (AReaL: 30720-32768 per GPU), so ``learner.token_budget`` = 32 x 32768.
 
-Memory (``python -m asyncrl_jax info --config=configs/qwen2_5_1_5b.py --accelerator=v5p-32
+Memory (``python -m asyncrl_jax info --config=configs/qwen2_5_1_5b.py --accelerator=v5p-64
 --rollout_accelerator=v5p-8 --compile``: the TPU compiler's figures, docs/tpu.md): each role fits its
-chips with 20% of HBM to spare: the learner's largest program needs 19.4 GiB per chip with its
+chips with 20% of HBM to spare: the learner's largest program needs 15.5 GiB per chip with its
 resident state, a decode server's 53.4 GiB (256 slots). That takes full remat, a chunked log-softmax and the
 layers as one scan (``learner.scan_layers``: unrolled, the compiler held 71.6 GiB) in the learner,
 and on the decode servers blockwise prefill attention and re-prefill calls of at most 4 full-length
 rows (1 per chip). Decode servers use data parallelism over their 4 chips: 2 kv heads do
 not split over tensor=4.
 
+The learner shards its weights over 16 chips and keeps two replicas (``mesh.learner`` data=2):
+sharded over all 32, the compiler splits every weight-gathering matrix product into a loop of 16
+steps that re-reads the activations at each (8.4 TB of HBM traffic per chip per micro-batch against
+1.7 TB; decision 0048).
+
 Decode steps read each slot's cache only up to its position (``rollout.decode_attention="ragged"``:
 the Pallas paged kernel over the cache viewed as pages), so a step moves the weights and the live
 keys and values rather than every position; the cache itself is still allocated in full per slot,
 which 256 slots per server (64 per chip) fill to the margin's side.
 
-Speed (the same compile, docs/tpu.md; projections, not measurements): the learner's attention is
-the splash TPU kernel (``learner.attention="splash"``: scores stay on chip, blocks that pair two
-packed sequences are skipped), which makes its gradient step compute-bound: 248k tokens/s on the 16
-chips, MFU 38.5% (6N plus attention within sequences); a decode server 42.9k tokens/s, its step 1.38x
-the live-cache roofline. ``remat="full"`` is kept: "minimal" and "dots_saveable" compiled to the same
-FLOPs with 36 GiB more per chip. The planner's best split of these 64 chips is 32 learner + 32
-rollout chips at eta 4 (2.34x colocated synchronous RL against 1.52x for this 16 + 48); moving the
-config there needs its learner compiled on v5p-64 first.
+Speed (the same compile, docs/tpu.md; roofline projections, not measurements): the learner's
+attention is the splash TPU kernel (``learner.attention="splash"``: scores stay on chip, blocks that
+pair two packed sequences are skipped), and its gradient step is compute-bound: 799k tokens/s on the
+32 chips, MFU 62% (6N plus attention within sequences); a decode server 42.9k tokens/s, its step
+1.38x the live-cache roofline. ``remat="full"`` is kept: "minimal" and "dots_saveable" compiled to
+the same FLOPs with 36 GiB more per chip. This 32 + 32 split at eta 4 is the planner's best of these
+64 chips (2.24x colocated synchronous RL).
 
 Held-out evaluation is off (``learner.eval_every=0``, as in every config derived from this one): on
 the learner's chips it would decode 256 x (1 + 4) completions of up to 27648 tokens between two
