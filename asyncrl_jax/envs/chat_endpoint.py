@@ -45,9 +45,11 @@ class ChatEndpoint:
   of that episode go to ``handler(messages, stop) -> Future[(content, finish_reason)]`` (it may raise
   ``RequestError``)."""
 
-  def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None):
+  def __init__(self, host: str = "127.0.0.1", port: int = 0, token: Optional[str] = None,
+               answer_timeout: float = 600.0):
     auth.require(host, token, "the agent environment's host")
     self.host, self._token = host, token
+    self.answer_timeout = answer_timeout  # the longest a request waits for the policy's answer
     self._handlers: dict[str, Callable] = {}
     self._lock = threading.Lock()
     self._loop = asyncio.new_event_loop()
@@ -111,8 +113,12 @@ class ChatEndpoint:
       answer = handler(messages, stop)
     except RequestError as e:
       return _error(400, str(e))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # bad input never answers 500
+      return _error(400, f"malformed request: {type(e).__name__}: {e}"[:300])
     try:
-      content, finish_reason = await asyncio.wrap_future(answer)
+      content, finish_reason = await asyncio.wait_for(asyncio.wrap_future(answer), self.answer_timeout)
+    except asyncio.TimeoutError:
+      return _error(504, f"episode {episode_id}: no answer within {self.answer_timeout:g}s")
     except RequestError as e:
       return _error(400, str(e))
     except Exception as e:  # pylint: disable=broad-except  (the episode ended without an answer)
@@ -128,26 +134,61 @@ class ChatEndpoint:
     self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+# request fields an agent framework sends, with the type each must have; fields that would change
+# the behaviour policy the learner records are accepted only at their neutral values (below)
+_TYPES = {"model": str, "stream": bool, "n": int, "stop": (str, list, type(None)),
+          "temperature": (int, float), "top_p": (int, float), "max_tokens": (int, type(None)),
+          "max_completion_tokens": (int, type(None)), "seed": (int, type(None)), "user": str,
+          "presence_penalty": (int, float), "frequency_penalty": (int, float),
+          "logprobs": (bool, type(None)), "top_logprobs": (int, type(None))}
+
+
+def _content(i: int, content) -> str:
+  """A message's text: a string, or OpenAI's list of content parts of type "text"."""
+  if isinstance(content, str):
+    return content
+  if isinstance(content, list):
+    texts = []
+    for j, part in enumerate(content):
+      if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise RequestError(f"messages[{i}].content[{j}]: only parts of type \"text\" with a string text "
+                           "are supported")
+      texts.append(part["text"])
+    return "".join(texts)
+  raise RequestError(f"messages[{i}].content must be a string or a list of text parts")
+
+
 def _parse(body) -> tuple[list, Optional[tuple]]:
+  """The request's messages and stop sequences; a ``RequestError`` naming the first bad field."""
   if not isinstance(body, dict):
     raise RequestError("the request body must be a JSON object")
+  for field, kind in _TYPES.items():
+    if field in body and (not isinstance(body[field], kind)
+                          or (isinstance(body[field], bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)))):
+      raise RequestError(f"{field}={body[field]!r}: wrong type")
   if body.get("stream"):
-    raise RequestError("streaming is not supported (stream must be false)")
-  if int(body.get("n") or 1) != 1:
+    raise RequestError("stream: streaming is not supported (stream must be false)")
+  if body.get("n", 1) != 1:
     raise RequestError("n must be 1 (an episode is one trajectory)")
+  for field, neutral in (("presence_penalty", 0), ("frequency_penalty", 0)):
+    if body.get(field, neutral) != neutral:
+      raise RequestError(f"{field} must be {neutral}: it would change the sampling policy the learner "
+                         "records (the run's rollout settings decide it)")
   messages = body.get("messages")
   if not isinstance(messages, list) or not messages:
     raise RequestError("messages must be a non-empty list")
   out = []
   for i, m in enumerate(messages):
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-      raise RequestError(f"messages[{i}] needs a string role and a string content")
-    out.append({"role": m["role"], "content": m["content"]})
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+      raise RequestError(f"messages[{i}] needs a string role")
+    if "content" not in m:
+      raise RequestError(f"messages[{i}].content is missing")
+    out.append({"role": m["role"], "content": _content(i, m["content"])})
   stop = body.get("stop")
   if isinstance(stop, str):
     stop = (stop,)
   elif stop is not None:
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+    if not all(isinstance(s, str) for s in stop):
       raise RequestError("stop must be a string or a list of strings")
     stop = tuple(stop)
   return out, stop
