@@ -37,13 +37,14 @@ from asyncrl_jax.tokenization import Tokenizer
 
 
 def self_demonstrations(samples: Sequence[tuple], eos_id: int) -> list[batching.SequenceData]:
-  """The kept samples as training sequences: (prompt ids, completion ids, reward) with reward 1 and a
-  completion that ended with ``eos_id``; the loss is on the completion (EOS included)."""
+  """The kept samples as training sequences: (prompt ids, completion ids, reward[, action mask]) with
+  reward 1 and a completion that ended with ``eos_id``; the loss is on the completion (EOS included),
+  except an episode's observations (action mask 0)."""
   out = []
-  for prompt, completion, reward in samples:
+  for prompt, completion, reward, *actions in samples:
     completion = np.asarray(completion)
     if reward == 1.0 and len(completion) and completion[-1] == eos_id:
-      out.append(batching.make_sequence(prompt, completion))
+      out.append(batching.make_sequence(prompt, completion, action_mask=actions[0] if actions else None))
   return out
 
 

@@ -91,3 +91,13 @@ def test_rejection_sampling_trains_on_the_models_own_accepted_samples():
   gain_kept = _nll(params, kept) - _nll(trained, kept)
   gain_rejected = _nll(params, rejected) - _nll(trained, rejected)
   assert gain_kept > 0.3 and gain_kept > gain_rejected + 0.2
+
+
+def test_self_demonstrations_of_episodes_put_no_loss_on_observations():
+  """A kept episode (reward 1, ends with EOS) trains its actions only: its action mask holds."""
+  from asyncrl_jax.sft.rejection import self_demonstrations  # pylint: disable=import-outside-toplevel
+  eos = 2
+  kept = self_demonstrations([([5, 6], [7, 8, 9, eos], 1.0, np.asarray([1, 0, 0, 1], np.float32)),
+                              ([5], [7, eos], 0.0, np.ones(2, np.float32))], eos)
+  assert len(kept) == 1
+  np.testing.assert_array_equal(kept[0].mask, [0, 0, 1, 0, 0, 1])
