@@ -22,6 +22,6 @@ def get_config():
   c.learner.token_budget = 16 * 32768  # 16 learner chips, 32768 tokens each
   c.rollout.prefill_tokens = 8 * 28672  # one full-length row per chip of a server
   c.rollout.num_slots = 128  # 16 per chip: a v6e chip holds a third of a v5p chip's cache
-  c.mesh.learner.update(data=1, fsdp=-1, tensor=1)  # FSDP over its 16 chips
+  c.mesh.learner.update(data=2, fsdp=-1, tensor=1)  # FSDP over 8 chips, two replicas (decision 0048)
   c.mesh.rollout_fraction = 0.75  # the planner's best split of these 64 v6e chips (16 + 48)
   return c
