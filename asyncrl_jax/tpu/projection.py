@@ -184,6 +184,10 @@ def plan_split(config, m, *, kind: str, total_chips: int, server_chips: int, lea
   def learner_bytes(n: int) -> float:  # per chip, the micro-batch scaled with the slice
     scaled = config.copy_and_resolve_references()
     scaled.learner.token_budget = max(int(per_chip_budget * n), 1)
+    try:
+      memory.mesh_sizes(scaled.mesh.learner, n)
+    except ValueError:  # the config's replicas do not divide this slice: FSDP over all of it
+      scaled.mesh.learner.update(data=1, fsdp=-1, tensor=1)
     return memory.learner(scaled, m, n).total
 
   candidates = []

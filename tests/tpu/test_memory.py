@@ -255,3 +255,19 @@ def test_every_shipped_accelerator_config_fits_with_the_margin_its_docstring_sta
     _, n_chips = chips.parse(acc["learner"])
     assert config.learner.token_budget % n_chips == 0, name
     assert config.rl.max_staleness == 4 and config.learner.batch_size == 512 * 16, name
+
+
+def test_the_planner_searches_every_slice_of_a_config_with_replicas():
+  """A learner mesh with data=2 does not fit a 1-chip slice: the planner sizes such slices with
+  FSDP over all their chips instead of failing (the v6e config on its 64 chips)."""
+  from asyncrl_jax.tpu import projection  # pylint: disable=import-outside-toplevel
+  module = dict(_shipped_configs())["qwen2_5_1_5b_v6e.py"]
+  config = config_lib.validate(module.get_config())
+  assert int(config.mesh.learner.data) == 2
+  with pytest.raises(ValueError, match="does not fit 1 devices"):  # the negative control
+    memory.learner(config, models.config_of(config), 1)
+  plan = projection.plan_split(config, models.config_of(config), kind="v6e", total_chips=64,
+                               server_chips=8, learner_chips=16, decode_tok_s_per_chip=1000.0,
+                               train_tok_s_per_chip=5000.0, slots_per_chip=16, etas=(0, 4), epochs=2)
+  sizes = {c["learner_chips"] for c in plan["candidates"]}
+  assert 1 in sizes and 16 in sizes, sizes
