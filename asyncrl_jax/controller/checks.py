@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory, Turn
 
 
 class SamplingMismatch(RuntimeError):
@@ -32,7 +32,10 @@ def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int,
   """Why ``t`` (returned for ``request``) cannot be trained, or "" if it can. Failed and aborted
   trajectories are not checked here (they carry no usable tokens)."""
   n = len(t.completion_tokens)
-  if list(t.prompt_tokens) != list(request.prompt_tokens):
+  # an episode's environment may render the prompt itself (an agent program's first request, with
+  # its system message and tools): the request's prompt is then a placeholder
+  if list(t.prompt_tokens) != list(request.prompt_tokens) and (request.episode is None
+                                                               or not len(t.prompt_tokens)):
     return "prompt differs from the request's"
   if n == 0:
     return "no completion tokens"
@@ -77,11 +80,9 @@ def _check_turns(t: Trajectory, request: RolloutRequest) -> str:
   n, at = len(t.completion_tokens), 0
   mask = t.actions
   for k, turn in enumerate(t.turns):
-    try:
-      (a0, a1), (o0, o1) = turn["action"], turn["observation"]
-      float(turn.get("reward", 0.0))
-    except (KeyError, TypeError, ValueError):
-      return f"turn {k} lacks an action range, an observation range or a numeric reward"
+    if not isinstance(turn, Turn):
+      return f"turn {k} is a {type(turn).__name__}, not a Turn"
+    (a0, a1), (o0, o1) = turn.action, turn.observation
     if not at == a0 <= a1 == o0 <= o1 <= n:
       return f"turn {k}: action {[a0, a1]} and observation {[o0, o1]} do not follow on at token {at}"
     if not mask[a0:a1].all() or mask[o0:o1].any():

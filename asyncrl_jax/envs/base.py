@@ -7,7 +7,8 @@ call) or at its own end-of-sequence. ``step(action)`` answers with a ``StepResul
 Environments are plain Python classes, registered under a name (``@register("name")``) and built with
 ``make(name, **options)``, so a user adds one without touching the engine. A step may raise or take
 too long; ``pool.EnvironmentPool`` turns either into the end of that episode, never of the run.
-An environment may also have ``close()``, called once when its episode ends for any reason.
+An environment may also have ``close()``, called once (on a worker, with the step timeout) when its
+episode ends for any reason.
 """
 
 from __future__ import annotations
@@ -28,20 +29,37 @@ class StepResult:
   info: dict = dataclasses.field(default_factory=dict)  # e.g. {"tool": "calculator", "error": "..."}
 
 
+class Action(str):
+  """The text of a policy action, as ``step`` receives it (a ``str``), with its token ids
+  (``tokens``) and how it ended (``ended``: ``"stop"`` at one of the environment's stop sequences,
+  ``"eos"``, or ``"max_tokens"`` at the cap the environment set in ``max_action_tokens``)."""
+
+  tokens: tuple = ()
+  ended: str = ""
+
+  def __new__(cls, text: str, tokens=(), ended: str = ""):
+    self = super().__new__(cls, text)
+    self.tokens, self.ended = tuple(int(t) for t in tokens), ended
+    return self
+
+
 @runtime_checkable
 class Environment(Protocol):
   """One episode's environment (a fresh instance per episode)."""
 
   stop: tuple  # stop sequences that end a policy action and hand the turn to the environment
 
-  def reset(self, problem: dict) -> str:
-    """Starts an episode on ``problem`` (e.g. ``{"question": ..., "answer": ...}``); returns the
-    first context text. The decode server calls it on its loop thread when the episode takes its
-    slot, so it must be quick (``step`` is what runs on a worker); the first context the policy sees
-    is the request's prompt, which the controller renders from the problem as for every task."""
+  def reset(self, problem: dict) -> "str | list":
+    """Starts an episode on ``problem`` (e.g. ``{"question": ..., "answer": ...}``). The decode
+    server calls it on a worker (with ``make``), within the step timeout, while the episode's slot
+    waits. It returns the first context's text, and the policy starts from the request's prompt
+    (the controller renders it from the problem as for every task); or a list of token ids, which
+    is then the episode's prompt (an agent program's own first request, with its tools)."""
 
   def step(self, action: str) -> StepResult:
-    """The environment's answer to the policy's action (its text, stop sequence included)."""
+    """The environment's answer to the policy's action (its text, stop sequence included; an
+    ``Action``, which also carries its tokens). An environment may set ``max_action_tokens`` (an
+    int, or None) after ``reset`` or ``step``: the next action then ends at that many tokens."""
 
 
 _REGISTRY: dict[str, type] = {}

@@ -24,7 +24,7 @@ ENV_ERROR, ENV_TIMEOUT = "env_error", "env_timeout"
 @dataclasses.dataclass(frozen=True)
 class Outcome:
   """A step's end: its result, or why there is none (``finish_reason``), and its wall time."""
-  result: Optional[StepResult]
+  result: Optional[StepResult]  # (what ``step`` returned: a StepResult unless submitted otherwise)
   finish_reason: str = ""  # "" (the step answered), ENV_ERROR or ENV_TIMEOUT
   error: str = ""
   seconds: float = 0.0
@@ -32,7 +32,8 @@ class Outcome:
 
 class EnvironmentPool:
   """``submit(step, on_done)``: ``step()`` on a worker; ``on_done(Outcome)`` exactly once, from a
-  worker or timer thread, within ``timeout`` seconds."""
+  worker or timer thread, within ``timeout`` seconds. ``expect``: the type ``step`` must return (a
+  ``StepResult``; None: anything, e.g. an environment's start or ``close``)."""
 
   def __init__(self, workers: int = 8, timeout: float = 60.0):
     if workers < 1 or not timeout > 0:
@@ -42,7 +43,8 @@ class EnvironmentPool:
     self._lock = threading.Lock()
     self.stuck = 0  # steps that timed out and have not returned yet
 
-  def submit(self, step: Callable[[], StepResult], on_done: Callable[[Outcome], None]) -> None:
+  def submit(self, step: Callable[[], StepResult], on_done: Callable[[Outcome], None],
+             expect: Optional[type] = StepResult) -> None:
     t0 = time.perf_counter()
     state = {"done": False, "timed_out": False}
 
@@ -57,8 +59,8 @@ class EnvironmentPool:
     def run():
       try:
         result = step()
-        if not isinstance(result, StepResult):
-          raise TypeError(f"an environment step returned {type(result).__name__}, not a StepResult")
+        if expect is not None and not isinstance(result, expect):
+          raise TypeError(f"an environment step returned {type(result).__name__}, not a {expect.__name__}")
         outcome = Outcome(result, seconds=time.perf_counter() - t0)
       except Exception as e:  # pylint: disable=broad-except  (the episode ends, not the run)
         outcome = Outcome(None, ENV_ERROR, f"{type(e).__name__}: {e}"[:500], time.perf_counter() - t0)
@@ -83,4 +85,5 @@ class EnvironmentPool:
     self._pool.submit(run)
 
   def close(self) -> None:
-    self._pool.shutdown(wait=False, cancel_futures=True)
+    """Takes no more work; what was submitted still runs (environments' ``close`` among it)."""
+    self._pool.shutdown(wait=False, cancel_futures=False)

@@ -7,12 +7,15 @@ output ``error_output``, by default ``error: <why>``, and the episode goes on; a
 letters sets it to ``""``). Any other action ends the episode with the reward of
 the problem's answer. ``max_calls`` ends an episode that keeps calling (reward 0, ``info["ended"]``
 says why). ``latency`` (``lognormal:median=,sigma=``) waits a drawn time per call, for benchmarks of
-slow environments (drawn per episode from ``seed`` and the episode's id). Tools: ``calculator`` (``envs.calculator``), ``python`` (``envs.python_tool``:
-the code runs in the bubblewrap sandbox of ``envs.sandbox``; the output is its stdout, or its error).
+slow environments (drawn per episode from ``seed`` and the episode's id). Tools: ``calculator``
+(``envs.calculator``, computed in a worker process of ``envs.worker``, so that no call holds the
+decode server's GIL), ``python`` (``envs.python_tool``: the code runs in the bubblewrap sandbox of
+``envs.sandbox``; the output is its stdout, or its error).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from typing import Optional
@@ -20,11 +23,21 @@ from typing import Optional
 import numpy as np
 
 from asyncrl_jax.data import arithmetic
-from asyncrl_jax.envs import calculator, python_tool
+from asyncrl_jax.envs import calculator, python_tool, worker
 from asyncrl_jax.envs.base import StepResult, register
 from asyncrl_jax.envs.latency import Latency
 
 TOOLS = ("calculator", "python")
+_WORKERS: dict = {}
+_WORKERS_LOCK = threading.Lock()
+
+
+def calculator_workers() -> worker.ToolWorkers:
+  """This process's calculator worker processes (started at the first call)."""
+  with _WORKERS_LOCK:
+    if "calculator" not in _WORKERS:
+      _WORKERS["calculator"] = worker.ToolWorkers(calculator.__file__, "calculate", workers=8, timeout=5.0)
+    return _WORKERS["calculator"]
 RESULT_OPEN, RESULT_CLOSE = "<result>", "</result>"  # around a tool's answer, by default
 
 
@@ -66,8 +79,8 @@ class ToolEnvironment:
     """(output, error) of the tool on ``text``."""
     if self.tool == "calculator":
       try:
-        return calculator.calculate(text), ""
-      except calculator.CalculatorError as e:
+        return calculator_workers().call(text), ""
+      except (worker.ToolError, TimeoutError) as e:
         return self.error_output.format(error=e), str(e)
     r = python_tool.run_python(text, self._limits, self.allow_unsandboxed)
     if r.timed_out:

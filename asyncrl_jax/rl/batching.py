@@ -166,9 +166,9 @@ def episode_token_rewards(turns: list, n: int, extra: float = 0.0) -> np.ndarray
   penalty) on the last token."""
   out = np.zeros(n, np.float32)
   for turn in turns:
-    start, end = turn["action"]
+    start, end = turn.action
     if end > start:
-      out[end - 1] += turn["reward"]
+      out[end - 1] += turn.reward
   if n:
     out[-1] += extra
   return out

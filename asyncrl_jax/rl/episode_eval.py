@@ -81,14 +81,20 @@ class EpisodeEvaluator:
     problems = [p for p in self.problems for _ in range(copies)]
     n = len(problems)
     envs = [self._new_env(f"eval-{k}") for k in range(len(problems))]
-    for env, p in zip(envs, problems):
-      env.reset(dict(p))
+    # (side by side: an agent program's reset waits for its first request, which is the prompt)
+    firsts = list(self._pool.map(lambda item: _reset(*item), zip(envs, problems)))
     prompts = [list(x) for x in self.prompt_ids for _ in range(copies)]
     completions = [[] for _ in range(n)]
     actions = [[] for _ in range(n)]  # 1 per policy token, 0 per observation token
     rewards = np.zeros(n, np.float32)
     active = np.ones(n, bool)
     calls = errors = 0
+    for i, first in enumerate(firsts):
+      if first is _FAILED or (isinstance(first, (list, tuple)) and not 0 < len(first) <= self.max_prompt_len):
+        errors += 1  # (did not start, or its own prompt does not fit: scores 0, as on the decode servers)
+        active[i] = False
+      elif isinstance(first, (list, tuple)):  # the environment's own prompt
+        prompts[i] = [int(t) for t in first]
     ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
     rows = -(-n // ways) * ways
     width = self.max_prompt_len + self.max_new_tokens
@@ -155,6 +161,17 @@ class EpisodeEvaluator:
                          for p, c, r, a in zip(prompts, completions, rewards, actions)]
     self.last_tools = {"tool_calls_per_episode": calls / max(n, 1), "tool_errors": errors}
     return rewards
+
+
+_FAILED = object()
+
+
+def _reset(env, problem: dict):
+  """What ``env.reset`` returned, or ``_FAILED`` if it raised."""
+  try:
+    return env.reset(dict(problem))
+  except Exception:  # pylint: disable=broad-except
+    return _FAILED
 
 
 def _step(env, action: str):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from typing import Optional
 
@@ -51,6 +50,22 @@ class RolloutRequest:
   episode: Optional[dict] = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  """One turn of an episode: the policy's action, then the environment's observation, as half-open
+  ranges of completion-token indices (``observation`` is empty where the episode ended), the turn's
+  reward, how long the environment took (seconds), any error, the environment's ``info`` (JSON
+  values), and how the action ended: ``stop`` (at one of the environment's stop sequences), ``eos``,
+  or the finish reason of an action cut short (``length``, ``aborted``, ...)."""
+  action: tuple
+  observation: tuple
+  ended: str = "stop"
+  reward: float = 0.0
+  latency: float = 0.0
+  error: str = ""
+  info: dict = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass
 class Trajectory:
   """A finished (or aborted / failed) generation with everything the learner needs.
@@ -84,10 +99,8 @@ class Trajectory:
   # 0 for context the policy did not sample (an environment's observation: log-prob 0, version -1,
   # no loss). None: every completion token is an action (a single-turn completion)
   action_mask: Optional[np.ndarray] = None
-  # an episode's turns, in order (None: a single-turn completion): {"action": [start, end),
-  # "observation": [start, end) (completion-token indices; empty when the episode ended there),
-  # "reward", "latency" (seconds the environment took), "error", "info"}
-  turns: Optional[list] = None
+  # an episode's turns, in order (None: a single-turn completion)
+  turns: Optional[tuple] = None
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -103,7 +116,7 @@ class Trajectory:
   @property
   def episode_reward(self) -> float:
     """The sum of an episode's turn rewards (0.0 for a single-turn completion)."""
-    return float(sum(t.get("reward", 0.0) for t in self.turns or ()))
+    return float(sum(t.reward for t in self.turns or ()))
 
   @property
   def actions(self) -> np.ndarray:
@@ -137,64 +150,3 @@ class Trajectory:
         out.append((int(v[start]), start, t))
         start = t
     return out
-
-
-class _Building:
-  """A trajectory being generated (internal to the decode server)."""
-
-  def __init__(self, request: RolloutRequest):
-    self.request = request
-    self.tokens: list[int] = []
-    self.logprobs: list[float] = []
-    self.versions: list[int] = []
-    self.interruptions = 0
-    # the version whose logits the next token is drawn from, when it differs from the server's (a
-    # weight update without re-prefill: the pending logits were computed by the older weights)
-    self.next_token_version: Optional[int] = None
-    self.done = False
-    self.started_at = time.time()
-    self.mask: list[int] = []  # per token: 1 action, 0 observation (episodes only)
-    self.turns: list[dict] = []
-    self.action_start = 0  # where the current action starts (index into tokens)
-    self.env = None  # the episode's environment
-    self.waiting = False  # parked: the environment is stepping
-    self.epoch = 0  # bumped when the slot parks or resumes: a chunk launched before is not its own
-
-  @property
-  def is_episode(self) -> bool:
-    return self.request.episode is not None
-
-  def append(self, tokens, logprobs, version: int) -> None:
-    self.tokens.extend(tokens)
-    self.logprobs.extend(logprobs)
-    self.versions.extend([version] * len(tokens))
-    if self.is_episode:
-      self.mask.extend([1] * len(tokens))
-
-  def truncate(self, n: int) -> None:
-    """Drops every token from ``n`` on (decoded past the end of an action)."""
-    for seq in (self.tokens, self.logprobs, self.versions, self.mask):
-      del seq[n:]
-
-  def observe(self, tokens) -> None:
-    """Appends an observation: context, not actions (log-prob 0, version -1, mask 0)."""
-    n = len(tokens)
-    self.tokens.extend(tokens)
-    self.logprobs.extend([0.0] * n)
-    self.versions.extend([-1] * n)
-    self.mask.extend([0] * n)
-
-  def finish(self, reason: str, *, logprob_source: str, sampling: dict, tokenizer_id: str,
-             server_id: str, error: str = "") -> Trajectory:
-    r = self.request
-    return Trajectory(
-        trajectory_id=r.request_id, prompt_id=r.prompt_id, group_id=r.group_id,
-        prompt_tokens=np.asarray(r.prompt_tokens, np.int32),
-        completion_tokens=np.asarray(self.tokens, np.int32),
-        logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
-        finish_reason=reason, logprob_source=logprob_source,
-        sampling=dict(sampling, min_new_tokens=r.min_new_tokens),
-        tokenizer_id=tokenizer_id, server_id=server_id, num_interruptions=self.interruptions,
-        error=error, started_at=self.started_at, finished_at=time.time(), incarnation=r.incarnation,
-        action_mask=np.asarray(self.mask, np.int32) if self.is_episode else None,
-        turns=[dict(t) for t in self.turns] if self.is_episode else None)

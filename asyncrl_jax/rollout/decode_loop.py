@@ -38,10 +38,11 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
-from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory, _Building
+from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory
 from asyncrl_jax.envs.pool import EnvironmentPool
 from asyncrl_jax.rollout.engine import Engine
-from asyncrl_jax.rollout.episodes import Episodes, Finish
+from asyncrl_jax.rollout.episodes import Episodes, Finish, Started
+from asyncrl_jax.rollout.inflight import InFlight
 from asyncrl_jax.rollout.stats import DecodeStats
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class DecodeServer:
     self._aborts: dict[str, str] = {}  # request id -> why
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
-    self._slots: list[Optional[_Building]] = [None] * engine.num_slots
+    self._slots: list[Optional[InFlight]] = [None] * engine.num_slots
     self._inflight: Optional[tuple] = None  # (tokens, logp, slot occupants, version) of a launched chunk
     self._drain_started: Optional[float] = None  # when held weights began waiting (drain mode)
     self._state = engine.init_decode_state()
@@ -111,7 +112,8 @@ class DecodeServer:
     self._meta = dict(logprob_source=record["logprob_source"], sampling=record,
                       tokenizer_id=engine.tokenizer.identity, server_id=server_id)
     self._stop_ids = np.asarray(sorted(engine.tokenizer.stop_ids), np.int32)
-    self.episodes = Episodes(engine.tokenizer, self._notify, environments, env_workers, env_timeout)
+    self.episodes = Episodes(engine.tokenizer, self._notify, environments, env_workers, env_timeout,
+                             sampling=record)
 
   def _notify(self) -> None:
     with self._wake:
@@ -150,7 +152,7 @@ class DecodeServer:
     with self._wake:
       requests, self._requests = list(self._requests), collections.deque()
     for r in requests:
-      self._emit(_Building(r).finish("aborted", error=error, **self._meta))
+      self._emit(InFlight(r).end("aborted", error=error, **self._meta))
     return len(requests)
 
   def abort(self, request_id: str, error: str = "") -> None:
@@ -208,6 +210,12 @@ class DecodeServer:
     if self._thread is not None:
       self._thread.join(timeout)
       self._thread = None
+    # the rollouts in flight end with the server (their environments are closed; nobody is sent
+    # their trajectories: the controller places work a server lost elsewhere)
+    for i, b in enumerate(self._slots):
+      if b is not None and not b.done:
+        self._slots[i] = None
+        b.end("aborted", error="decode server stopped", **self._meta)
     self.episodes.close()
 
   def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
@@ -265,7 +273,7 @@ class DecodeServer:
     launched = self._launch() if self.num_decoding else None
     self._collect()
     self._inflight = launched
-    self._resume_episodes()
+    self._take_outcomes()
     self._fill_slots()
 
   def _draining(self, pending) -> bool:
@@ -288,7 +296,7 @@ class DecodeServer:
     if restart and active:  # the previous learner's sequences: nobody waits for them any more
       log.info("dropping %d sequences in flight of the previous learner", len(active))
       for i in active:
-        self._slots[i].done = True
+        self._slots[i].end("aborted", error="dropped: a restarted learner's weights arrived", **self._meta)
         self._slots[i] = None
       active = []
     if active and self.on_weight_update == "keep_cache":
@@ -297,12 +305,13 @@ class DecodeServer:
           self._slots[i].next_token_version = old_version
       self.stats.continued_sequences += len(active)
     elif active:  # (parked episodes too: their context is re-prefilled, and they stay parked)
-      width = max(len(self._slots[i].request.prompt_tokens) + len(self._slots[i].tokens) for i in active)
+      active = [i for i in active if not self._slots[i].starting]  # (nothing prefilled yet)
+      width = max((len(self._slots[i].context) for i in active), default=1)
       tokens = np.zeros((self.engine.num_slots, width), np.int32)
       lengths = np.zeros(self.engine.num_slots, np.int32)
       for i in active:
         b = self._slots[i]
-        seq = list(b.request.prompt_tokens) + b.tokens
+        seq = b.context
         tokens[i, :len(seq)] = seq
         lengths[i] = len(seq)
         b.interruptions += 1
@@ -322,7 +331,7 @@ class DecodeServer:
         dropped = [r for r in self._requests if r.request_id in aborts]
         self._requests = collections.deque(kept)
       for r in dropped:
-        self._emit(_Building(r).finish("aborted", error=aborts[r.request_id], **self._meta))
+        self._emit(InFlight(r).end("aborted", error=aborts[r.request_id], **self._meta))
 
   def _validate(self, r: RolloutRequest) -> str:
     e = self.engine
@@ -344,11 +353,15 @@ class DecodeServer:
     return ""
 
   def _fill_slots(self) -> None:
+    """Starts queued requests in the free slots: a single-turn request is prefilled now; an episode
+    takes its slot and waits there (parked) while its environment starts off the loop
+    (``Episodes.begin``), and is prefilled when it has (``_take_outcomes``)."""
     if self._params is None:
       return
     free = [i for i, s in enumerate(self._slots) if s is None]
-    starting: list[_Building] = []
-    while len(starting) < len(free):
+    starting: list[InFlight] = []
+    slots: list[int] = []
+    while free:
       with self._lock:
         # While a weight update is pending, requests wait for it: one admitted under the new version
         # (published before it was submitted) must not be prefilled with the old weights.
@@ -357,25 +370,26 @@ class DecodeServer:
         request = self._requests.popleft()
       error = self._validate(request)
       if error:
-        self._emit(_Building(request).finish("error", error=error, **self._meta))
+        self._emit(InFlight(request).end("error", error=error, **self._meta))
         self.stats.rejected_requests += 1
         continue
-      b = _Building(request)
-      error = self.episodes.start(b) if b.is_episode else ""
-      if error:  # the environment failed to start: the episode ends before decoding
-        self.stats.count_finished("env_error")
-        self._emit(b.finish("env_error", error=error, **self._meta))
-        continue
-      starting.append(b)
+      b = InFlight(request)
+      slot = free.pop(0)
+      self._slots[slot] = b
+      if b.is_episode:
+        b.starting = True
+        self.episodes.begin(b)
+      else:
+        starting.append(b)
+        slots.append(slot)
+    self._prefill(starting, slots)
+
+  def _prefill(self, starting: list, slots: list) -> None:
     if not starting:
       return
-    slots = free[:len(starting)]
-    self._state = self.engine.prefill_insert(self._params, self._state,
-                                             [b.request.prompt_tokens for b in starting], slots,
+    self._state = self.engine.prefill_insert(self._params, self._state, [b.prompt for b in starting], slots,
                                              [b.request.max_new_tokens for b in starting],
                                              [b.request.min_new_tokens for b in starting])
-    for slot, b in zip(slots, starting):
-      self._slots[slot] = b
     self.stats.started += len(starting)
 
   def _launch(self) -> tuple:
@@ -421,8 +435,10 @@ class DecodeServer:
         b.versions[-take] = b.next_token_version
         b.next_token_version = None
       stopped = take == first_stop[i] + 1  # the stop token itself was taken
-      end = self.episodes.action_end(b, before) if b.is_episode and take else None
-      if end is not None:  # an action ended at the environment's stop sequence: drop what follows
+      cut = self.episodes.action_end(b, before) if b.is_episode and take else None
+      end = None
+      if cut is not None:  # an action ended at the environment's stop sequence or cap: drop what follows
+        end, ended = cut
         b.truncate(end)
         stopped = False
       self.stats.tokens += len(b.tokens) - before
@@ -430,8 +446,7 @@ class DecodeServer:
         self._finish(i, "error", f"a stop token at completion token {len(b.tokens) - 1}, inside "
                      f"min_new_tokens={b.request.min_new_tokens}")
       elif b.is_episode and (end is not None or stopped):
-        b.waiting, b.epoch = True, b.epoch + 1
-        self.episodes.step(b, "stop" if end is not None else "eos")
+        self.episodes.step(b, ended if end is not None else "eos")
         parked.append(i)
       elif stopped:
         self._finish(i, "eos")
@@ -440,42 +455,61 @@ class DecodeServer:
     if parked:
       self._state = self.engine.park(self._state, parked)
 
-  def _resume_episodes(self) -> None:
-    """Takes the environments' outcomes: ends those episodes, or appends their observations to the
-    slots' contexts (one batched ``extend``) and lets them decode again."""
+  def _take_outcomes(self) -> None:
+    """Takes the environments' outcomes: prefills the episodes whose environment started, ends those
+    that finished or failed, and appends observations to the slots' contexts (one batched
+    ``extend``) so that they decode again."""
     ready = self.episodes.ready()
     if not ready:
       return
     rows, slots, starts, budgets = [], [], [], []
+    started, started_slots = [], []
     for b, decision in ready:
       slot = self._slots.index(b)
+      if isinstance(decision, Started):
+        b.starting = False
+        error = self._validate_prompt(b)
+        if error:
+          self._finish(slot, "env_error", error)
+        else:
+          started.append(b)
+          started_slots.append(slot)
+        continue
       if isinstance(decision, Finish):
         self._finish(slot, decision.reason, decision.error)
         continue
-      turn = b.turns[-1]
-      row, start = decision.tokens, len(b.request.prompt_tokens) + len(b.tokens)
+      row, start = decision.tokens, len(b.context)
       if not row:  # nothing to append: recompute the last token, for its next-token logits
-        row, start = [(list(b.request.prompt_tokens) + b.tokens)[-1]], start - 1
-      b.observe(decision.tokens)
-      turn["observation"] = [turn["action"][1], len(b.tokens)]
-      b.action_start, b.waiting, b.epoch = len(b.tokens), False, b.epoch + 1
+        row, start = [b.context[-1]], start - 1
+      b.resume(decision.tokens)
       rows.append(row)
       slots.append(slot)
       starts.append(start)
       budgets.append(b.request.max_new_tokens - len(b.tokens))
+    self._prefill(started, started_slots)
     if rows:
       self._state = self.engine.extend(self._params, self._state, rows, slots, starts, budgets)
     self.stats.env_steps, self.stats.env_errors = self.episodes.steps, self.episodes.errors
     self.stats.env_seconds = self.episodes.seconds
 
+  def _validate_prompt(self, b: InFlight) -> str:
+    """Why an episode's prompt, given by its environment, cannot be prefilled, or ""."""
+    if b.prompt == list(b.request.prompt_tokens):
+      return ""
+    e, n = self.engine, len(b.prompt)
+    if n > e.max_prefill_length:
+      return (f"the environment's prompt has {n} tokens, more than the engine's "
+              f"max_prefill_length={e.max_prefill_length}")
+    if n + b.request.max_new_tokens > e.max_target_length:
+      return (f"the environment's prompt ({n}) + max_new_tokens ({b.request.max_new_tokens}) exceeds "
+              f"the cache length max_target_length={e.max_target_length}")
+    return ""
+
   def _finish(self, slot: int, reason: str, error: str = "") -> None:
     b = self._slots[slot]
     self._slots[slot] = None
-    b.done = True
-    if b.is_episode:
-      self.episodes.ended(b, reason)
     self.stats.count_finished(reason)
-    self._emit(b.finish(reason, error=error, **self._meta))
+    self._emit(b.end(reason, error=error, **self._meta))
 
   def _fail_all(self, message: str) -> None:
     self._inflight = None
@@ -485,5 +519,5 @@ class DecodeServer:
     with self._lock:
       requests, self._requests = list(self._requests), collections.deque()
     for r in requests:
-      self._emit(_Building(r).finish("error", error=message, **self._meta))
+      self._emit(InFlight(r).end("error", error=message, **self._meta))
 

@@ -67,7 +67,7 @@ import json
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory, Turn
 from asyncrl_jax.rollout.stats import DecodeStats
 from asyncrl_jax.weights import shards
 from asyncrl_jax.weights.remote import Source
@@ -187,7 +187,7 @@ def trajectory_to_pb(t: Trajectory):
       tokenizer_id=t.tokenizer_id, server_id=t.server_id, num_interruptions=t.num_interruptions,
       error=t.error, started_at=t.started_at, finished_at=t.finished_at, incarnation=t.incarnation,
       action_mask=[] if t.action_mask is None else np.asarray(t.action_mask).tolist(),
-      turns_json="" if t.turns is None else json.dumps(t.turns))
+      turns_json="" if t.turns is None else json.dumps([turn_to_json(turn) for turn in t.turns]))
 
 
 def trajectory_from_pb(m) -> Trajectory:
@@ -226,9 +226,39 @@ def _turns(text: str):
   if not text:
     return None
   turns = json.loads(text)
-  if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+  if not isinstance(turns, list):
     raise ValueError(f"turns_json is not a list of turns: {text[:80]!r}")
-  return turns
+  return tuple(turn_from_json(t, k) for k, t in enumerate(turns))
+
+
+def turn_to_json(turn: Turn) -> dict:
+  """An episode's turn as JSON (the wire, ``trajectories.jsonl``): ``{"action": [start, end),
+  "observation": [start, end), "ended", "reward", "latency", "error", "info"}``."""
+  return {"action": list(turn.action), "observation": list(turn.observation), "ended": turn.ended,
+          "reward": turn.reward, "latency": turn.latency, "error": turn.error, "info": dict(turn.info)}
+
+
+def turn_from_json(d, k: int = 0) -> Turn:
+  """The turn ``turn_to_json`` wrote; a ``ValueError`` naming turn ``k``'s bad field otherwise."""
+  if not isinstance(d, dict):
+    raise ValueError(f"turns_json: turn {k} is not an object")
+  ranges = {}
+  for field in ("action", "observation"):
+    r = d.get(field)
+    if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                       for x in r)):
+      raise ValueError(f"turns_json: turn {k} has no [start, end) {field} range of integers")
+    ranges[field] = tuple(r)
+  try:
+    reward, latency = float(d.get("reward", 0.0)), float(d.get("latency", 0.0))
+  except (TypeError, ValueError):
+    raise ValueError(f"turns_json: turn {k}'s reward or latency is not a number") from None
+  info = d.get("info", {})
+  if not isinstance(info, dict) or not isinstance(d.get("ended", ""), str) \
+      or not isinstance(d.get("error", ""), str):
+    raise ValueError(f"turns_json: turn {k}'s ended, error or info has the wrong type")
+  return Turn(action=ranges["action"], observation=ranges["observation"], ended=d.get("ended", "stop"),
+              reward=reward, latency=latency, error=d.get("error", ""), info=info)
 
 
 def sources_to_pb(sources) -> list:

@@ -9,6 +9,7 @@ calculator call ``[123+4567]``, its result ``{4690}`` (an observation), then ``#
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 from asyncrl_jax.tokenization.base import Tokenizer, TokenizerError
@@ -51,17 +52,48 @@ class ArithmeticTokenizer(Tokenizer):
   # The built-in chat template: <bos>, then every message's content as it is (an assistant message
   # ends where the policy's action ended); no roles, no generation prompt. A conversation of one user
   # message is the task's prompt.
-  def encode_chat(self, messages: list) -> list[int]:
-    return [BOS] + self.encode_chat_continuation([], messages)
+  def encode_chat(self, messages: list, tools=None) -> list[int]:
+    return [BOS] + self.encode_chat_continuation([], messages, tools)
 
-  def encode_chat_continuation(self, history: list, new: list) -> list[int]:
-    del history
-    return [t for m in new for t in self.encode(str(m.get("content") or ""))]
+  def encode_chat_continuation(self, history: list, new: list, tools=None) -> list[int]:
+    del history, tools
+    return [t for m in new for t in self.encode(self._message_text(m))]
+
+  def _message_text(self, m: dict) -> str:
+    return str(m.get("content") or "")
 
 
 class ToolTokenizer(ArithmeticTokenizer):
-  """The arithmetic vocabulary and the tool markers: ids 17-20 are ``[ ] { }``."""
+  """The arithmetic vocabulary and the tool markers: ids 17-20 are ``[ ] { }``.
+
+  Its chat format, the built-in form of standard tool calls (the vocabulary cannot spell JSON): an
+  action ending ``[args]`` calls the conversation's one tool with ``args`` as its one string argument
+  (``parse_tool_calls`` gives ``{"name": None, "arguments": args}``, and ``]`` ends such an action); an
+  assistant message with a tool call renders as its content then ``[args]``; a ``tool`` message as
+  ``{content}``."""
 
   chars = _CHARS + "[]{}"
   vocab_size = 3 + len(chars)
   identity = "builtin-tools-v1"
+  tool_call_stop = ("]",)
+
+  def parse_tool_calls(self, text: str) -> tuple[str, list]:
+    start = text.rfind("[")
+    if start < 0 or not text.endswith("]"):
+      return text, []
+    return text[:start], [{"name": None, "arguments": text[start + 1:-1]}]
+
+  def _message_text(self, m: dict) -> str:
+    if m.get("role") == "tool":
+      return "{" + str(m.get("content") or "") + "}"
+    text = str(m.get("content") or "")
+    for call in m.get("tool_calls") or ():
+      arguments = (call.get("function") or {}).get("arguments", "")
+      try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+      except json.JSONDecodeError:
+        value = arguments
+      if isinstance(value, dict) and len(value) == 1:  # the one argument, as the policy wrote it
+        value = next(iter(value.values()))
+      text += f"[{value}]"
+    return text

@@ -21,6 +21,35 @@ def _token_text(value) -> Optional[str]:
   return value
 
 
+def _for_template(message: dict) -> dict:
+  """An OpenAI message as chat templates read it: ``content`` None as "", and each tool call's
+  ``arguments`` (a JSON string in the API) as the object it encodes (Qwen2.5's template writes it
+  with ``tojson``)."""
+  m = dict(message)
+  if m.get("content") is None:
+    m["content"] = ""
+  if m.get("tool_calls"):
+    calls = []
+    for call in m["tool_calls"]:
+      call = dict(call)
+      function = dict(call.get("function") or {})
+      if isinstance(function.get("arguments"), str):
+        try:
+          function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+          pass
+      call["function"] = function
+      calls.append(call)
+    m["tool_calls"] = calls
+  return m
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  """Chat templates' ``tojson`` as transformers defines it: plain JSON, keys in their order, no HTML
+  escaping (Jinja's own sorts keys and escapes ``<>&'``, so tool calls would render otherwise)."""
+  return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _raise(message):
   raise TokenizerError(f"chat template: {message}")
 
@@ -67,6 +96,7 @@ class HFTokenizer(Tokenizer):
     if template:
       env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
       env.globals["raise_exception"] = _raise
+      env.filters["tojson"] = _tojson
       self._template = env.from_string(template)
     else:
       self._template = None
@@ -86,22 +116,23 @@ class HFTokenizer(Tokenizer):
       raise TokenizerError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
     return self._tok.decode(ids, skip_special_tokens=True)
 
-  def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+  def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                  tools: Optional[list] = None) -> str:
     if self._template is None:
       raise TokenizerError("tokenizer_config.json has no chat_template")
-    return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    extra = {"tools": tools} if tools else {}
+    return self._template.render(messages=[_for_template(m) for m in messages],
+                                 add_generation_prompt=add_generation_prompt,
+                                 bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
 
-  def encode_chat(self, messages: list) -> list[int]:
-    if self._template is None:
-      raise TokenizerError("tokenizer_config.json has no chat_template")
-    return self.encode(self.render_chat(messages))
+  def encode_chat(self, messages: list, tools: Optional[list] = None) -> list[int]:
+    return self.encode(self.render_chat(messages, tools=tools))
 
-  def encode_chat_continuation(self, history: list, new: list) -> list[int]:
+  def encode_chat_continuation(self, history: list, new: list, tools: Optional[list] = None) -> list[int]:
     """The text the template adds for ``new`` (and the next generation prompt), encoded alone; the
     template must render ``history`` as a prefix of ``history + new``."""
-    before = self.render_chat(history, add_generation_prompt=False)
-    after = self.render_chat(history + new)
+    before = self.render_chat(history, add_generation_prompt=False, tools=tools)
+    after = self.render_chat(history + new, tools=tools)
     if not after.startswith(before):
       raise TokenizerError("the chat template does not render the conversation so far as a prefix of "
                            "the longer one; its continuation is not defined")

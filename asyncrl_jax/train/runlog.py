@@ -26,6 +26,7 @@ import numpy as np
 from asyncrl_jax.infra import paths
 from asyncrl_jax.infra.progress import progress
 from asyncrl_jax.learner import learner as learner_lib
+from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.stats import DecodeStats
 
 
@@ -239,8 +240,8 @@ class RunLog:
     """An episode's turns with the text of each action and observation."""
     out = []
     for turn in t.turns:
-      (a0, a1), (o0, o1) = turn["action"], turn["observation"]
-      out.append(dict(turn, action_text=self.tokenizer.decode(t.completion_tokens[a0:a1]),
+      (a0, a1), (o0, o1) = turn.action, turn.observation
+      out.append(dict(protocol.turn_to_json(turn), action_text=self.tokenizer.decode(t.completion_tokens[a0:a1]),
                       observation_text=self.tokenizer.decode(t.completion_tokens[o0:o1])))
     return out
 
@@ -332,9 +333,9 @@ def episode_metrics(trajectories) -> dict:
     return {}
   turns = [turn for t in episodes for turn in t.turns]
   return {"episodes": len(episodes),
-          "tool_calls_per_episode": sum("tool" in turn.get("info", {}) for turn in turns) / len(episodes),
+          "tool_calls_per_episode": sum("tool" in turn.info for turn in turns) / len(episodes),
           "turns_per_episode": len(turns) / len(episodes),
-          "tool_errors": sum(bool(turn.get("error")) for turn in turns),
+          "tool_errors": sum(bool(turn.error) for turn in turns),
           "env_failures": sum(t.finish_reason in ("env_error", "env_timeout") for t in episodes)}
 
 

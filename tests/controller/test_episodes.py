@@ -8,7 +8,7 @@ import pytest
 from asyncrl_jax.controller.controller import Controller
 from asyncrl_jax.data.pipeline import PromptStream
 from asyncrl_jax.rl.staleness import StalenessManager
-from asyncrl_jax.rl.trajectory import Trajectory
+from asyncrl_jax.rl.trajectory import Trajectory, Turn
 from asyncrl_jax.tokenization import ToolTokenizer
 
 TOK = ToolTokenizer()
@@ -37,13 +37,13 @@ def _episode(req, turn_rewards):
   call, observation, answer = TOK.encode("[1+1]"), TOK.encode("{2}"), TOK.encode("#2") + [TOK.eos_id]
   if len(turn_rewards) == 1:
     tokens, mask = answer, [1] * len(answer)
-    turns = [{"action": [0, len(answer)], "observation": [len(answer)] * 2, "reward": turn_rewards[0]}]
+    turns = (Turn(action=(0, len(answer)), observation=(len(answer),) * 2, reward=turn_rewards[0]),)
   else:
     tokens = call + observation + answer
     mask = [1] * len(call) + [0] * len(observation) + [1] * len(answer)
     a = len(call) + len(observation)
-    turns = [{"action": [0, len(call)], "observation": [len(call), a], "reward": turn_rewards[0]},
-             {"action": [a, len(tokens)], "observation": [len(tokens)] * 2, "reward": turn_rewards[1]}]
+    turns = (Turn(action=(0, len(call)), observation=(len(call), a), reward=turn_rewards[0]),
+             Turn(action=(a, len(tokens)), observation=(len(tokens),) * 2, reward=turn_rewards[1]))
   n = len(tokens)
   versions = np.where(np.asarray(mask) == 1, 0, -1)
   return Trajectory(trajectory_id=req.request_id, prompt_id=req.prompt_id, group_id=req.group_id,

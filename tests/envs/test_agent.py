@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -26,8 +27,7 @@ from asyncrl_jax.tokenization import ToolTokenizer
 TOK = ToolTokenizer()
 CFG = models.ModelConfig(vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
                          num_heads=4, num_kv_heads=2, max_seq_len=96)
-EPISODE = {"env": "openai-agent", "options": {"program": "tests.fixtures.agent_program:solve",
-                                              "stop": ["]"]}, "max_turns": 4}
+EPISODE = {"env": "openai-agent", "options": {"program": "tests.fixtures.agent_program:solve"}, "max_turns": 4}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -36,49 +36,116 @@ def params():
   return tool_calling_params(CFG)
 
 
-def test_an_openai_client_program_drives_episodes_on_the_decode_server(params):
+def _run_episodes(params, program, n=6, seed=5, max_new=50):
   mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
   engine = Engine(CFG, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=72,
                   sampling=SamplingSettings(temperature=1.0), params=params, tokenizer=TOK, seed=1,
                   background_compile=False)
   server = DecodeServer(engine, params, steps_per_call=4, env_timeout=30)
-  rng = np.random.default_rng(5)
-  problems = [tool_arithmetic.make_problem(rng, 2, 3, 2) for _ in range(6)]
+  rng = np.random.default_rng(seed)
+  problems = [tool_arithmetic.make_problem(rng, 2, 3, 2) for _ in range(n)]
+  assert len({p.question for p in problems}) == n
   agent_program.CALLS.clear()
-  server.submit(*[RolloutRequest(prompt_tokens=TOK.encode_prompt(p.question), max_new_tokens=50,
-                                 prompt_id=str(i), episode=dict(EPISODE, problem={
+  agent_program.TRANSCRIPTS.clear()
+  episode = dict(EPISODE, options={"program": program})
+  server.submit(*[RolloutRequest(prompt_tokens=TOK.encode_prompt(p.question), max_new_tokens=max_new,
+                                 prompt_id=str(i), episode=dict(episode, problem={
                                      "question": p.question, "answer": p.answer}))
                   for i, p in enumerate(problems)])
   server.run_until_idle()
   got = []
   while not server.finished.empty():
     got.append(server.finished.get())
-  assert len(got) == 6
+  server.stop()
+  assert len(got) == n
+  return problems, got
+
+
+def test_an_openai_client_calls_a_function_tool_and_the_mask_covers_exactly_the_models_tokens(params):
+  """The official client with ``tools=[calculator]``: the policy's calls come back as ``tool_calls``;
+  each turn's action is exactly the text the client was answered (its content, then the call in the
+  built-in form ``[expression]``), each observation exactly the tool result the client sent
+  (``{result}``), and the action mask is 1 on the actions and 0 on the observations."""
+  problems, got = _run_episodes(params, "tests.fixtures.agent_program:solve")
   finished = {t.finish_reason for t in got}
   assert finished <= {"eos", "env_done", "length", "turns"}, [(t.finish_reason, t.error) for t in got]
   called = 0
   for t in got:
-    text = TOK.decode(t.completion_tokens)
-    for k, turn in enumerate(t.turns):
-      a0, a1 = turn["action"]
-      o0, o1 = turn["observation"]
-      if o1 > o0:  # a tool result the program sent: context, exactly its message
-        called += 1
-        obs = TOK.decode(t.completion_tokens[o0:o1])
-        assert obs.startswith("{") and obs.endswith("}") and not t.actions[o0:o1].any()
-        # the call's action ended at the stop sequence or at the end of sequence
-        assert TOK.decode(t.completion_tokens[a1 - 1:a1]) == "]" or t.completion_tokens[a1 - 1] == TOK.eos_id
-    if t.finish_reason in ("eos", "env_done"):  # the program returned: its reward is the episode's
-      answer = problems[int(t.prompt_id)].answer
-      final = TOK.decode(t.completion_tokens[slice(*t.turns[-1]["action"])]).removesuffix("]")
-      scored = "#" in final and not final.startswith("[")  # (a call as the 4th request: no answer)
-      want = float(final.rsplit("#", 1)[-1] == answer) if scored else 0.0
-      assert t.episode_reward == want, (text, answer)
+    problem = problems[int(t.prompt_id)]
+    assert t.prompt_tokens.tolist() == TOK.encode_prompt(problem.question)  # the first request's rendering
+    transcript = agent_program.TRANSCRIPTS.get(problem.question)
+    if t.finish_reason not in ("eos", "env_done"):
+      continue  # (cut by the budget or the turn limit: the program's transcript is unfinished)
+    assert transcript is not None and len(transcript) == len(t.turns), (transcript, t.turns)
+    expected_mask = []
+    for turn, (message, results) in zip(t.turns, transcript):
+      (a0, a1), (o0, o1) = turn.action, turn.observation
+      calls = "".join(f"[{json.loads(c['function']['arguments'])['expression']}]"
+                      for c in message.get("tool_calls", []))
+      text = TOK.decode(t.completion_tokens[a0:a1])
+      if not calls:  # (an answer's content leaves out the stop sequence it ended at, as OpenAI's does)
+        text = text.removesuffix("]")
+      assert text == (message.get("content") or "") + calls
+      assert TOK.decode(t.completion_tokens[o0:o1]) == "".join("{" + r + "}" for r in results)
+      expected_mask += [1] * (a1 - a0) + [0] * (o1 - o0)
+      called += bool(calls)
+    if t.completion_tokens[-1] == TOK.eos_id:  # the final action's end of sequence (not text)
+      assert len(expected_mask) == len(t.completion_tokens)
+    assert t.action_mask.tolist() == expected_mask
+    final = transcript[-1][0]
+    want = float(final["content"].rsplit("#", 1)[-1] == problem.answer) if "#" in final["content"] else 0.0
+    assert t.episode_reward == want
   assert called >= 3, "too few tool calls for the test to mean anything"
   # every episode that ended naturally was one program run of as many requests as actions
   by_requests = sorted(n for _, n in agent_program.CALLS)
   assert by_requests == sorted(len(t.turns) for t in got if t.finish_reason in ("eos", "env_done"))
-  server.stop()
+
+
+def test_an_agents_sdk_agent_trains_through_the_endpoint(params):
+  """An agent of the OpenAI Agents SDK (``openai-agents``, chat completions model) with a
+  ``function_tool``: its tool calls and results become the episode's turns."""
+  pytest.importorskip("agents")
+  problems, got = _run_episodes(params, "tests.fixtures.agent_program:solve_with_agents_sdk")
+  assert {t.finish_reason for t in got} <= {"eos", "env_done", "length", "turns"}, \
+      [(t.finish_reason, t.error) for t in got]
+  natural = [t for t in got if t.finish_reason in ("eos", "env_done")]
+  assert natural, [(t.finish_reason, t.error) for t in got]
+  tool_turns = [turn for t in got for turn in t.turns if turn.observation[1] > turn.observation[0]]
+  assert tool_turns, "no tool call went through the SDK: the test checks nothing"
+  for t in got:
+    for turn in t.turns:
+      o0, o1 = turn.observation
+      observed = TOK.decode(t.completion_tokens[o0:o1])
+      assert not t.actions[o0:o1].any() and (o1 == o0 or (observed.startswith("{") and observed.endswith("}")))
+
+
+def test_an_episode_that_ends_answers_its_waiting_request_409_and_releases_its_id(params):
+  """The token budget ends each episode in its first action, while the program's request waits for
+  it: the request is answered 409 (the episode ended), and a request after that finds no episode
+  (404: its id was released)."""
+  agent_program.REFUSALS.clear()
+  _, got = _run_episodes(params, "tests.fixtures.agent_program:solve_until_refused", n=3, max_new=2)
+  assert {t.finish_reason for t in got} == {"length"}, [(t.finish_reason, t.error) for t in got]
+  deadline = time.time() + 10  # (the programs go on on their own threads after their episodes)
+  while len(agent_program.REFUSALS) < 3 and time.time() < deadline:
+    time.sleep(0.05)
+  assert agent_program.REFUSALS == [(409, 404)] * 3
+
+
+def test_max_tokens_caps_the_action(params):
+  """A request's ``max_tokens`` ends the policy's action at that many tokens: finish reason
+  ``length``, ``usage.completion_tokens`` the action's length, the turn recorded as ``max_tokens``."""
+  agent_program.CAPPED.clear()
+  _, got = _run_episodes(params, "tests.fixtures.agent_program:solve_capped", n=4)
+  assert len(agent_program.CAPPED) == 4
+  for t in got:
+    assert t.turns[0].action[1] - t.turns[0].action[0] <= 2
+  cut = [t for t in got if t.turns[0].ended == "max_tokens"]
+  assert cut, "no action reached the cap: the test checks nothing"
+  assert sum(finish == "length" for finish, _, _ in agent_program.CAPPED) == len(cut)
+  assert all(n == 2 for finish, n, _ in agent_program.CAPPED if finish == "length")
+  for t in cut:
+    assert t.turns[0].action == (0, 2)
 
 
 def test_requests_outside_an_episode_or_malformed_are_refused():
@@ -87,7 +154,7 @@ def test_requests_outside_an_episode_or_malformed_are_refused():
                          default_headers={chat_endpoint.EPISODE_HEADER: "no-such-episode"})
   with pytest.raises(openai.NotFoundError, match="no episode 'no-such-episode'"):
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "1+1="}])
-  endpoint.register("e1", lambda messages, stop: pytest.fail("not reached"))
+  endpoint.register("e1", lambda chat: pytest.fail("not reached"))
   client = openai.OpenAI(base_url=endpoint.base_url, api_key="x", max_retries=0,
                          default_headers={chat_endpoint.EPISODE_HEADER: "e1"})
   with pytest.raises(openai.BadRequestError, match="n must be 1"):
@@ -111,7 +178,7 @@ def test_requests_outside_an_episode_or_malformed_are_refused():
 @pytest.mark.slow(60)
 def test_the_main_job_trains_an_openai_client_agent(tmp_path):
   """A few policy versions of configs/tool_use.py with the agent program as the environment."""
-  options = json.dumps({"program": "tests.fixtures.agent_program:solve", "stop": ["]"]})
+  options = json.dumps({"program": "tests.fixtures.agent_program:solve"})
   cmd = [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/tool_use.py",
          f"--workdir={tmp_path}", "--config.steps=3", "--config.env.name=openai-agent",
          f"--config.env.options={options}", "--config.learner.warm_start_steps=20",

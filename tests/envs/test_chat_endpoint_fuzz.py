@@ -14,7 +14,8 @@ VALUES = [None, True, False, 0, 1, 2, -1, 1.5, "", "abc", [], [1], ["x"], {}, {"
           [{"type": "text", "text": "hi"}], [{"type": "image_url", "image_url": {"url": "x"}}],
           "x" * 1000, 10 ** 30, float("1e308")]
 FIELDS = ["model", "stream", "n", "stop", "temperature", "top_p", "max_tokens", "seed", "messages",
-          "presence_penalty", "logprobs", "tools", "user"]
+          "presence_penalty", "logprobs", "tools", "user", "tool_choice", "parallel_tool_calls",
+          "max_completion_tokens", "response_format", "logit_bias"]
 GOOD = {"model": "policy", "messages": [{"role": "user", "content": "1+1="}]}
 
 
@@ -32,9 +33,10 @@ def _post(url, body, episode="e1"):
 def test_malformed_requests_answer_400_naming_the_field_and_never_500():
   endpoint = chat_endpoint.ChatEndpoint("127.0.0.1", 0, token=None, answer_timeout=5)
 
-  def handler(messages, stop):
+  def handler(chat):
+    assert isinstance(chat, chat_endpoint.ChatRequest)
     done = futures.Future()
-    done.set_result(("#2", "stop"))
+    done.set_result(chat_endpoint.ChatReply(content="#2", prompt_tokens=3, completion_tokens=2))
     return done
 
   endpoint.register("e1", handler)
@@ -56,19 +58,48 @@ def test_malformed_requests_answer_400_naming_the_field_and_never_500():
       assert _post(endpoint.base_url, body)[0] in (200, 400), body
     for raw in (b"", b"{", b"[1, 2]", b"null", b"\xff\xfe"):
       assert _post(endpoint.base_url, raw)[0] == 400, raw
-    assert {"n", "stream", "messages", "temperature", "stop"} <= seen
+    assert {"n", "stream", "messages", "temperature", "stop", "tools", "tool_choice", "max_tokens"} <= seen
     status, body = _post(endpoint.base_url, dict(GOOD, messages=[
         {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "1="}]}]))
     assert status == 200  # OpenAI content parts are read as their text
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    # a tool-calling conversation: tools, an assistant message with tool_calls (no content), a tool
+    # message; bad tool fields are named
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "1+1"}'}}
+    tool = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}
+    conversation = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    assert _post(endpoint.base_url, dict(GOOD, messages=conversation, tools=[tool], tool_choice="auto"))[0] == 200
+    for bad, named in [(dict(tools=[{"type": "function"}]), "tools[0]"),
+                       (dict(tool_choice="required"), "tool_choice"),
+                       (dict(tool_choice={"type": "function", "function": {"name": "calc"}}), "tool_choice"),
+                       (dict(messages=[conversation[0], dict(conversation[1], tool_calls=[{"id": 1}])]),
+                        "messages[1].tool_calls[0]"),
+                       (dict(messages=[dict(conversation[2], tool_call_id=3)]), "messages[0].tool_call_id"),
+                       (dict(max_tokens=0), "max_tokens"),
+                       (dict(response_format={"type": "json_object"}), "response_format"),
+                       (dict(messages=[{"role": "robot", "content": "x"}]), "messages[0]")]:
+      status, body = _post(endpoint.base_url, dict(GOOD, **bad))
+      assert status == 400 and named in body["error"]["message"], (bad, body)
   finally:
     endpoint.close()
 
 
 def test_a_request_without_an_answer_is_answered_at_the_timeout():
   endpoint = chat_endpoint.ChatEndpoint("127.0.0.1", 0, token=None, answer_timeout=0.5)
-  endpoint.register("e1", lambda messages, stop: futures.Future())  # never answered
+  endpoint.register("e1", lambda chat: futures.Future())  # never answered
   try:
     status, body = _post(endpoint.base_url, GOOD)
     assert status == 504 and "no answer within 0.5s" in body["error"]["message"]
+  finally:
+    endpoint.close()
+
+
+def test_an_episode_sets_how_long_its_requests_wait():
+  endpoint = chat_endpoint.ChatEndpoint("127.0.0.1", 0, token=None, answer_timeout=60)
+  endpoint.register("e1", lambda chat: futures.Future(), answer_timeout=0.3)  # (its step timeout)
+  try:
+    status, body = _post(endpoint.base_url, GOOD)
+    assert status == 504 and "no answer within 0.3s" in body["error"]["message"]
   finally:
     endpoint.close()

@@ -14,7 +14,7 @@ from asyncrl_jax.controller.checks import check_trajectory
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
 from asyncrl_jax.rl.objective import LossSettings, micro_batch_loss
-from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
+from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory, Turn
 from asyncrl_jax.rollout import protocol
 
 CFG = models.ModelConfig(vocab_size=23, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -93,15 +93,14 @@ def test_the_action_mask_crosses_the_wire_and_none_stays_none():
 
 
 def test_episodes_and_turns_cross_the_wire():
-  turns = [{"action": [0, 3], "observation": [3, 5], "reward": 0.25, "latency": 0.1, "error": "",
-            "info": {"tool": "calculator"}, "ended": "stop"},
-           {"action": [5, 8], "observation": [8, 8], "reward": 1.0, "latency": 0.0, "error": "",
-            "info": {}, "ended": "eos"}]
+  turns = (Turn(action=(0, 3), observation=(3, 5), reward=0.25, latency=0.1, info={"tool": "calculator"}),
+           Turn(action=(5, 8), observation=(8, 8), reward=1.0, ended="eos"))
   t = _trajectory()
   t.turns = turns
   t.finish_reason = "env_done"
   back = protocol.trajectory_from_pb(protocol.trajectory_to_pb(t))
   assert back.turns == turns and back.finish_reason == "env_done" and back.episode_reward == 1.25
+  assert all(isinstance(turn, Turn) for turn in back.turns)
   assert protocol.trajectory_from_pb(protocol.trajectory_to_pb(_trajectory())).turns is None
   request = RolloutRequest(prompt_tokens=[1, 2], max_new_tokens=9, request_id="r",
                            episode={"env": "tools", "options": {"tool": "calculator"},
@@ -111,9 +110,12 @@ def test_episodes_and_turns_cross_the_wire():
   assert protocol.request_from_pb(protocol.request_to_pb(plain)).episode is None
   # a message whose turns are not a list of turns becomes a failed trajectory naming the field
   message = protocol.trajectory_to_pb(t)
-  message.turns_json = '{"action": 1}'
-  failed = protocol.trajectory_from_pb(message)
-  assert failed.finish_reason == "error" and "turns_json" in failed.error
+  for bad_turns, field in [('{"action": 1}', "turns_json"), ('[{"action": [0, 3]}]', "observation"),
+                           ('[{"action": [0, 3], "observation": [3, 3], "reward": "x"}]', "reward"),
+                           ('[{"action": [0, true], "observation": [3, 3]}]', "action")]:
+    message.turns_json = bad_turns
+    failed = protocol.trajectory_from_pb(message)
+    assert failed.finish_reason == "error" and "turns_json" in failed.error and field in failed.error
   bad = protocol.request_to_pb(request)
   bad.episode_json = "[1]"
   with pytest.raises(ValueError, match="episode_json"):
@@ -123,18 +125,17 @@ def test_episodes_and_turns_cross_the_wire():
 def test_the_checks_read_an_episodes_turns():
   request = RolloutRequest(prompt_tokens=PROMPT, max_new_tokens=16, request_id="t",
                            episode={"env": "tools", "problem": {}})
-  good = [{"action": [0, 3], "observation": [3, 5], "reward": 0.0},
-          {"action": [5, 8], "observation": [8, 8], "reward": 1.0}]
+  good = (Turn(action=(0, 3), observation=(3, 5)), Turn(action=(5, 8), observation=(8, 8), reward=1.0))
   check = lambda t: check_trajectory(t, request, vocab_size=CFG.vocab_size, newest_version=3)  # noqa: E731
   t = _trajectory()
   t.turns = good
   assert check(t) == ""
   for turns, problem in [
       (None, "no turns"),
-      ([good[0]], "cover 5 of 8"),
-      ([good[0], dict(good[1], action=[6, 8])], "do not follow on"),
-      ([dict(good[0], action=[0, 4], observation=[4, 5]), good[1]], "mask disagrees"),
-      ([{"action": [0, 3]}, good[1]], "lacks"),
+      ((good[0],), "cover 5 of 8"),
+      ((good[0], Turn(action=(6, 8), observation=(8, 8))), "do not follow on"),
+      ((Turn(action=(0, 4), observation=(4, 5)), good[1]), "mask disagrees"),
+      (({"action": [0, 3]}, good[1]), "not a Turn"),
   ]:
     t.turns = turns
     assert problem in check(t), turns

@@ -81,7 +81,7 @@ def _until_parked(server):
   """Drives the loop until an episode's slot is parked for its environment."""
   for _ in range(200):
     server.iteration()
-    if any(b is not None and b.waiting for b in server._slots):  # pylint: disable=protected-access
+    if any(b is not None and b.waiting and not b.starting for b in server._slots):  # pylint: disable=protected-access
       return
   pytest.fail("no episode parked")
 
@@ -106,10 +106,10 @@ def _replay(params, t, drop_observations=False):
 
 def test_turns_masks_and_alignment(params_a):
   server = _server(params_a)
-  server.submit(*_episodes(8))
+  server.submit(*_episodes(16))
   server.run_until_idle()
   trajectories = _drain(server)
-  assert len(trajectories) == 8
+  assert len(trajectories) == 16
   observation = TOK.encode("55=")
   multi = 0
   for t in trajectories:
@@ -117,20 +117,20 @@ def test_turns_masks_and_alignment(params_a):
     mask = t.actions
     assert len(t.turns) >= 1
     for k, turn in enumerate(t.turns):
-      a0, a1 = turn["action"]
-      o0, o1 = turn["observation"]
+      a0, a1 = turn.action
+      o0, o1 = turn.observation
       assert mask[a0:a1].all() and not mask[o0:o1].any()
-      if turn["ended"] == "stop":  # the action ends exactly at the stop sequence
+      if turn.ended == "stop":  # the action ends exactly at the stop sequence
         assert TOK.decode(t.completion_tokens[a1 - 1:a1]) == ";"
         assert ";" not in TOK.decode(t.completion_tokens[a0:a1 - 1])
       if o1 > o0:
         assert t.completion_tokens[o0:o1].tolist() == observation
-        assert turn["reward"] == 0.25
+        assert turn.reward == 0.25
         assert k + 1 < len(t.turns) or t.finish_reason == "length"
     assert (t.versions[~mask] == -1).all() and (t.logprobs[~mask] == 0).all()
     assert (t.versions[mask] == 0).all()
     if t.finish_reason == "eos":
-      assert t.turns[-1]["reward"] == 1.0 and t.turns[-1]["ended"] == "eos"
+      assert t.turns[-1].reward == 1.0 and t.turns[-1].ended == "eos"
       assert t.episode_reward == pytest.approx(1.0 + 0.25 * (len(t.turns) - 1))
     if t.finish_reason == "turns":
       assert len(t.turns) == 4
@@ -139,13 +139,13 @@ def test_turns_masks_and_alignment(params_a):
     np.testing.assert_allclose(t.logprobs[mask], _replay(params_a, t)[mask], atol=2e-3)
   assert multi >= 3, "too few episodes had an observation for the test to mean anything"
   # negative control: without the observations in the context, the later actions' log-probs differ
-  t = next(t for t in trajectories if (~t.actions).any() and t.turns[-1]["action"][1] >
-           t.turns[-1]["action"][0] + 1)
-  later = np.arange(len(t.completion_tokens)) >= t.turns[1]["action"][0]
+  t = next(t for t in trajectories if (~t.actions).any() and t.turns[-1].action[1] >
+           t.turns[-1].action[0] + 1)
+  later = np.arange(len(t.completion_tokens)) >= t.turns[1].action[0]
   wrong = _replay(params_a, t, drop_observations=True)
   assert np.abs(wrong[later & t.actions] - t.logprobs[later & t.actions]).max() > 1e-2
   stats = server.stats
-  assert stats.env_steps == sum(len(t.turns) for t in trajectories)
+  assert stats.env_steps == sum(turn.ended in ("stop", "eos") for t in trajectories for turn in t.turns)
   assert stats.env_errors == 0
 
 
@@ -187,7 +187,7 @@ def test_slots_decode_on_while_one_episode_waits(params_a):
   server.stop()
   episode = next(t for t in got if t.prompt_id == "p0")
   others = [t for t in got if t.prompt_id != "p0"]
-  waits = [turn for turn in episode.turns if turn["latency"] > 1.0]
+  waits = [turn for turn in episode.turns if turn.latency > 1.0]
   assert waits, episode.turns
   # single-turn requests (in the other slot) finished while the episode's slot was parked
   inside = [t for t in others if any(a < t.finished_at < b for a, b in SLEEPS)]
@@ -210,8 +210,8 @@ def test_environment_failures_end_the_episode_not_the_run(params_a, options, rea
   # an episode whose first action was final (ended at the end of sequence) never sees the fault
   assert ended and all(t.finish_reason in (reason, "eos", "length") for t in trajectories)
   for t in ended:
-    assert error in t.error and error in t.turns[-1]["error"]
-    assert t.turns[-1]["observation"][0] == t.turns[-1]["observation"][1]  # nothing appended
+    assert error in t.error and error in t.turns[-1].error
+    assert t.turns[-1].observation[0] == t.turns[-1].observation[1]  # nothing appended
   # the server serves on: a plain request after the failures
   server.submit(RolloutRequest(prompt_tokens=[1, 4], max_new_tokens=5, prompt_id="after"))
   server.run_until_idle()
@@ -245,12 +245,12 @@ def test_stop_versus_budget(params_a):
   for t, r in zip(trajectories, sorted(requests, key=lambda r: r.prompt_id)):
     assert _check_turns(t, r) == "", (t.turns, len(t.completion_tokens))  # an action cut short too
     if t.finish_reason == "length":
-      dropped = t.turns and t.turns[-1]["info"].get("dropped_observation_tokens")
+      dropped = t.turns and t.turns[-1].info.get("dropped_observation_tokens")
       assert len(t.completion_tokens) == 8 or dropped, (t.completion_tokens, t.turns)
-      assert t.episode_reward == pytest.approx(0.25 * sum(turn["ended"] == "stop" for turn in t.turns))
+      assert t.episode_reward == pytest.approx(0.25 * sum(turn.ended == "stop" for turn in t.turns))
     else:
-      assert t.completion_tokens[-1] == TOK.eos_id and t.turns[-1]["ended"] == "eos"
-      assert t.turns[-1]["reward"] == 1.0
+      assert t.completion_tokens[-1] == TOK.eos_id and t.turns[-1].ended == "eos"
+      assert t.turns[-1].reward == 1.0
 
 
 def test_a_restart_drops_parked_episodes_and_their_late_answers(params_a, params_b):

@@ -99,9 +99,48 @@ def test_chat_continuations_match_transformers_and_the_built_in_template(hf_dir)
   assert tool.encode_chat([{"role": "user", "content": "12+3="}]) == tool.encode_prompt("12+3=")
   assert tool.encode_chat_continuation(
       [{"role": "user", "content": "12+3="}, {"role": "assistant", "content": "[12+3"}],
-      [{"role": "tool", "content": "{15}"}]) == tool.encode("{15}")
+      [{"role": "tool", "content": "15"}]) == tool.encode("{15}")
+  # its form of standard tool calls: "[args]" calls the one tool; a tool message renders as "{...}"
+  assert tool.parse_tool_calls("3+4=7;[7+5]") == ("3+4=7;", [{"name": None, "arguments": "7+5"}])
+  assert tool.parse_tool_calls("#12") == ("#12", []) and tool.tool_call_stop == ("]",)
+  call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": '{"e": "7+5"}'}}
+  assert tool.encode_chat([{"role": "user", "content": "1="},
+                           {"role": "assistant", "content": "3+4=7;", "tool_calls": [call]},
+                           {"role": "tool", "content": "12"}]) == tool.encode_prompt("1=3+4=7;[7+5]{12}")
   with pytest.raises(TokenizerError, match="has no chat template"):  # (a tokenizer that defines none)
     Tokenizer.encode_chat(tool, [])
+
+
+def test_hermes_tool_calls_parse_and_render_as_transformers_does(hf_dir):
+  """Qwen2.5 / Hermes tool calls: parsed out of an action's text; an assistant message with
+  ``tool_calls`` (OpenAI's arguments, a JSON string) renders as transformers renders it with the
+  arguments as an object; ``tools`` reach the template."""
+  ours = HFTokenizer(str(hf_dir))
+  text = 'let me add\n<tool_call>\n{"name": "calc", "arguments": {"e": "7+5"}}\n</tool_call>'
+  assert ours.parse_tool_calls(text) == ("let me add", [{"name": "calc", "arguments": {"e": "7+5"}}])
+  # not a call: bad JSON, or no name (left in the content, as the policy wrote it)
+  for bad in ('<tool_call>{"name": 3}</tool_call>', "<tool_call>{oops</tool_call>"):
+    assert ours.parse_tool_calls(bad) == (bad, [])
+  template = ("{% if tools %}TOOLS{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+              "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls %}"
+              "{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+              "{% endif %}\n{% endfor %}")
+  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+  (hf_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+  ours = HFTokenizer(str(hf_dir))
+  ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"),
+                                             eos_token="<|im_end|>")
+  ref.chat_template = template
+  tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+  api = [{"role": "user", "content": "1+2"},
+         {"role": "assistant", "content": None, "tool_calls": [
+             {"id": "c", "type": "function", "function": {"name": "calc", "arguments": '{"e": "1+2"}'}}]},
+         {"role": "tool", "content": "3"}]
+  as_objects = [api[0], dict(api[1], content="", tool_calls=[
+      {"id": "c", "type": "function", "function": {"name": "calc", "arguments": {"e": "1+2"}}}]), api[2]]
+  want = ref.apply_chat_template(as_objects, tools=tools, tokenize=False, add_generation_prompt=False)
+  assert want.startswith("TOOLS calc") and '{"name": "calc", "arguments": {"e": "1+2"}}' in want
+  assert ours.render_chat(api, add_generation_prompt=False, tools=tools) == want
 
 
 def test_hf_tokenizer_errors(tmp_path, hf_dir):
