@@ -221,3 +221,53 @@ def test_the_constant_output_control_answers_every_call_with_its_text():
   real = tools_env.ToolEnvironment()
   real.reset({"question": "12+30=", "answer": "42"})
   assert real.step("<calc>12+30</calc>").observation == "<result>42</result>"  # negative control
+
+
+# Qwen2.5's handling of tool calls and tool messages, cut down to what the test needs
+HERMES_TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + m.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content }}{%- for c in m.tool_calls or [] %}"
+    "{{- '\n<tool_call>\n' }}{{- c.function | tojson }}{{- '\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_the_chat_format_gives_the_tokens_an_agent_with_a_function_tool_gets(tmp_path):
+  """``format="chat"``: on the built-in vocabulary the same tokens as the marker format (one task
+  trains both ways); on a Hugging Face tokenizer, Hermes ``<tool_call>`` blocks answered by the chat
+  template's rendering of a tool message."""
+  import json  # pylint: disable=import-outside-toplevel
+  from tests.fixtures.hf_models import make_bpe_tokenizer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.data import tool_arithmetic  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import HFTokenizer, ToolTokenizer  # pylint: disable=import-outside-toplevel
+  problem = {"question": "7+5=", "answer": "12"}
+  builtin = ToolTokenizer()
+  markers = tools_env.ToolEnvironment(**tool_arithmetic.ENV_OPTIONS)
+  chat = tools_env.ToolEnvironment(format="chat", tokenizer=builtin, error_output="")
+  for env in (markers, chat):
+    env.reset(problem)
+  assert chat.stop == markers.stop == ("]",)
+  for action in ("3+4=7;[7+5]", "[99+1]", "[1+]"):
+    want = markers.step(action).observation
+    got = chat.step(action)
+    assert got.observation == builtin.encode(want) and got.info["tool"] == "calculator", action
+  assert chat.step("#12").reward == 1.0 and chat.step("#12").done
+  # a Hugging Face tokenizer with Hermes tool calls
+  make_bpe_tokenizer(tmp_path, ["tool_call tool_response expression calculator name arguments 0123456789"])
+  config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=HERMES_TEMPLATE)))
+  hf = HFTokenizer(str(tmp_path))
+  env = tools_env.ToolEnvironment(format="chat", tokenizer=hf)
+  env.reset(problem)
+  assert env.stop == ()  # (the end of sequence ends a message)
+  call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "7+5"}}\n</tool_call>'
+  out = env.step("Adding.\n" + call)
+  want = "<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+  assert out.observation == hf.encode(want) and not out.done
+  wrong = env.step('<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>')
+  assert "no tool 'search'" in wrong.info["error"]
+  assert hf.decode(wrong.observation).count("error: no tool 'search'") == 1
+  assert env.step("The sum is #12").reward == 1.0
+  with pytest.raises(ValueError, match="needs the decode server's tokenizer"):
+    tools_env.ToolEnvironment(format="chat")
