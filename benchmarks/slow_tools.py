@@ -21,10 +21,16 @@ its environment produces nothing), episodes waiting on a tool (mean, by Little's
 seconds / wall seconds) and the group wait the seed defines (per group, the mean over its members of
 the group's last finish time minus the member's own; 0 for single rollouts).
 
-Predictions, from the latency distribution and the no-latency reference alone: the group wait of
-``group_size`` episodes whose tool time is the sum of their calls' draws (calls per episode as the
-reference arm made them; decode time differences ignored), and the synchronous arm's seconds per
-version, the reference's plus the expected slowest tool time among a batch's episodes.
+Predictions are the simulator's (``asyncrl_jax.sim.straggler`` with slots parked on their
+environments), from the latency distribution and the no-latency reference alone: the reference's
+completion lengths, slots and batch; its learner seconds per version (busy share x seconds per
+version) and the seconds of one decode step (its decode seconds per version over the simulated
+makespan of a batch); each episode's tool time the sum of its calls' draws (calls per episode as the
+reference made them), in decode steps, holding its slot without decoding. The synchronous arm:
+learner seconds plus the simulated makespan with the parked time, and its group wait; the
+asynchronous arms: the simulated trained tokens per step at their eta, with the learner's rate
+taken from the reference (as if decoding and training had separate devices: on this machine they
+share the cores, so these are upper bounds).
 Writes benchmarks/results/slow_tools.{json,md,png}; prints one JSON object (last line).
 """
 
@@ -43,6 +49,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from asyncrl_jax.sim import planner, straggler  # noqa: E402  pylint: disable=wrong-import-position
+from asyncrl_jax.sim.lengths import LengthModel  # noqa: E402  pylint: disable=wrong-import-position
 from benchmarks.async_vs_sync import _records, window_metrics  # noqa: E402  pylint: disable=wrong-import-position
 from benchmarks.common import machine, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -74,17 +82,34 @@ def episode_tool_seconds(rng: np.random.Generator, n: int, calls_per_episode: fl
   return (draws * (np.arange(base + 1)[None] < calls[:, None])).sum(axis=1)
 
 
-def predictions(*, group_size: int, batch: int, calls_per_episode: float, median: float, sigma: float,
-                reference_seconds_per_version: float, trials: int = 2000, seed: int = 0) -> dict:
-  rng = np.random.default_rng(seed)
-  groups = episode_tool_seconds(rng, trials * group_size, calls_per_episode, median, sigma)
-  waits = [group_wait(groups[i * group_size:(i + 1) * group_size].tolist(), group_size)
-           for i in range(trials)]
-  slowest = [episode_tool_seconds(rng, batch, calls_per_episode, median, sigma).max()
-             for _ in range(trials // 10)]
-  return {"group_wait_seconds": float(np.mean(waits)),
-          "sync_seconds_per_version": reference_seconds_per_version + float(np.mean(slowest)),
-          "mean_tool_seconds_per_episode": float(groups.mean())}
+def predictions(*, lengths: list, slots: int, batch: int, group_size: int, calls_per_episode: float,
+                median: float, sigma: float, reference: dict, etas=(2, 4), epochs: int = 200,
+                seed: int = 0) -> dict:
+  """The simulator's predictions for the latency arms, calibrated on the no-latency reference (see
+  the module's docstring)."""
+  model = LengthModel(samples=tuple(int(x) for x in lengths), cap=max(int(x) for x in lengths))
+  seconds = reference["seconds_per_version"]
+  learner_s = (1.0 - reference["learner_idle_fraction"]) * seconds
+  base = straggler.simulate_sync(model, epochs=epochs, batch=batch, slots=slots, seed=seed)
+  step = (seconds - learner_s) / base.decode_steps_per_epoch
+
+  def park(rng, n):
+    return episode_tool_seconds(rng, n, calls_per_episode, median, sigma) / step
+
+  sync = straggler.simulate_sync(model, epochs=epochs, batch=batch, slots=slots, seed=seed, park=park,
+                                 group_size=group_size)
+  tokens_per_version = reference["trained_tokens"] / reference["versions"]
+  train_rate = tokens_per_version / max(learner_s / step, 1e-9)  # trained tokens per decode step
+  runs = {eta: straggler.simulate_async(model, epochs=epochs, batch=batch, slots=slots, eta=eta, seed=seed,
+                                        train_rate=train_rate, park=park) for eta in etas}
+  sync_seconds = learner_s + sync.decode_steps_per_epoch * step
+  return {"step_seconds": step, "group_wait_seconds": sync.group_wait * step,
+          "sync_seconds_per_version": sync_seconds, "sync_tokens_per_s": tokens_per_version / sync_seconds,
+          "sync_slot_utilization": sync.slot_utilization,
+          "async": {f"eta {eta}": {"tokens_per_s": r.tokens_per_step / step,
+                                   "slot_utilization": r.slot_utilization,
+                                   "learner_idle_fraction": r.learner_idle_fraction}
+                    for eta, r in runs.items()}}
 
 
 def main(argv=None) -> int:
@@ -138,12 +163,15 @@ def main(argv=None) -> int:
              episodes_waiting_on_tools=env_seconds / m["seconds"],
              seconds_per_version=m["seconds"] / len(window),
              tool_calls_per_episode=float(np.mean([r.get("tool_calls_per_episode", 0.0) for r in window])),
-             batch=config["learner"]["batch_size"], slots=config["rollout"]["num_slots"])
+             batch=config["learner"]["batch_size"], slots=config["rollout"]["num_slots"], versions=len(window))
+    if label == "sync, no latency":
+      reference_lengths = planner.lengths_from_log(os.path.join(wd, "trained_prompts.jsonl"))
     arms[label] = m
   ref = arms["sync, no latency"]
-  predicted = predictions(group_size=arms["sync"]["group_size"], batch=ref["batch"],
+  predicted = predictions(lengths=reference_lengths, slots=ref["slots"], batch=ref["batch"],
+                          group_size=arms["sync"]["group_size"],
                           calls_per_episode=ref["tool_calls_per_episode"], median=args.median,
-                          sigma=args.sigma, reference_seconds_per_version=ref["seconds_per_version"])
+                          sigma=args.sigma, reference=ref)
   sync = arms["sync"]
   result = dict(machine=machine(), config=dict(config=os.path.relpath(CONFIG, ROOT), steps=steps, skip=skip,
                                                median=args.median, sigma=args.sigma,
@@ -155,10 +183,15 @@ def main(argv=None) -> int:
            a["group_wait_seconds"], a["max_staleness_seen"]) for label, a in arms.items()]
   notes = (f"Tool task (configs/tool_use.py), every calculator call waiting lognormal(median "
            f"{args.median:g} s, sigma {args.sigma:g}); {steps} policy versions per arm, the first {skip} "
-           f"excluded from timing; one warm start shared by all arms. Predicted from the latency "
-           f"distribution and the no-latency reference: group wait {predicted['group_wait_seconds']:.2f} s "
+           f"excluded from timing; one warm start shared by all arms. The simulator (slots parked on "
+           f"their tools, calibrated on the no-latency reference: one decode step "
+           f"{predicted['step_seconds'] * 1e3:.1f} ms) predicts: group wait {predicted['group_wait_seconds']:.2f} s "
            f"(measured in the sync arm: {sync['group_wait_seconds']:.2f} s); synchronous seconds per "
-           f"version {predicted['sync_seconds_per_version']:.2f} (measured {sync['seconds_per_version']:.2f}).")
+           f"version {predicted['sync_seconds_per_version']:.2f} (measured {sync['seconds_per_version']:.2f}); "
+           + "; ".join(f"{k} {v['tokens_per_s']:.0f} trained tokens/s (measured {arms[k]['tokens_per_s']:.0f})"
+                       for k, v in predicted["async"].items() if k in arms)
+           + ". The asynchronous predictions give decoding and training separate devices; here they "
+           "share 2 cores, so they are upper bounds.")
   md = write_result("slow_tools", result,
                     ["arm", "trained tok/s", "x sync", "s / version", "learner idle", "slot utilization",
                      "episodes waiting on tools", "group wait (s)", "max staleness"], rows, notes,

@@ -333,15 +333,19 @@ def test_slow_tools_group_wait_is_the_seeds_and_predictions_follow_the_latency()
   assert slow_tools.group_wait([5, 8, 13, 40], 4) == pytest.approx(23.5)  # the seed's worked example
   assert slow_tools.group_wait([5, 8, 13, 40, 1, 1, 1, 1], 4) == pytest.approx(23.5 / 2)
   assert slow_tools.group_wait([5, 8], 1) == 0.0
-  wide = slow_tools.predictions(group_size=8, batch=128, calls_per_episode=1.0, median=0.2, sigma=1.15,
-                                reference_seconds_per_version=1.0)
-  narrow = slow_tools.predictions(group_size=8, batch=128, calls_per_episode=1.0, median=0.2, sigma=0.01,
-                                  reference_seconds_per_version=1.0)
-  # no spread: no wait, and a batch's slowest call is the median
+  # the simulator, calibrated on a reference by hand: 128 episodes of 20 decode steps on 128 slots
+  # take 20 steps, the learner 0.5 of the 1.0 s a version takes, so a decode step is 25 ms
+  reference = dict(seconds_per_version=1.0, learner_idle_fraction=0.5, trained_tokens=128 * 20 * 10, versions=10)
+  common = dict(lengths=[20] * 50, slots=128, batch=128, group_size=8, median=0.2, reference=reference,
+                epochs=20)
+  wide = slow_tools.predictions(calls_per_episode=1.0, sigma=1.15, **common)
+  narrow = slow_tools.predictions(calls_per_episode=1.0, sigma=0.01, **common)
+  none = slow_tools.predictions(calls_per_episode=0.0, sigma=1.15, **common)
+  assert wide["step_seconds"] == pytest.approx(0.025)
+  # no tool: the reference itself; a 0.2 s call (8 steps) parks every slot alike: 0.5 + 28 x 25 ms
+  assert none["group_wait_seconds"] == 0.0 and none["sync_seconds_per_version"] == pytest.approx(1.0)
   assert narrow["group_wait_seconds"] < 0.01 and narrow["sync_seconds_per_version"] == pytest.approx(1.2, abs=0.01)
-  # lognormal(ln 0.2, 1.15): mean 0.2 * exp(1.15**2 / 2) = 0.387 s a call
-  assert wide["mean_tool_seconds_per_episode"] == pytest.approx(0.387, rel=0.1)
-  assert wide["group_wait_seconds"] > 0.3 and wide["sync_seconds_per_version"] > 3.0
-  none = slow_tools.predictions(group_size=8, batch=128, calls_per_episode=0.0, median=0.2, sigma=1.15,
-                                reference_seconds_per_version=1.0)
-  assert none["group_wait_seconds"] == 0.0 and none["sync_seconds_per_version"] == 1.0
+  # heavy-tailed calls: a batch waits for its slowest episode; groups wait; asynchrony hides part of it
+  assert wide["group_wait_seconds"] > 0.3 and wide["sync_seconds_per_version"] > 2.5
+  assert wide["async"]["eta 2"]["tokens_per_s"] > wide["sync_tokens_per_s"] * 1.3
+  assert none["async"]["eta 2"]["slot_utilization"] > wide["async"]["eta 2"]["slot_utilization"]

@@ -18,6 +18,14 @@ its slot for ``L`` steps.
 The learner's time per batch is ``batch_tokens / train_rate`` steps (``train_rate`` = trained tokens
 per decode step; ``inf`` = free, as in the seed).
 
+**Slots parked on an environment** (multi-turn episodes): ``park(rng, n)`` draws, per trajectory, the
+steps its slot is held without decoding (its environment's time, e.g. tool calls, in decode steps).
+A trajectory then holds its slot ``length + park`` steps and produces ``length`` tokens; in the
+synchronous baseline it still finishes only when its slot has run it, so a batch waits for its
+slowest episode, tool time included. ``group_size`` (synchronous) reports the group wait: per group of
+``group_size`` consecutive trajectories, the mean over its members of the group's last finish minus
+their own.
+
 Run ``python -m asyncrl_jax.sim.straggler --json`` for the seed's configuration; its last line is one
 JSON object.
 """
@@ -49,6 +57,8 @@ class SyncResult:
   p_cap: float  # fraction of epochs with at least one trace at the cap
   tokens_per_step: float  # trained tokens per step including the learner's time
   steps: float  # total simulated steps
+  group_wait: float = 0.0  # mean steps a finished member waits for its group's last (group_size)
+  decode_steps_per_epoch: float = 0.0  # the mean makespan: steps a batch takes to generate
 
 
 @dataclasses.dataclass
@@ -71,14 +81,49 @@ def lpt_makespan(lengths: np.ndarray, slots: int) -> int:
   return max(heap)
 
 
+def lpt_finish(durations: np.ndarray, slots: int) -> np.ndarray:
+  """Each job's finish time under longest-processing-time-first packing onto ``slots``."""
+  heap = [(0.0, s) for s in range(min(slots, len(durations)))]
+  finish = np.zeros(len(durations), np.float64)
+  for j in np.argsort(-np.asarray(durations, np.float64), kind="stable"):
+    load, s = heapq.heappop(heap)
+    finish[j] = load + float(durations[j])
+    heapq.heappush(heap, (finish[j], s))
+  return finish
+
+
+def group_wait(finish: np.ndarray, group_size: int) -> float:
+  """Per group of ``group_size`` consecutive finish times, the mean of (the group's last - each);
+  averaged over groups (0 without groups)."""
+  if group_size < 2:
+    return 0.0
+  t = np.asarray(finish, np.float64).reshape(-1, group_size)
+  return float((t.max(axis=1, keepdims=True) - t).mean())
+
+
+def _park(park, rng: np.random.Generator, n: int) -> np.ndarray:
+  if park is None:
+    return np.zeros(n, np.float64)
+  out = np.asarray(park(rng, n), np.float64)
+  if out.shape != (n,) or not np.all(np.isfinite(out)) or out.min(initial=0) < 0:
+    raise ValueError(f"park(rng, {n}) must give {n} finite step counts >= 0")
+  return out
+
+
 def simulate_sync(model: LengthModel, *, epochs: int, batch: int, slots: int, seed: int = 0,
-                  train_rate: float = math.inf) -> SyncResult:
-  """The synchronous baseline: LPT-packed epochs, each as long as its fullest slot, then training."""
+                  train_rate: float = math.inf, park=None, group_size: int = 0) -> SyncResult:
+  """The synchronous baseline: LPT-packed epochs, each as long as its fullest slot (a trajectory
+  holds its slot for its length plus its ``park`` steps), then training."""
   _check_sizes(epochs=epochs, batch=batch, slots=slots)
   _check_train_rate(train_rate)
+  if group_size > 1 and batch % group_size:
+    raise ValueError(f"batch={batch} is not a multiple of group_size={group_size}")
   rng = np.random.default_rng(seed)
   lens = model.draw(rng, epochs * batch).reshape(epochs, batch)
-  makespans = np.array([lpt_makespan(row, slots) for row in lens], np.float64)
+  hold = lens + _park(park, rng, epochs * batch).reshape(epochs, batch)
+  finishes = [lpt_finish(row, slots) for row in hold]
+  makespans = np.array([f.max() for f in finishes], np.float64)
+  waits = [group_wait(f, group_size) for f in finishes]
   tokens = lens.sum(axis=1).astype(np.float64)
   util = float(tokens.sum() / (slots * makespans.sum()))
   train_steps = tokens / train_rate if math.isfinite(train_rate) else np.zeros_like(tokens)
@@ -86,13 +131,15 @@ def simulate_sync(model: LengthModel, *, epochs: int, batch: int, slots: int, se
   return SyncResult(slot_utilization=util, headroom=1.0 / util, median_len=float(np.median(lens)),
                     mean_len=float(lens.mean()), mean_longest=float(lens.max(axis=1).mean()),
                     p_cap=float(np.mean(lens.max(axis=1) >= model.cap)),
-                    tokens_per_step=float(tokens.sum() / steps), steps=steps)
+                    tokens_per_step=float(tokens.sum() / steps), steps=steps,
+                    group_wait=float(np.mean(waits)), decode_steps_per_epoch=float(makespans.mean()))
 
 
 def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, eta: int, seed: int = 0,
                    train_rate: float = math.inf, order: str = "admission",
-                   interrupt_cost: float = 0.0) -> AsyncResult:
-  """Continuous generation under the staleness bound until ``epochs`` batches have been trained."""
+                   interrupt_cost: float = 0.0, park=None) -> AsyncResult:
+  """Continuous generation under the staleness bound until ``epochs`` batches have been trained (a
+  trajectory holds its slot for its length plus its ``park`` steps)."""
   _check_sizes(epochs=epochs, batch=batch, slots=slots)
   if eta < 0:
     raise ValueError(f"eta={eta} must be >= 0")
@@ -105,7 +152,7 @@ def simulate_async(model: LengthModel, *, epochs: int, batch: int, slots: int, e
   # Enough trajectories for the trained batches plus everything the bound lets run ahead.
   lens = model.draw(rng, (epochs + eta + 1) * batch)
   sim = _AsyncSim(lens, epochs=epochs, batch=batch, slots=slots, eta=eta, train_rate=train_rate,
-                  order=order, interrupt_cost=interrupt_cost)
+                  order=order, interrupt_cost=interrupt_cost, park=_park(park, rng, lens.size))
   sim.run()
   return sim.result()
 
@@ -119,8 +166,9 @@ class _AsyncSim:
   """
 
   def __init__(self, lens: np.ndarray, *, epochs: int, batch: int, slots: int, eta: int,
-               train_rate: float, order: str, interrupt_cost: float):
+               train_rate: float, order: str, interrupt_cost: float, park: Optional[np.ndarray] = None):
     self.lens, self.epochs, self.batch, self.slots, self.eta = lens, epochs, batch, slots, eta
+    self.hold = lens + (park if park is not None else 0.0)  # steps each trajectory holds its slot
     self.train_rate, self.order, self.interrupt_cost = train_rate, order, interrupt_cost
     # per trajectory
     self.start = np.full(lens.size, np.nan)
@@ -155,7 +203,7 @@ class _AsyncSim:
       if n // self.batch > self.version + self.eta or n >= self.lens.size:
         return
       self.running[s], self.start[n], self.admit_version[n] = n, now, self.version
-      self.finish[s] = now + self.lens[n]
+      self.finish[s] = now + self.hold[n]
       heapq.heappush(self.events, (self.finish[s], 0, int(s), int(self.gen[s])))
       self.next_traj += 1
 
@@ -213,8 +261,10 @@ class _AsyncSim:
   def result(self) -> AsyncResult:
     # Useful decode work inside [0, t]: every admitted trace's tokens, cut at t.
     t, started = self.t, ~np.isnan(self.start)
-    useful = np.minimum(self.lens[started],
-                        np.maximum(t - self.start[started] - self.redone[started], 0.0)).sum()
+    # a trajectory still running has produced its tokens in proportion to the time it held its slot
+    held = np.maximum(t - self.start[started] - self.redone[started], 0.0)
+    share = np.minimum(held / np.maximum(self.hold[started], 1e-12), 1.0)
+    useful = (self.lens[started] * share).sum()
     return AsyncResult(eta=self.eta, order=self.order, slot_utilization=float(useful / (self.slots * t)),
                        tokens_per_step=self.trained_tokens / t,
                        learner_idle_fraction=1.0 - self.learner_busy_steps / t,

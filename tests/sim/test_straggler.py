@@ -128,3 +128,30 @@ def test_cli_json_last_line(capsys):
   assert straggler.main(["--slots", "0"]) == 2
   assert straggler.main(["--train-rate", "0"]) == 2
   assert straggler.main(["--interrupt-cost", "-1", "--epochs", "2"]) == 2
+
+
+def test_lpt_finish_times_and_the_group_wait_by_hand():
+  # 5 -> slot 0 (5), 4 -> slot 1 (4), 3 -> slot 1 (7), 3 -> slot 0 (8), 3 -> slot 1 (10)
+  assert straggler.lpt_finish(np.array([3, 5, 3, 4, 3]), 2).tolist() == [7, 5, 8, 4, 10]
+  assert straggler.group_wait(np.array([7, 5, 8, 4, 10, 10]), 3) == pytest.approx(((1 + 3 + 0) + (6 + 0 + 0)) / 6)
+  assert straggler.group_wait(np.array([7, 5]), 1) == 0.0
+
+
+def test_parked_slots_hold_their_slot_without_decoding():
+  """Every trajectory decodes 6 tokens and waits 4 steps on its environment. Synchronous, 10 per
+  batch on 4 slots: three rounds of 10 steps (LPT), so 60 tokens in 120 slot-steps; groups of 5
+  finish at [10, 10, 10, 10, 20] and [20, 20, 20, 30, 30]: waits 8 and 6. Asynchronous: a slot
+  decodes 6 of every 10 steps."""
+  model = LengthModel(samples=(6,), cap=100)
+  park = lambda rng, n: np.full(n, 4.0)  # noqa: E731
+  r = straggler.simulate_sync(model, epochs=3, batch=10, slots=4, park=park, group_size=5)
+  assert r.slot_utilization == pytest.approx(60 / 120) and r.decode_steps_per_epoch == 30
+  assert r.group_wait == pytest.approx(7.0)
+  without = straggler.simulate_sync(model, epochs=3, batch=10, slots=4, group_size=5)
+  assert without.slot_utilization == pytest.approx(60 / 72) and without.decode_steps_per_epoch == 18
+  a = straggler.simulate_async(model, epochs=200, batch=10, slots=4, eta=2, park=park)
+  assert a.slot_utilization == pytest.approx(0.6, abs=0.02)
+  assert straggler.simulate_async(model, epochs=200, batch=10, slots=4, eta=2).slot_utilization \
+      == pytest.approx(1.0, abs=0.02)
+  with pytest.raises(ValueError, match="finite step counts"):
+    straggler.simulate_sync(model, epochs=1, batch=4, slots=2, park=lambda rng, n: -np.ones(n))
