@@ -120,16 +120,19 @@ def test_an_agents_sdk_agent_trains_through_the_endpoint(params):
 
 
 def test_an_episode_that_ends_answers_its_waiting_request_409_and_releases_its_id(params):
-  """The token budget ends each episode in its first action, while the program's request waits for
-  it: the request is answered 409 (the episode ended), and a request after that finds no episode
-  (404: its id was released)."""
+  """The token budget ends an episode in its first action while the program's request waits for it:
+  the request is answered 409 (the episode ended), and a request after that finds no episode (404:
+  its id was released)."""
   agent_program.REFUSALS.clear()
-  _, got = _run_episodes(params, "tests.fixtures.agent_program:solve_until_refused", n=3, max_new=2)
-  assert {t.finish_reason for t in got} == {"length"}, [(t.finish_reason, t.error) for t in got]
+  _, got = _run_episodes(params, "tests.fixtures.agent_program:solve_until_refused", n=6, max_new=2)
+  # (an answer of at most 2 tokens ends its episode by the program returning: no refusal there)
+  assert {t.finish_reason for t in got} <= {"length", "env_done"}, [(t.finish_reason, t.error) for t in got]
+  cut = [t for t in got if t.finish_reason == "length"]
+  assert cut, "no episode was cut while its request waited: the test checks nothing"
   deadline = time.time() + 10  # (the programs go on on their own threads after their episodes)
-  while len(agent_program.REFUSALS) < 3 and time.time() < deadline:
+  while len(agent_program.REFUSALS) < len(cut) and time.time() < deadline:
     time.sleep(0.05)
-  assert agent_program.REFUSALS == [(409, 404)] * 3
+  assert agent_program.REFUSALS == [(409, 404)] * len(cut)
 
 
 def test_max_tokens_caps_the_action(params):
