@@ -42,6 +42,7 @@ class EnvironmentPool:
     self._pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
     self._lock = threading.Lock()
     self.stuck = 0  # steps that timed out and have not returned yet
+    self._running: set = set()  # submitted work not yet returned (what ``close`` waits for)
 
   def submit(self, step: Callable[[], StepResult], on_done: Callable[[Outcome], None],
              expect: Optional[type] = StepResult) -> None:
@@ -82,8 +83,24 @@ class EnvironmentPool:
     timer = threading.Timer(self.timeout, expire)
     timer.daemon = True
     timer.start()
-    self._pool.submit(run)
+    future = self._pool.submit(run)
+    with self._lock:
+      self._running.add(future)
+    future.add_done_callback(self._returned)
 
-  def close(self) -> None:
-    """Takes no more work; what was submitted still runs (environments' ``close`` among it)."""
+  def _returned(self, future: futures.Future) -> None:
+    with self._lock:
+      self._running.discard(future)
+
+  def close(self, wait: Optional[float] = None) -> int:
+    """Takes no more work; what was submitted still runs (environments' ``close`` among it).
+    ``wait``: seconds to wait for it to return (the pool's ``timeout`` if None, 0 not at all);
+    returns how many calls had not returned by then (stuck in their environment)."""
+    with self._lock:
+      running = list(self._running)
     self._pool.shutdown(wait=False, cancel_futures=False)
+    wait = self.timeout if wait is None else wait
+    if not running or wait <= 0:
+      return len(running)
+    _, not_done = futures.wait(running, timeout=wait)
+    return len(not_done)

@@ -114,12 +114,16 @@ def truncated_logits(logits_v: jax.Array, *, temperature: float, top_k: int = 0,
 
 
 def sample(logits_bv: jax.Array, key: jax.Array, settings: SamplingSettings):
-  """Samples one token per row. Returns (tokens [B] int32, logp [B] float32)."""
+  """Samples one token per row with ``key`` (one key for the batch, or typed keys [B], one per row).
+  Returns (tokens [B] int32, logp [B] float32)."""
   raw_logp = jax.nn.log_softmax(logits_bv.astype(jnp.float32), axis=-1)
   if settings.temperature == 0:
     tokens = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     return tokens, jnp.take_along_axis(raw_logp, tokens[:, None], axis=-1)[:, 0]
   logits = sampling_logits(logits_bv, settings)
-  tokens = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+  if key.ndim == 1 and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # a key per row
+    tokens = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, logits).astype(jnp.int32)
+  else:
+    tokens = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
   source = jax.nn.log_softmax(logits, axis=-1) if settings.logprob_source == "sampling" else raw_logp
   return tokens, jnp.take_along_axis(source, tokens[:, None], axis=-1)[:, 0]

@@ -11,6 +11,7 @@ environment's summed reward, as in training; a step that raises scores the episo
 from __future__ import annotations
 
 from concurrent import futures
+from typing import Optional
 
 import jax
 import numpy as np
@@ -67,15 +68,15 @@ class EpisodeEvaluator:
                                                          "episode_id": episode_id},
                           **dict(self.episode.get("options") or {}))
 
-  def evaluate(self, params, reward=None) -> dict:
-    """``{"greedy": acc, "sampled": pass@1 or None}`` (``reward`` is unused: environments score)."""
+  def evaluate(self, params, reward=None, version: Optional[int] = None) -> dict:
+    """``{"greedy": acc, "sampled": pass@1 or None, "greedy_se", "sampled_se"}`` (``reward`` is
+    unused: environments score; ``version`` picks the sampling key, as in ``Evaluator``)."""
+    from asyncrl_jax.rl import evaluation  # pylint: disable=import-outside-toplevel  (it imports this)
     del reward
-    result = {"greedy": float(self._run(params, 1, SamplingSettings(temperature=0.0), None).mean()),
-              "sampled": None}
-    if self.samples:
-      result["sampled"] = float(self._run(params, self.samples, self.sampling,
-                                          jax.random.key(self.seed)).mean())
-    return result
+    greedy = self._run(params, 1, SamplingSettings(temperature=0.0), None)
+    sampled = (self._run(params, self.samples, self.sampling, evaluation.eval_key(self.seed, version))
+               if self.samples else None)
+    return evaluation.figures(greedy, sampled, self.samples)
 
   def _run(self, params, copies: int, settings, key) -> np.ndarray:
     problems = [p for p in self.problems for _ in range(copies)]

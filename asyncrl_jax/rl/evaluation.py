@@ -30,7 +30,10 @@ class Evaluator:
 
   The sampled accuracy is the mean reward of ``samples`` completions per problem drawn as the decode
   servers draw them (``sampling``: temperature, top-k, top-p), i.e. the quantity RL maximises. The PRNG
-  key is the same at every evaluation, so successive evaluations differ by the weights only.
+  key is the run's seed folded with the policy version evaluated (``version``): a fresh draw at
+  every evaluation (so that one draw's luck does not carry through a run's curve), the same draw
+  for two runs of one seed at one version (paired comparisons). Each figure comes with its standard
+  error over problems (``*_se``: the spread of the per-problem means, sampling noise included).
 
   ``problems`` (dicts with ``question`` and ``answer``) is None in learner processes other than 0,
   which are given the prompts' token ids instead (``prompt_ids``, process 0's ``prompt_ids``) and
@@ -91,31 +94,54 @@ class Evaluator:
   def _answers(self) -> Optional[list]:
     return [p["answer"] for p in self.problems] if self.problems is not None else None
 
-  def evaluate(self, params, reward) -> dict:
-    """``{"greedy": acc, "sampled": pass@1 or None}`` on the held-out problems. The completions of
-    the primary figure (sampled, else greedy) stay in ``last_samples`` as (prompt ids, completion
-    ids, reward)."""
+  def evaluate(self, params, reward, version: Optional[int] = None) -> dict:
+    """``{"greedy": acc, "sampled": pass@1 or None, "greedy_se", "sampled_se"}`` on the held-out
+    problems (``version``: the policy's, which picks the sampling key). The completions of the
+    primary figure (sampled, else greedy) stay in ``last_samples`` as (prompt ids, completion ids,
+    reward)."""
     answers = self._answers()
     out = generate(self.model_config, params, *self._greedy, max_new_tokens=self.max_new_tokens,
                    eos_id=self.tokenizer.eos_id, mesh=self.mesh)
-    result = {"greedy": float(self._scores(*out, self.prompt_ids, answers, reward).mean()),
-              "sampled": None}
-    if self.samples:
-      result["sampled"] = float(self.sample(params, reward).mean())
-    return result
+    return figures(self._scores(*out, self.prompt_ids, answers, reward),
+                   self.sample(params, reward, version=version) if self.samples else None, self.samples)
 
-  def sample(self, params, reward, *, seed=None) -> np.ndarray:
+  def sample(self, params, reward, *, seed=None, version: Optional[int] = None) -> np.ndarray:
     """The rewards of ``samples`` completions per problem (problem-major) drawn as the decode servers
-    draw them, with PRNG seed ``seed`` (default: the evaluator's own, the same every time); the
-    completions stay in ``last_samples``."""
+    draw them, with PRNG seed ``seed`` (default: the evaluator's own) folded with ``version`` when
+    given; the completions stay in ``last_samples``."""
     if not self.samples:
       raise ValueError("this evaluator draws no samples (samples=0 or greedy sampling settings)")
     out = generate(self.model_config, params, *self._sampled,
-                   jax.random.key(self.seed if seed is None else seed),
+                   eval_key(self.seed if seed is None else seed, version),
                    max_new_tokens=self.max_new_tokens, eos_id=self.tokenizer.eos_id, mesh=self.mesh,
                    settings=self.sampling)
     repeat = lambda xs: [x for x in xs for _ in range(self.samples)] if xs is not None else None
     return self._scores(*out, repeat(self.prompt_ids), repeat(self._answers()), reward)
+
+
+def eval_key(seed: int, version: Optional[int]) -> jax.Array:
+  """The sampling key of the evaluation of policy ``version`` in a run seeded ``seed``."""
+  key = jax.random.key(seed)
+  return key if version is None else jax.random.fold_in(key, version)
+
+
+def standard_error(per_problem: np.ndarray) -> float:
+  """The standard error of a mean over problems (sample sd / sqrt(n); 0 for fewer than 2)."""
+  per_problem = np.asarray(per_problem, np.float64)
+  if per_problem.size < 2:
+    return 0.0
+  return float(per_problem.std(ddof=1) / np.sqrt(per_problem.size))
+
+
+def figures(greedy: np.ndarray, sampled: Optional[np.ndarray], samples: int) -> dict:
+  """The evaluation's figures from its rewards: greedy per problem, sampled problem-major
+  (``samples`` per problem; None: not sampled), each mean with its standard error over problems."""
+  out = {"greedy": float(np.mean(greedy)), "greedy_se": standard_error(greedy),
+         "sampled": None, "sampled_se": None}
+  if sampled is not None:
+    per_problem = np.asarray(sampled, np.float64).reshape(-1, samples).mean(axis=1)
+    out.update(sampled=float(np.mean(sampled)), sampled_se=standard_error(per_problem))
+  return out
 
 
 def _place(array: np.ndarray, where) -> jax.Array:
@@ -146,18 +172,30 @@ class RunEvaluation:
                                    prompt_ids=prompt_ids)
     self.reward = reward
     self.kind = eval_kind(self.evaluator)
+    self.last: dict = {}  # the last evaluation's figures (``figures``)
 
-  def __call__(self, learner_params, rollout_params=None) -> tuple[float, float]:
-    """(primary accuracy, greedy accuracy) of the params (the decode server's copy when given)."""
+  def __call__(self, learner_params, rollout_params=None, version: Optional[int] = None) -> tuple[float, float]:
+    """(primary accuracy, greedy accuracy) of the params (the decode server's copy when given) at
+    policy ``version`` (which picks the sampling key); every figure is kept in ``last``."""
     params = rollout_params if rollout_params is not None else local_transfer(learner_params,
                                                                               self.shardings)[0]
-    result = self.evaluator.evaluate(params, self.reward)
-    return primary(result), result["greedy"]
+    self.last = self.evaluator.evaluate(params, self.reward, version=version)
+    return primary(self.last), self.last["greedy"]
+
+  def standard_errors(self) -> dict:
+    """The last evaluation's standard errors as metrics (``eval_accuracy_se``, ``eval_greedy_accuracy_se``)."""
+    if not self.last:
+      return {}
+    se = self.last["sampled_se"] if self.last["sampled"] is not None else self.last["greedy_se"]
+    return {"eval_accuracy_se": se, "eval_greedy_accuracy_se": self.last["greedy_se"]}
 
   def run(self, learner, rollout_params=None) -> tuple[tuple[float, float], dict]:
-    """The accuracies and, with a critic, the value model's ``value_figures``."""
-    accuracy = self(learner.params, rollout_params)
-    return accuracy, self.value_figures(learner.critic) if learner.critic is not None else {}
+    """The accuracies, their standard errors and, with a critic, the value model's ``value_figures``."""
+    accuracy = self(learner.params, rollout_params, version=learner.version)
+    extra = self.standard_errors()
+    if learner.critic is not None:
+      extra.update(self.value_figures(learner.critic))
+    return accuracy, extra
 
   def value_figures(self, critic) -> dict:
     """The value model's explained variance (and means) on the last evaluation's held-out

@@ -40,7 +40,7 @@ import numpy as np
 
 from asyncrl_jax.rl.trajectory import DRAINED, RolloutRequest, Trajectory
 from asyncrl_jax.envs.pool import EnvironmentPool
-from asyncrl_jax.rollout.engine import Engine
+from asyncrl_jax.rollout.engine import Engine, sampling_stream
 from asyncrl_jax.rollout.episodes import Episodes, Finish, Started
 from asyncrl_jax.rollout.inflight import InFlight
 from asyncrl_jax.rollout.stats import DecodeStats
@@ -389,7 +389,8 @@ class DecodeServer:
       return
     self._state = self.engine.prefill_insert(self._params, self._state, [b.prompt for b in starting], slots,
                                              [b.request.max_new_tokens for b in starting],
-                                             [b.request.min_new_tokens for b in starting])
+                                             [b.request.min_new_tokens for b in starting],
+                                             [sampling_stream(b.request.request_id) for b in starting])
     self.stats.started += len(starting)
 
   def _launch(self) -> tuple:

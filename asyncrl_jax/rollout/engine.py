@@ -16,13 +16,21 @@ Beyond the JetStream API, the RL decode server uses:
   to slots that keep their context, computing only the new tokens' keys and values (multi-turn
   episodes; JetStream's ``prefill(existing_prefix=...)`` does the same for one prompt), and
   ``park(state, slots)``: stop slots from decoding while their episodes wait for an environment.
+
+Sampling keys belong to requests, not to slots or steps: the token at position ``p`` of a request
+is drawn with ``fold_in(fold_in(fold_in(key(seed), stream[0]), stream[1]), p)``, where the request's
+stream comes from its id (``sampling_stream``). A request's tokens therefore depend on its id, the
+run's seed and the weights, never on which server, slot or step served it, or on what else was in
+the batch: runs with several decode servers are reproducible, and a retried or resumed request
+draws what it would have drawn.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
 import time
-import zlib
 from typing import Any, Optional, Sequence
 
 import jax
@@ -52,7 +60,8 @@ class DecodeState:
   positions: jax.Array  # [S] where the next token goes (= tokens in the slot so far)
   generated: jax.Array  # [S] tokens generated since the slot was filled
   budget: jax.Array  # [S] tokens the slot may still generate; 0 = idle (finished or never filled)
-  rng: jax.Array
+  rng: jax.Array  # the run's sampling key (every server of a run has the same)
+  streams: jax.Array  # [S, 2] int32 each slot's request's sampling stream (``sampling_stream``)
   min_left: jax.Array  # [S] tokens the slot must still generate before a stop token may be sampled
 
 
@@ -86,7 +95,8 @@ class Engine(ContextExtension, engine_api.Engine):
                max_target_length: int, sampling: SamplingSettings = SamplingSettings(),
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
                hf_path: str = "", seed: int = 0, background_compile: bool = True,
-               attention_chunk: int = 0, prefill_tokens: int = 0, decode_attention: str = "xla"):
+               attention_chunk: int = 0, prefill_tokens: int = 0, decode_attention: str = "xla",
+               stream_salt: str = ""):
     attention.check_decode_attention(decode_attention, head_dim=config.head_dim,
                                      platform=mesh.devices.flat[0].platform, cache_len=max_target_length)
     if max_target_length > config.max_seq_len:
@@ -111,6 +121,9 @@ class Engine(ContextExtension, engine_api.Engine):
     self._stop_ids = np.asarray(sorted(self.tokenizer.stop_ids), np.int32)
     self.tokenizer_path = tokenizer_path
     self._params, self._hf_path, self._seed = params, hf_path, seed
+    # requests inserted without a stream (JetStream's insert) get f"{salt}#{n}": distinct per engine
+    # when each server process passes its own salt
+    self._stream_salt, self._default_streams = stream_salt, itertools.count()
     self.param_shardings = models.param_shardings(config, mesh)
     models.serving_dtypes(config)  # traced here, once: not later on the decode loop's guarded thread
     self._slot_sharding = sharding_lib.batch_sharding(mesh, 1)
@@ -127,7 +140,7 @@ class Engine(ContextExtension, engine_api.Engine):
     self._jit_prefill_insert = jax.jit(bounded_traces(
         function(self._prefill_insert_impl), "prefill_insert",
         len(prefill_shapes(num_slots, max_prefill_length, prefill_tokens))), donate_argnums=(1,),
-        in_shardings=(self.param_shardings, state) + (self._replicated,) * 5, out_shardings=state)
+        in_shardings=(self.param_shardings, state) + (self._replicated,) * 7, out_shardings=state)
     self._jit_refill = jax.jit(bounded_traces(
         function(self._refill_impl), "refill",
         len(prefill_shapes(num_slots, max_target_length, prefill_tokens))),
@@ -214,7 +227,8 @@ class Engine(ContextExtension, engine_api.Engine):
     cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
     return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
                        positions=self._slot_sharding, generated=self._slot_sharding,
-                       budget=self._slot_sharding, rng=self._replicated, min_left=self._slot_sharding)
+                       budget=self._slot_sharding, rng=self._replicated,
+                       streams=sharding_lib.batch_sharding(self._mesh, 2), min_left=self._slot_sharding)
 
   def _build_make_state(self):
     c, s, length = self.config, self.num_slots, self.max_target_length
@@ -225,7 +239,7 @@ class Engine(ContextExtension, engine_api.Engine):
                          logits=jnp.zeros((s, c.vocab_size), jnp.float32),
                          positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
                          budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed),
-                         min_left=jnp.zeros((s,), jnp.int32))
+                         streams=jnp.zeros((s, 2), jnp.int32), min_left=jnp.zeros((s,), jnp.int32))
     return make
 
   def prefill(self, *, params, existing_prefix: Optional[Prefix] = None, padded_tokens,
@@ -247,7 +261,12 @@ class Engine(ContextExtension, engine_api.Engine):
   def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
     if not 0 <= slot < self.num_slots:
       raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
-    return self._jit_insert(prefix, decode_state, jnp.int32(slot))
+    stream = jnp.asarray(self.default_stream(), jnp.int32)
+    return self._jit_insert(prefix, decode_state, jnp.int32(slot), stream)
+
+  def default_stream(self) -> tuple[int, int]:
+    """The sampling stream of a request inserted without one (this engine's next)."""
+    return sampling_stream(f"{self._stream_salt}#{next(self._default_streams)}")
 
   def generate(self, params, decode_state: DecodeState):
     decode_state, tokens, _ = self._jit_step(params, decode_state)
@@ -299,16 +318,19 @@ class Engine(ContextExtension, engine_api.Engine):
     params, state = self.param_spec(), self.abstract_decode_state()
     return ([(f"decode_chunk[{steps_per_call} steps]", self._decode_chunk(steps_per_call),
               (params, state))]
-            + self._prefill_insert_calls.programs(params, state, 4, shapes)
+            + self._prefill_insert_calls.programs(params, state, 6, shapes)
             + self._refill_calls.programs(params, state, 2, shapes))
 
   def prefill_insert(self, params, decode_state: DecodeState, prompts: Sequence[Sequence[int]],
                      slots: Sequence[int], max_new_tokens: Optional[Sequence[int]] = None,
-                     min_new_tokens: Optional[Sequence[int]] = None) -> DecodeState:
+                     min_new_tokens: Optional[Sequence[int]] = None,
+                     streams: Optional[Sequence[tuple[int, int]]] = None) -> DecodeState:
     """Prefills several prompts in one batched pass and inserts them into ``slots``.
 
     Each slot may then generate ``max_new_tokens[i]`` tokens (default: until the cache is full), and
     samples no stop token before it has ``min_new_tokens[i]`` (default 0; see ``models.sampling``).
+    ``streams[i]``: the request's sampling stream (``sampling_stream(request_id)``; default: the
+    engine's next ``default_stream``).
 
     Prompts are grouped by length into a few calls of ``(rows, width)`` shapes (``prefill_plan``;
     padding rows target slot ``S`` and are dropped), so only a few shapes are ever compiled.
@@ -323,6 +345,13 @@ class Engine(ContextExtension, engine_api.Engine):
     slot_ids = np.zeros(len(prompts), np.int32)
     budgets = np.zeros(len(prompts), np.int32)
     minimums = np.zeros(len(prompts), np.int32)
+    if streams is None:
+      streams = [self.default_stream() for _ in prompts]
+    streams = np.asarray(streams, np.int64).reshape(-1, 2) if len(streams) else np.zeros((0, 2), np.int64)
+    if len(streams) != len(prompts) or streams.min(initial=0) < 0 or streams.max(initial=0) >= 2**31:
+      raise ValueError(f"prefill_insert needs one stream (two ints in [0, 2**31)) per prompt, got "
+                       f"{streams.shape[0]} for {len(prompts)} prompts")
+    streams = streams.astype(np.int32)
     for i, (p, slot) in enumerate(zip(prompts, slots)):
       if not 0 <= slot < self.num_slots:
         raise ValueError(f"slot {slot} outside [0, {self.num_slots})")
@@ -343,7 +372,8 @@ class Engine(ContextExtension, engine_api.Engine):
     # padding rows: length 1, slot S (dropped by the scatter), budget 0, minimum 0
     return self._prefill_insert_calls(params, decode_state, lengths, tokens,
                                       [(lengths, 1), (slot_ids, self.num_slots), (budgets, 0),
-                                       (minimums, 0)], self.prefill_call_overhead)
+                                       (minimums, 0), (streams[:, 0], 0), (streams[:, 1], 0)],
+                                      self.prefill_call_overhead)
 
   def refill(self, params, decode_state: DecodeState, tokens_sp, lengths_s) -> DecodeState:
     """Recomputes every slot's KV cache and next-token logits from ``tokens_sp[:, :lengths]``.
@@ -380,7 +410,7 @@ class Engine(ContextExtension, engine_api.Engine):
         self._make_state = self._build_make_state()
       decode_state = jax.eval_shape(self._make_state)
     if self._refill_calls.background:
-      self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 4)
+      self._prefill_insert_calls.warm_up(self.param_spec(), decode_state, 6)
       self._refill_calls.warm_up(self.param_spec(), decode_state, 2)
 
   def compiles_pending(self) -> bool:
@@ -406,7 +436,7 @@ class Engine(ContextExtension, engine_api.Engine):
                                         logits_at_b=jnp.full((1,), true_length - 1, jnp.int32))
     return Prefix(cache=cache, logits=logits[:, 0], length=jnp.int32(true_length))
 
-  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot) -> DecodeState:
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot, stream) -> DecodeState:
     def put(big, small):
       small = small.astype(big.dtype)
       return jax.lax.dynamic_update_slice(big, small, (slot,) + (0,) * (big.ndim - 1))
@@ -414,14 +444,14 @@ class Engine(ContextExtension, engine_api.Engine):
     return state.replace(
         cache=cache, logits=put(state.logits, prefix.logits),
         positions=state.positions.at[slot].set(prefix.length),
-        generated=state.generated.at[slot].set(0),
+        generated=state.generated.at[slot].set(0), streams=state.streams.at[slot].set(stream),
         budget=state.budget.at[slot].set(self.max_target_length - prefix.length),
         min_left=state.min_left.at[slot].set(0))
 
   def _step_impl(self, params, state: DecodeState):
-    rng, key = jax.random.split(state.rng)
     banned = (state.min_left > 0) & (state.budget > 0)
-    tokens, logp = sample(ban_stop_tokens(state.logits, banned, self._stop_ids), key, self.sampling)
+    keys = token_keys(state.rng, state.streams, state.positions)
+    tokens, logp = sample(ban_stop_tokens(state.logits, banned, self._stop_ids), keys, self.sampling)
     positions = jnp.minimum(state.positions, self.max_target_length - 1)
     logits, cache = models.apply_decode(self.config, params, tokens[:, None], positions[:, None],
                                         state.cache, self._mesh, decode=self.decode_attention)
@@ -429,8 +459,8 @@ class Engine(ContextExtension, engine_api.Engine):
     finishing = active & (jnp.isin(tokens, self._stop_ids) | (state.budget == 1))
     budget = jnp.where(finishing, 0, jnp.maximum(state.budget - 1, 0))
     new_state = DecodeState(cache=cache, logits=logits[:, 0], positions=state.positions + 1,
-                            generated=state.generated + 1, budget=budget, rng=rng,
-                            min_left=jnp.maximum(state.min_left - 1, 0))
+                            generated=state.generated + 1, budget=budget, rng=state.rng,
+                            streams=state.streams, min_left=jnp.maximum(state.min_left - 1, 0))
     return new_state, tokens, logp
 
   def _steps_impl(self, params, state: DecodeState, max_steps: int):
@@ -470,9 +500,11 @@ class Engine(ContextExtension, engine_api.Engine):
                          positions=state.positions.at[slots_n].set(lengths_n, mode="drop"))
 
   def _prefill_insert_impl(self, params, state: DecodeState, tokens_np, lengths_n, slots_n, budgets_n,
-                          minimums_n):
+                          minimums_n, streams_hi_n, streams_lo_n):
     state = self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
+    streams = jnp.stack([streams_hi_n, streams_lo_n], axis=1)
     return state.replace(generated=state.generated.at[slots_n].set(0, mode="drop"),
+                         streams=state.streams.at[slots_n].set(streams, mode="drop"),
                          budget=state.budget.at[slots_n].set(budgets_n, mode="drop"),
                          min_left=state.min_left.at[slots_n].set(minimums_n, mode="drop"))
 
@@ -482,17 +514,28 @@ class Engine(ContextExtension, engine_api.Engine):
     return self._prefill_scatter(params, state, tokens_np, lengths_n, slots_n)
 
 
-def server_seed(seed: int, server_id: str) -> int:
-  """The sampling seed of decode server ``server_id`` in a run seeded ``seed``: distinct per server, so
-  that a group's samples spread over several servers are independent draws, not copies of each other."""
-  return (seed * 1_000_003 + zlib.crc32(server_id.encode())) % 2**31
+def sampling_stream(request_id: str) -> tuple[int, int]:
+  """A request's sampling stream: two numbers in [0, 2**31) from its id, the same in every process
+  (a 62-bit digest: two requests of a run share a stream with negligible probability, and the
+  members of a group, whose ids differ, draw independently)."""
+  digest = int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+  return digest & 0x7FFFFFFF, (digest >> 31) & 0x7FFFFFFF
+
+
+def token_keys(base: jax.Array, streams: jax.Array, positions: jax.Array) -> jax.Array:
+  """The sampling key of each slot's next token ([S] keys): the run's key folded with the slot's
+  request stream and the token's position in the sequence."""
+  def one(stream, position):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, stream[0]), stream[1]), position)
+  return jax.vmap(one)(streams, positions)
 
 
 def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=None,
-                       seed: Optional[int] = None) -> "Engine":
+                       seed: Optional[int] = None, stream_salt: str = "") -> "Engine":
   """The engine an experiment config describes, on the rollout ``mesh`` (built by the caller, who owns
   it) for ``model_config`` (``models.config_of(config)``); ``seed``: its sampling seed (default
-  ``config.seed``; each decode-server process passes ``server_seed``)."""
+  ``config.seed``, the same on every decode server of a run: sampling keys come from each request's id,
+  see ``sampling_stream``)."""
   return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
@@ -500,5 +543,5 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
                 hf_path=config.model.hf_path, seed=config.seed if seed is None else seed,
                 attention_chunk=config.rollout.attention_chunk,
                 prefill_tokens=config.rollout.prefill_tokens,
-                decode_attention=config.rollout.decode_attention)
+                decode_attention=config.rollout.decode_attention, stream_salt=stream_salt)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 from typing import Callable, Optional, Union
 
@@ -38,6 +39,8 @@ import asyncrl_jax.envs  # noqa: F401  (registers the built-in environments)
 from asyncrl_jax.envs.pool import EnvironmentPool, Outcome
 from asyncrl_jax.rollout.inflight import InFlight
 from asyncrl_jax.tokenization import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,8 +236,13 @@ class Episodes:
     return Resume(tokens)
 
   def close(self) -> None:
+    """No more environment work; waits (up to the step timeout) for the environments' calls still
+    running, ``close()`` of the episodes just ended among them, so nothing outlives its server."""
     if self._pool is not None:
-      self._pool.close()
+      stuck = self._pool.close()
+      if stuck:
+        log.warning("%d environment call(s) still running %gs after the decode server stopped; "
+                        "left to their threads", stuck, self._pool.timeout)
 
 
 def _cap(env) -> Optional[int]:

@@ -41,7 +41,7 @@ from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.trajectory import DRAINED
 from asyncrl_jax.rollout import registry
 from asyncrl_jax.rollout.decode_loop import DecodeServer
-from asyncrl_jax.rollout.engine import engine_from_config, server_seed
+from asyncrl_jax.rollout.engine import engine_from_config
 from asyncrl_jax.rollout.grpc_service import RolloutService, serve
 from asyncrl_jax.weights.remote import WeightReceiver
 
@@ -61,9 +61,9 @@ def main(argv=None) -> None:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
     mesh = sharding.make_mesh(jax.local_devices(), config.mesh.rollout.to_dict(), role="mesh.rollout")
-    # each server its own sampling seed: a group's requests spread over servers must not repeat
-    engine = engine_from_config(config, mesh, models.config_of(config),
-                                seed=server_seed(config.seed, _SERVER_ID.value))
+    # the run's seed on every server: each request draws from its own stream (its id), wherever it
+    # runs; requests without an id's stream (JetStream's insert) get this server's own
+    engine = engine_from_config(config, mesh, models.config_of(config), stream_salt=_SERVER_ID.value)
     # No weights until the learner pushes its current version (version -1 accepts any).
     server = DecodeServer(engine, None, version=-1, server_id=_SERVER_ID.value,
                           on_weight_update=config.rollout.on_weight_update,

@@ -426,6 +426,9 @@ def run(config, workdir: str) -> dict:
   summary = log.summary(
       meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
+      final_eval_accuracy_se=evaluate.standard_errors().get("eval_accuracy_se") if evaluate else None,
+      final_eval_greedy_accuracy_se=(evaluate.standard_errors().get("eval_greedy_accuracy_se")
+                                     if evaluate else None),
       duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
       prompts_skipped_too_long=controller.skipped_prompts,
       rejected_rollouts=dict(controller.rejected), retried_rollouts=controller.retried,
@@ -464,18 +467,8 @@ def main(argv=None) -> None:
       sys.exit(2)
     except (NonFiniteError, SamplingMismatch) as e:  # a clear stop: the message says what and where
       print(f"error: {e}", file=sys.stderr)
-      sys.exit(1)
-    if "preempted_at_version" in result:
-      # Everything is written and closed (the checkpoint waited for its write). Leave now: a
-      # notice's seconds are not spent in interpreter shutdown, where a native thread interrupted
-      # by the signal can abort the process (seen once in CI: "terminate called ... not rethrown").
-      if multi:
-        jax.distributed.shutdown()
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(0)  # pylint: disable=protected-access
-    if multi:
-      jax.distributed.shutdown()
+      result = {"error": str(e)}
+    code = 1 if "error" in result else 0
     if result.get("stopped_on_alarm"):  # (process 0's summary; the others return {})
       print(f"error: the health monitor stopped the run (learner.stop_on_alarm): "
             f"{'; '.join(result['stopped_on_alarm'])}; the checkpoint of version {result['steps']} is "
@@ -483,7 +476,17 @@ def main(argv=None) -> None:
             "one does); raise the monitor.* threshold or set learner.stop_on_alarm=False to go on "
             "regardless",
             file=sys.stderr)
-      sys.exit(1)
+      code = 1
+    # Everything is written and closed (the checkpoint waited for its write, the summary is on disk,
+    # the decode servers and their environments are stopped). Leave without interpreter shutdown:
+    # there a native thread (XLA's, gRPC's, a tokenizer's) still running can abort the process
+    # ("terminate called ... exception not rethrown", seen in CI after a run had finished), and a
+    # preemption notice's seconds are not spent on it.
+    if multi:
+      jax.distributed.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
 
   app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 

@@ -339,12 +339,18 @@ def episode_metrics(trajectories) -> dict:
           "env_failures": sum(t.finish_reason in ("env_error", "env_timeout") for t in episodes)}
 
 
+def _with_se(summary: dict, key: str):
+  """``summary[key]`` with its standard error (``key + "_se"``) when the summary has one."""
+  value, se = summary.get(key), summary.get(key + "_se")
+  return value if value is None or se is None else f"{value:.3f} +- {se:.3f}"
+
+
 def _print_summary(summary: dict) -> None:
   rows = [("held-out accuracy, before RL", summary["initial_eval_accuracy"]),
-          ("held-out accuracy, after RL", summary["final_eval_accuracy"]),
+          ("held-out accuracy, after RL", _with_se(summary, "final_eval_accuracy")),
           ("  (metric)", summary["eval_metric"]),
           ("held-out greedy accuracy, before RL", summary["initial_eval_greedy_accuracy"]),
-          ("held-out greedy accuracy, after RL", summary["final_eval_greedy_accuracy"]),
+          ("held-out greedy accuracy, after RL", _with_se(summary, "final_eval_greedy_accuracy")),
           ("policy versions trained", summary["steps"]),
           ("trained tokens", summary["trained_tokens"]),
           ("effective tokens/s", summary["effective_tokens_per_s"]),

@@ -171,6 +171,21 @@ def test_the_pool_reports_each_step_once_with_errors_and_timeouts_as_finish_reas
     p.close()
 
 
+def test_closing_the_pool_waits_for_the_calls_still_running_up_to_its_bound():
+  p = pool.EnvironmentPool(workers=2, timeout=5.0)
+  finished = []
+  p.submit(lambda: (time.sleep(0.3), finished.append("close"))[0], lambda o: None, expect=None)
+  assert p.close() == 0 and finished == ["close"]  # waited for it: an environment's close ran
+  with pytest.raises(RuntimeError):
+    p.submit(lambda: None, lambda o: None, expect=None)  # a closed pool takes no more work
+  stuck = pool.EnvironmentPool(workers=1, timeout=5.0)
+  release = threading.Event()
+  stuck.submit(lambda: release.wait(10), lambda o: None, expect=None)
+  t = time.perf_counter()
+  assert stuck.close(wait=0.2) == 1 and time.perf_counter() - t < 2  # bounded: reports it, returns
+  release.set()
+
+
 def test_the_tool_environment_answers_calls_and_scores_the_final_answer():
   env = base.make("tools")
   assert env.reset({"question": "123456789+987654321=", "answer": "1111111110"}) == "123456789+987654321="

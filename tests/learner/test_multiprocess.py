@@ -222,7 +222,10 @@ def test_two_process_value_mode_and_evaluation_equal_one_process_and_the_checkpo
   np.testing.assert_array_equal(got["eval_completions"], _padded(completions))
   assert float(got["eval_accuracy"]) == accuracy and float(got["eval_greedy"]) == greedy
   assert float(got["follower_eval_accuracy"]) == accuracy  # process 1 got process 0's scores
-  assert set(figures) == {"eval_value_explained_variance", "eval_value_mean", "eval_return_mean"}
+  assert set(figures) == {"eval_value_explained_variance", "eval_value_mean", "eval_return_mean",
+                          "eval_accuracy_se", "eval_greedy_accuracy_se"}
+  per_problem = np.asarray([r for _, _, r in samples], np.float64).reshape(6, 2).mean(axis=1)
+  assert figures["eval_accuracy_se"] == pytest.approx(np.std(per_problem, ddof=1) / np.sqrt(6))
   for k, v in figures.items():
     assert float(got[k]) == pytest.approx(v, rel=1e-4, abs=1e-6), k
 

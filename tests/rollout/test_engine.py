@@ -99,6 +99,46 @@ def test_inserting_into_a_busy_batch_does_not_disturb_other_slots(params):
   assert got == list(alone[0])
 
 
+def _sampled(engine, params, prompts, slots, streams, steps=12, budget=12):
+  """Tokens [len(prompts), steps] sampled for each prompt, run in the given slots with those streams."""
+  state = engine.prefill_insert(params, engine.init_decode_state(), prompts, slots, [budget] * len(prompts),
+                                streams=streams)
+  toks = []
+  for _ in range(steps):
+    state, t, _ = engine.step(params, state)
+    toks.append(np.asarray(t)[slots])
+  return np.stack(toks, 1)
+
+
+def test_a_requests_samples_depend_on_its_id_not_on_its_server_slot_or_neighbours(params):
+  """Several decode servers reproduce a run only if a request draws the same tokens wherever it
+  runs: same id -> same tokens on another engine (another server's salt), in another slot, beside
+  other requests; another id or another run seed -> other tokens (the negative controls)."""
+  from asyncrl_jax.rollout.engine import sampling_stream  # pylint: disable=import-outside-toplevel
+  settings = SamplingSettings(temperature=1.0)
+  a, b = _engine(params, settings, stream_salt="decode-0"), _engine(params, settings, stream_salt="decode-1")
+  p = a.load_params()
+  prompts = _prompts(4, seed=5)
+  ids = ["p7-s0", "p7-s1", "p8-s0", "p9-s3"]
+  streams = [sampling_stream(i) for i in ids]
+  first = _sampled(a, p, prompts, [0, 1, 2, 3], streams)
+  # another server, the requests in other slots, and one of them beside different neighbours
+  moved = _sampled(b, p, prompts[::-1], [1, 0, 3, 2], streams[::-1])[::-1]
+  np.testing.assert_array_equal(first, moved)
+  alone = _sampled(b, p, [prompts[2], _prompts(1, seed=9)[0]], [3, 1], [streams[2], sampling_stream("x")])
+  np.testing.assert_array_equal(first[2], alone[0])
+  # negative controls: another id, another run seed, an engine's own streams
+  other_id = _sampled(a, p, prompts[:1], [0], [sampling_stream("p7-s9")])
+  other_seed = _sampled(_engine(params, settings, seed=1), p, prompts[:1], [0], streams[:1])
+  assert (other_id[0] != first[0]).any() and (other_seed[0] != first[0]).any()
+  own_a = _sampled(a, p, prompts[:2], [0, 1], None)
+  own_b = _sampled(b, p, prompts[:2], [0, 1], None)
+  assert (own_a != own_b).any()  # servers' default streams differ (their salts)
+  assert sampling_stream("p7-s0") == streams[0] and all(0 <= x < 2**31 for s in streams for x in s)
+  with pytest.raises(ValueError, match="one stream"):
+    a.prefill_insert(p, a.init_decode_state(), prompts[:2], [0, 1], streams=streams[:1])
+
+
 @pytest.mark.slow(40)
 @pytest.mark.parametrize("settings", [
     SamplingSettings(temperature=1.0),
@@ -315,7 +355,7 @@ def test_prefills_split_their_rows_over_the_data_axis(params, name):
     width = 48 if name == "_jit_refill" else 16
     tokens = jax.ShapeDtypeStruct((4, width), np.int32)
     rows = jax.ShapeDtypeStruct((4,), np.int32)
-    extra = (rows,) * (1 if name == "_jit_refill" else 3)
+    extra = (rows,) * (1 if name == "_jit_refill" else 5)
     out = getattr(engine, name).lower(params, state, tokens, rows, *extra).compile()
     cost = out.cost_analysis()
     return out, (cost[0] if isinstance(cost, list) else cost)["flops"], state.cache[0].shape

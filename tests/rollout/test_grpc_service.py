@@ -170,13 +170,6 @@ def test_only_servers_at_most_one_version_behind_get_work():
   assert eligible([None, None], published=None) == [0, 1]
 
 
-def test_each_decode_server_process_samples_with_its_own_seed():
-  from asyncrl_jax.rollout.engine import server_seed  # pylint: disable=import-outside-toplevel
-  seeds = {server_seed(0, f"decode-{i}") for i in range(64)}
-  assert len(seeds) == 64 and all(0 <= s < 2**31 for s in seeds)
-  assert server_seed(0, "decode-1") == server_seed(0, "decode-1") != server_seed(1, "decode-1")
-
-
 def test_malformed_and_oversized_messages_are_refused_and_the_server_lives_on(local_service):
   """Random bytes to every method (hypothesis-style fuzzing with a fixed seed), a message over the
   size limit, and requests that parse but are nonsense: each gets an error status or a failed

@@ -1,6 +1,7 @@
 """The main job end to end on a tiny configuration: summary, staleness bound, colocated eta=0, kill
 and resume."""
 
+import collections
 import json
 import os
 import signal
@@ -101,6 +102,30 @@ def _check_pinned(metrics, eta: int) -> None:
     assert m["max_staleness_seen"] == m["min_staleness_seen"] == want, (v, m["max_staleness_seen"],
                                                                         m["min_staleness_seen"])
     assert m["mean_staleness"] == want
+
+
+def _fingerprint(workdir) -> tuple:
+  """What a run trained, version by version: the prompts (digests), every completion's length, and
+  the batch's reward, loss, KL and entropy."""
+  prompts = [(p["version"], p["digests"], p["completion_lengths"]) for p in _trained_prompts(workdir)]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    metrics = [json.loads(l) for l in f if l.strip()]
+  return prompts, [(m["version"], m["reward"], m["loss"], m["kl_behav"], m["entropy"]) for m in metrics]
+
+
+@pytest.mark.slow(75)
+def test_pinned_runs_of_one_seed_train_identical_batches_and_another_seed_does_not(tmp_path):
+  """Paired staleness experiments rest on this: two pinned runs with the same seed train the same
+  prompts, the same completions and reach the same losses for their first 5 versions, in one
+  process; a run with another seed does not (the negative control)."""
+  pinned = ["--config.steps=5", "--config.rl.staleness_mode=pinned", "--config.rl.max_staleness=2",
+            "--config.learner.eval_every=0", "--config.checkpoint.every_steps=100"]
+  for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+    _run(tmp_path / name, *pinned, f"--config.seed={seed}")
+  a, b, c = (_fingerprint(tmp_path / name) for name in "abc")
+  assert [v for v, _, _ in a[0]] == list(range(5))
+  assert a == b
+  assert a[0] != c[0] and a[1] != c[1]
 
 
 @pytest.mark.slow(62)
@@ -519,6 +544,29 @@ def test_the_pods_twin_pins_staleness_with_a_decode_server_process(tmp_path):
   summary, metrics, _ = _twin_results(run)
   assert summary["steps"] == steps and summary["decode_servers"] == 1, out[-3000:]
   _check_pinned(metrics, eta)
+
+
+@pytest.mark.slow(140)
+def test_pinned_runs_of_one_seed_train_identical_batches_with_two_decode_server_processes(tmp_path):
+  """The same with a learner and two decode-server processes (launch/local.sh): which server takes
+  which request, and in which order they arrive, varies from run to run; every batch is the same
+  anyway (sampling keys come from the request ids), and another seed's is not."""
+  pinned = ("--config.rl.staleness_mode=pinned", "--config.rl.max_staleness=1")
+  runs = {}
+  for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+    run = tmp_path / name
+    run.mkdir()
+    out = _twin_wait(_twin_start(run, 1, 2, 5, *pinned, f"--config.seed={seed}", "--config.log.trajectories=64"))
+    summary, metrics, _ = _twin_results(run)
+    assert summary["steps"] == 5 and summary["decode_servers"] == 2, out[-3000:]
+    _check_pinned(metrics, 1)
+    served = [json.loads(l)["server_id"] for l in (run / "trajectories.jsonl").read_text().splitlines()]
+    assert len(set(served)) == 2, collections.Counter(served)  # both servers sampled trained tokens
+    runs[name] = _fingerprint(run)
+  a, b, c = runs["a"], runs["b"], runs["c"]
+  assert [v for v, _, _ in a[0]] == list(range(5))
+  assert a == b
+  assert a[0] != c[0] and a[1] != c[1]
 
 
 @pytest.mark.slow(17)
