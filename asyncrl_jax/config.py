@@ -144,6 +144,12 @@ def _validate_data(config) -> None:
     _number(config, f, lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "data.seed", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "data.eval_samples", lambda v: v >= 0, "an integer >= 0 (0: greedy only)", integer=True)
+  for f in ("data.final_eval_problems", "data.final_eval_samples"):
+    _number(config, f, lambda v: v >= 0, "an integer >= 0 (0: as data.eval_problems / eval_samples)",
+            integer=True)
+  if config.data.task in ("arithmetic", "tool_arithmetic"):
+    _number(config, "data.final_eval_problems", lambda v: v <= config.data.num_test,
+            f"at most data.num_test ({config.data.num_test}): the held-out split has no more", integer=True)
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)
   _number(config, "data.max_terms", lambda v: v >= config.data.min_terms,
           f"an integer >= data.min_terms ({config.data.min_terms})", integer=True)

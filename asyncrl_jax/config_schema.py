@@ -66,6 +66,10 @@ def _data_section() -> ml_collections.ConfigDict:
       seed=0,  # built-in task: generator seed of the problems (the run's seed drives everything else)
       eval_problems=256,  # held-out problems per evaluation
       eval_samples=4,  # sampled completions per held-out problem (pass@1); 0 = greedy accuracy only
+      # the evaluation of the last version (the summary's final_eval_*): problems and samples per
+      # problem; 0 = as every evaluation (eval_problems, eval_samples). E.g. 500 x 16 for a pass@1
+      # with a standard error near half a point
+      final_eval_problems=0, final_eval_samples=0,
   ))
 
 

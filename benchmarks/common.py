@@ -60,6 +60,22 @@ def _commit() -> str:
   return head + ("+changes" if dirty else "")
 
 
+def code_commit(paths: Sequence[str] = ("asyncrl_jax", "configs")) -> str:
+  """The last commit that changed the training code (``paths``), with ``+changes`` when the working
+  tree differs from it there; "unknown" outside a git checkout. Two runs naming the same one ran the
+  same code, whatever else (benchmarks, docs) changed between them."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    last = subprocess.run(["git", "log", "-1", "--format=%h", "--", *paths], cwd=root, capture_output=True,
+                          text=True, check=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *paths],
+                           cwd=root, capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return (last or "unknown") + ("+changes" if dirty else "")
+
+
 def write_result(name: str, result: dict, table_header: Sequence[str], table_rows: Sequence[Sequence],
                  notes: str = "", out_dir: str = RESULTS_DIR) -> str:
   """Writes ``name.json`` and ``name.md`` (table + machine + config) to ``out_dir``; returns the md path."""

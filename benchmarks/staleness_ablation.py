@@ -35,8 +35,15 @@ The full grid is about 6 hours of both cores, more than one sitting, so each fin
 outcome and mechanism, the commit and machine it ran on, and the warm start's accuracy) is also kept
 in benchmarks/results/NAME_arms/ARM.json, which is committed: a rerun on any machine reuses those
 records and runs only the missing cells, and refuses to mix in records whose configuration or warm
-start differs from this run's. ``--assemble-only`` writes the table from the records alone, with the
+start differs from this run's. A record also names the last commit of the training code
+(``asyncrl_jax/``, ``configs/``) it ran; one that names another is run again, and a grid does not run
+from uncommitted training code. ``--assemble-only`` writes the table from the records alone, with the
 missing cells marked as not run.
+
+``--first-seed S`` runs seeds S..S+N-1 (fresh seeds for a confirmation: a seed replays its run).
+``--final-eval 500x16`` evaluates each arm's last version on 500 held-out problems with 16 samples
+each (``data.final_eval_problems`` / ``final_eval_samples``; pass@1 SE at most 0.56 points); the
+records keep each figure's standard error (``final_se``, ``final_greedy_se``).
 
 ``--regime=probe`` is the regime of the decoupled-vs-naive diagnosis: learning rate 3e-4, 2 optimizer
 updates per batch, eta 8, 80 versions, evaluated every 20. Its arms are naive PPO, decoupled PPO as
@@ -51,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -64,7 +72,7 @@ from asyncrl_jax import cli  # noqa: E402  pylint: disable=wrong-import-position
 
 cli.ensure_cpu_devices(4)
 
-from benchmarks.common import machine, percent_cell, read_json, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.common import code_commit, machine, percent_cell, read_json, pyplot, run_logged, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIG = os.path.join(ROOT, "configs", "default.py")
 # The grid's arms: name -> (rl.loss, extra overrides). `sao` is SAO whole: one rollout per prompt,
@@ -165,6 +173,13 @@ def _eta_flag(eta, steps: int) -> int:
   return steps if eta == UNBOUNDED else int(eta)
 
 
+def _parse_final_eval(text: str) -> tuple[int, int]:
+  problems, x, samples = text.partition("x")
+  if not (x and problems.isdigit() and samples.isdigit() and int(problems) > 0 and int(samples) > 0):
+    raise argparse.ArgumentTypeError(f"--final-eval {text!r}: expected PROBLEMSxSAMPLES, e.g. 500x16")
+  return int(problems), int(samples)
+
+
 def _parse_eta(text: str):
   if text == UNBOUNDED:
     return UNBOUNDED
@@ -187,6 +202,9 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
   return dict(fields, initial=s["initial_eval_accuracy"], initial_greedy=s["initial_eval_greedy_accuracy"],
               final=s["final_eval_accuracy"],
               final_greedy=s["final_eval_greedy_accuracy"],
+              final_se=s.get("final_eval_accuracy_se"), final_greedy_se=s.get("final_eval_greedy_accuracy_se"),
+              final_metric=s.get("final_eval_metric", s.get("eval_metric")),
+              final_problems=s.get("final_eval_problems"),
               evals={h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h},
               kl_behav=mean("kl_behav"), clipped_frac=mean("clipped_frac"),
               dropped_frac=mean("dropped_frac"), mean_staleness=mean("mean_staleness"),
@@ -253,6 +271,9 @@ def main(argv=None) -> int:
   p.add_argument("--arms", nargs="*", default=None, choices=list(ARMS),
                  help=f"default: {list(ARMS)[:4]}; pinned {PINNED_ARMS}")
   p.add_argument("--seeds", type=int, default=None, help="seeds per arm (default 3; quick 1)")
+  p.add_argument("--first-seed", type=int, default=0, help="the seeds are FIRST..FIRST+N-1 (default 0)")
+  p.add_argument("--final-eval", type=_parse_final_eval, default=None, metavar="PROBLEMSxSAMPLES",
+                 help="the last version's evaluation, e.g. 500x16 (default: as every evaluation)")
   p.add_argument("--steps", type=int, default=None, help=f"policy versions per arm (default {GRID['steps']})")
   p.add_argument("--workdir", default="", help="keep the runs here; a rerun reuses finished arms "
                  "(default: a temporary directory)")
@@ -275,10 +296,15 @@ def main(argv=None) -> int:
       "_pinned" if pinned else "")
   if pinned:
     args.override = ["--config.rl.staleness_mode=pinned", *args.override]
+  if args.final_eval:
+    args.override = [*args.override, f"--config.data.final_eval_problems={args.final_eval[0]}",
+                     f"--config.data.final_eval_samples={args.final_eval[1]}"]
+  if args.first_seed < 0:
+    raise SystemExit(f"--first-seed={args.first_seed}: seeds are integers >= 0")
   etas = args.etas if args.etas is not None else (QUICK["etas"] if quick else PINNED_ETAS if pinned
                                                   else ETAS)
   arms = args.arms or (QUICK["arms"] if quick else PINNED_ARMS if pinned else list(ARMS)[:4])
-  seeds = list(range(args.seeds or (1 if quick else 3)))
+  seeds = list(range(args.first_seed, args.first_seed + (args.seeds or (1 if quick else 3))))
   steps = args.steps or (QUICK["steps"] if quick else GRID["steps"])
   eval_every = max(1, steps // 4)
   out_dir = args.out or os.path.join(ROOT, "benchmarks", "results")
@@ -289,10 +315,20 @@ def main(argv=None) -> int:
           if not (quick and eta == 0 and arm != "ppo")]
   py, t0 = sys.executable, time.time()
   runs, missing, ws = [], [], None
+  code = None if args.assemble_only else code_commit()
+  if code is not None and code.endswith("+changes"):
+    raise SystemExit("the training code (asyncrl_jax/, configs/) has uncommitted changes: commit them "
+                     "first, so that every arm's record names the code it ran")
   for seed, arm, eta in plan:  # seed-major: a partial run holds every cell of seed 0
     loss, extra = ARMS[arm]
     name = f"{arm}_eta{eta}_seed{seed}"
     record = records.get(name)
+    if record is not None and code is not None and record.get("code_commit") != code:
+      print(f"[ablation] {name} ran training code {record.get('code_commit')}, not {code}: running it "
+            "again", flush=True)
+      record = None
+      if args.workdir:  # (its finished run there is of the other code)
+        shutil.rmtree(os.path.join(args.workdir, name), ignore_errors=True)
     if record is None and args.assemble_only:
       missing.append(name)
       continue
@@ -308,7 +344,8 @@ def main(argv=None) -> int:
       print(f"[ablation] {len(runs) + 1}/{len(plan)} {name} ({time.time() - t0:.0f}s so far)", flush=True)
       s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
                                            f"--config.rl.max_staleness={_eta_flag(eta, steps)}", *extra])
-      record = records.put(name, _arm_record(work, name, s, arm=arm, loss=loss, eta=eta, seed=seed))
+      record = records.put(name, _arm_record(work, name, s, arm=arm, loss=loss, eta=eta, seed=seed,
+                                             code_commit=code))
     runs.append(record)
   if not runs:
     raise SystemExit(f"no finished arms in {records.path}: run the grid first")

@@ -349,3 +349,42 @@ def test_slow_tools_group_wait_is_the_seeds_and_predictions_follow_the_latency()
   assert wide["group_wait_seconds"] > 0.3 and wide["sync_seconds_per_version"] > 2.5
   assert wide["async"]["eta 2"]["tokens_per_s"] > wide["sync_tokens_per_s"] * 1.3
   assert none["async"]["eta 2"]["slot_utilization"] > wide["async"]["eta 2"]["slot_utilization"]
+
+
+def test_ablation_runs_fresh_seeds_and_reruns_a_record_of_other_training_code(tmp_path, monkeypatch):
+  """--first-seed picks the seeds, --final-eval reaches every arm's config, a record whose training
+  code commit differs is run again (one that matches is reused), and uncommitted training code runs
+  nothing."""
+  from benchmarks import staleness_ablation as ab  # pylint: disable=import-outside-toplevel
+  ran = []
+  summary = {"steps": 40}
+  monkeypatch.setattr(ab, "_warm_start", lambda work, py, overrides: "ws")
+  monkeypatch.setattr(ab, "_run_arm", lambda py, work, name, steps, args: ran.append((name, args)) or summary)
+  base = dict(arm="decoupled_ppo", loss="decoupled_ppo", eta=0, initial=0.3, initial_greedy=0.6,
+              final=0.41, final_greedy=0.5, evals={40: 0.41}, kl_behav=0.001, clipped_frac=0.002,
+              dropped_frac=0.0, mean_staleness=0.0, max_staleness_seen=0, rl_seconds=100.0,
+              value_explained_variance=None, selection={})
+  monkeypatch.setattr(ab, "_arm_record", lambda work, name, s, **f: dict(base, **f))
+  argv = ["--staleness-mode=pinned", "--steps", "40", "--arms", "decoupled_ppo", "--etas", "0",
+          "--seeds", "2", "--first-seed", "100", "--final-eval", "500x16", "--out", str(tmp_path),
+          "--workdir", str(tmp_path / "work"), "--name", "factor"]
+  monkeypatch.setattr(ab, "code_commit", lambda: "abc1234")
+  assert ab.main(argv) == 0
+  assert [n for n, _ in ran] == ["decoupled_ppo_eta0_seed100", "decoupled_ppo_eta0_seed101"]
+  args = ran[0][1]
+  assert "--config.seed=100" in args and "--config.data.final_eval_problems=500" in args
+  assert "--config.data.final_eval_samples=16" in args
+  kept = json.loads((tmp_path / "factor_arms" / "decoupled_ppo_eta0_seed101.json").read_text())
+  assert kept["code_commit"] == "abc1234" and kept["seed"] == 101
+  # seed 100's record is of other code: run again; seed 101's matches: reused
+  path = tmp_path / "factor_arms" / "decoupled_ppo_eta0_seed100.json"
+  path.write_text(json.dumps(dict(json.loads(path.read_text()), code_commit="0ld0ld0")))
+  ran.clear()
+  assert ab.main(argv) == 0
+  assert [n for n, _ in ran] == ["decoupled_ppo_eta0_seed100"]
+  assert json.loads(path.read_text())["code_commit"] == "abc1234"
+  monkeypatch.setattr(ab, "code_commit", lambda: "abc1234+changes")
+  with pytest.raises(SystemExit, match="uncommitted changes"):
+    ab.main(argv)
+  with pytest.raises(SystemExit):
+    ab.main(argv[:-4] + ["--final-eval", "500"])

@@ -113,6 +113,8 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("data.task", "jsonl", r"data.path='' is not allowed: required .* when data.task='jsonl'"),
     ("data.max_prompt_len", 0, r"data.max_prompt_len=0 is not allowed: an integer >= 1"),
     ("data.eval_samples", -1, r"data.eval_samples=-1 is not allowed"),
+    ("data.final_eval_samples", -2, r"data.final_eval_samples=-2 is not allowed"),
+    ("data.final_eval_problems", 501, r"data.final_eval_problems=501 .*at most data.num_test \(500\)"),
     ("data.max_terms", 1, r"data.max_terms=1 is not allowed: an integer >= data.min_terms \(2\)"),
     ("data.max_digits", 0, r"data.max_digits=0 is not allowed: an integer in \[1, 9\]"),
     ("data.task", "tool_arithmetic", r"env.name='' is not allowed: must name an environment for data.task"),

@@ -57,10 +57,12 @@ class EpisodeEvaluator:
     self._pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="eval-env")
 
   @classmethod
-  def from_config(cls, config, model_config, mesh, tokenizer, problems, *, episode: dict):
+  def from_config(cls, config, model_config, mesh, tokenizer, problems, *, episode: dict,
+                  samples: Optional[int] = None):
     return cls(model_config, mesh, tokenizer, problems, episode=episode,
                max_prompt_len=config.data.max_prompt_len, max_new_tokens=config.data.max_completion_len,
-               samples=config.data.eval_samples, sampling=SamplingSettings.from_config(config),
+               samples=config.data.eval_samples if samples is None else samples,
+               sampling=SamplingSettings.from_config(config),
                seed=config.seed)
 
   def _new_env(self, episode_id: str = ""):

@@ -72,10 +72,12 @@ class Evaluator:
 
   @classmethod
   def from_config(cls, config, model_config, mesh, tokenizer, problems, *,
-                  prompt_ids: Optional[list] = None) -> "Evaluator":
-    """The main job's evaluation: ``data`` section lengths and samples, the decode servers' sampling."""
+                  prompt_ids: Optional[list] = None, samples: Optional[int] = None) -> "Evaluator":
+    """The main job's evaluation: ``data`` section lengths and samples (``samples`` given: that many),
+    the decode servers' sampling."""
     return cls(model_config, mesh, tokenizer, problems, max_prompt_len=config.data.max_prompt_len,
-               max_new_tokens=config.data.max_completion_len, samples=config.data.eval_samples,
+               max_new_tokens=config.data.max_completion_len,
+               samples=config.data.eval_samples if samples is None else samples,
                sampling=SamplingSettings.from_config(config), seed=config.seed, prompt_ids=prompt_ids)
 
   def _scores(self, tokens, lengths, prompts, answers, reward) -> np.ndarray:
@@ -161,26 +163,56 @@ class RunEvaluation:
   remote), of the learner's parameters (or of the in-process decode server's copy of them, when the
   caller passes it), with the critic's held-out figures in value mode.
 
-  In learner processes other than 0 it is built from process 0's prompt ids (``prompt_ids``) and
-  scores nothing (``Evaluator``); every process runs ``run`` together."""
+  Every evaluation reads the first ``data.eval_problems`` problems with ``data.eval_samples`` samples
+  each; that of the run's last version (``config.steps``) reads the first ``data.final_eval_problems``
+  with ``data.final_eval_samples`` (``final_evaluator``) when those are set. ``problems`` (or
+  ``prompt_ids``) holds enough for both.
+
+  In learner processes other than 0 it is built from process 0's prompt ids (``prompt_ids``: its
+  ``prompt_ids``) and scores nothing (``Evaluator``); every process runs ``run`` together."""
 
   def __init__(self, config, model_config, meshes, tokenizer, *, problems=None,
                reward=None, prompt_ids=None):
     mesh = meshes.rollout or meshes.learner
     self.shardings = models.param_shardings(model_config, mesh)
-    self.evaluator = evaluator_for(config, model_config, mesh, tokenizer, problems,
-                                   prompt_ids=prompt_ids)
+    n, samples = config.data.eval_problems, config.data.eval_samples
+    final_n, final_samples = final_size(config)
+    first = lambda k: dict(problems=problems[:k] if problems is not None else None,
+                           prompt_ids=prompt_ids[:k] if prompt_ids is not None else None)
+    self.evaluator = evaluator_for(config, model_config, mesh, tokenizer, **first(n))
+    self.final_evaluator = self.evaluator
+    if (final_n, final_samples) != (n, samples):
+      self.final_evaluator = evaluator_for(config, model_config, mesh, tokenizer, **first(final_n),
+                                           samples=final_samples)
+    self.final_version = config.steps
+    # what process 0 shares with the others: the prompts of the larger of the two
+    self.prompt_ids = max(self.evaluator.prompt_ids, self.final_evaluator.prompt_ids, key=len)
     self.reward = reward
     self.kind = eval_kind(self.evaluator)
+    self.final_kind = eval_kind(self.final_evaluator)
     self.last: dict = {}  # the last evaluation's figures (``figures``)
+    self.last_evaluator = self.evaluator  # (the one that made them)
 
   def __call__(self, learner_params, rollout_params=None, version: Optional[int] = None) -> tuple[float, float]:
     """(primary accuracy, greedy accuracy) of the params (the decode server's copy when given) at
-    policy ``version`` (which picks the sampling key); every figure is kept in ``last``."""
+    policy ``version`` (which picks the sampling key, and the final evaluation at the last version);
+    every figure is kept in ``last``."""
     params = rollout_params if rollout_params is not None else local_transfer(learner_params,
                                                                               self.shardings)[0]
-    self.last = self.evaluator.evaluate(params, self.reward, version=version)
+    evaluator = self.final_evaluator if version == self.final_version else self.evaluator
+    self.last = evaluator.evaluate(params, self.reward, version=version)
+    self.last_evaluator = evaluator
     return primary(self.last), self.last["greedy"]
+
+  def final_figures(self) -> dict:
+    """What the summary says of the last evaluation: its kind and number of problems, and the
+    standard errors of its accuracies."""
+    if not self.last:
+      return {}
+    evaluator = self.last_evaluator
+    return {"final_eval_metric": eval_kind(evaluator), "final_eval_problems": len(evaluator.prompt_ids),
+            "final_eval_accuracy_se": self.standard_errors()["eval_accuracy_se"],
+            "final_eval_greedy_accuracy_se": self.standard_errors()["eval_greedy_accuracy_se"]}
 
   def standard_errors(self) -> dict:
     """The last evaluation's standard errors as metrics (``eval_accuracy_se``, ``eval_greedy_accuracy_se``)."""
@@ -202,19 +234,30 @@ class RunEvaluation:
     completions, as ``eval_value_*`` metrics."""
     # an episode's samples carry their action mask: the value model is scored on policy tokens only
     sequences = [batching.make_sequence(p, c, token_reward=r, action_mask=rest[0] if rest else None)
-                 for p, c, r, *rest in self.evaluator.last_samples if len(c)]
+                 for p, c, r, *rest in self.last_evaluator.last_samples if len(c)]
     if not sequences:
       return {}
     return {f"eval_{k}": v for k, v in critic.explained_variance(sequences).items()}
 
 
-def evaluator_for(config, model_config, mesh, tokenizer, problems, *, prompt_ids=None):
+def evaluator_for(config, model_config, mesh, tokenizer, problems, *, prompt_ids=None,
+                  samples: Optional[int] = None):
   """The held-out evaluation a run's config asks for: of multi-turn episodes, scored by their
-  environments, when ``env.name`` is set (``EpisodeEvaluator``), else of single completions."""
+  environments, when ``env.name`` is set (``EpisodeEvaluator``), else of single completions
+  (``samples``: per problem, default ``data.eval_samples``)."""
   episode = envs.episode_template(config)
   if episode is not None:
-    return EpisodeEvaluator.from_config(config, model_config, mesh, tokenizer, problems, episode=episode)
-  return Evaluator.from_config(config, model_config, mesh, tokenizer, problems, prompt_ids=prompt_ids)
+    return EpisodeEvaluator.from_config(config, model_config, mesh, tokenizer, problems, episode=episode,
+                                        samples=samples)
+  return Evaluator.from_config(config, model_config, mesh, tokenizer, problems, prompt_ids=prompt_ids,
+                               samples=samples)
+
+
+def final_size(config) -> tuple[int, int]:
+  """(problems, samples per problem) of the evaluation of a run's last version."""
+  data = config.data
+  return (data.final_eval_problems or data.eval_problems,
+          data.final_eval_samples or data.eval_samples)
 
 
 def eval_kind(evaluator: Evaluator) -> str:

@@ -200,14 +200,18 @@ def evaluation(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of the held-out evaluation where it runs on the learner's devices (decode
   servers on other hosts, ``learner.eval_every`` > 0), between two training steps: the learner's
   resident parameters and AdamW moments, the copy of the parameters it decodes with, the KV cache of
-  its larger call (``data.eval_problems`` rows greedy, or x ``data.eval_samples`` sampled, padded to
-  a multiple of data x fsdp, each of prompt + completion length), and that call's largest step: the
+  its largest call (``data.eval_problems`` rows greedy, or x ``data.eval_samples`` sampled, and the
+  same for the final evaluation's ``final_eval_*``, padded to a multiple of data x fsdp, each of
+  prompt + completion length), and that call's largest step: the
   prompts' prefill (logits at one position per row; full attention, no chunking) or a decode step."""
   data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
   a, p = _BYTES[m.dtype], _BYTES[m.param_dtype]
   problems, samples = int(config.data.eval_problems), int(config.data.eval_samples)
-  sampled = problems * samples if samples and float(config.rollout.temperature) > 0 else 0
-  rows = -(-max(problems, sampled) // (data * fsdp))
+  final_problems = int(config.data.get("final_eval_problems", 0)) or problems
+  final_samples = int(config.data.get("final_eval_samples", 0)) or samples
+  sampling = float(config.rollout.temperature) > 0
+  rows = -(-max(problems, problems * samples * sampling, final_problems,
+                final_problems * final_samples * sampling) // (data * fsdp))
   prompt = int(config.data.max_prompt_len)
   length = prompt + int(config.data.max_completion_len)
   shard = m.num_params / (fsdp * tensor)

@@ -41,7 +41,7 @@ from asyncrl_jax.data import builder as builder_lib, pipeline
 from asyncrl_jax.infra import auth, distributed, faults, paths, sharding, progress as progress_lib
 from asyncrl_jax.learner.group import LearnerGroup
 from asyncrl_jax.learner.learner import NonFiniteError
-from asyncrl_jax.rl.evaluation import RunEvaluation
+from asyncrl_jax.rl.evaluation import RunEvaluation, final_size
 from asyncrl_jax.rl.health import HealthMonitor, Thresholds
 from asyncrl_jax.rl.rewards import reward_fn
 from asyncrl_jax.rollout.engine import engine_from_config
@@ -72,7 +72,9 @@ class _Data:
   def from_config(cls, config, workdir: str) -> "_Data":
     builder = builder_lib.from_config(config, workdir)
     return cls(builder, load_tokenizer(config.data.tokenizer_path), reward_fn(config.data.task),
-               pipeline.read_split(builder, builder_lib.held_out_split(builder), config.data.eval_problems),
+               # (enough for every evaluation and for the final one, which may read more)
+               pipeline.read_split(builder, builder_lib.held_out_split(builder),
+                                   max(config.data.eval_problems, final_size(config)[0])),
                # the one controller reads every prompt, however many learner processes there are
                pipeline.PromptStream(builder.as_data_source(split="train"), seed=config.seed,
                                      shard_index=0, shard_count=1), workdir)
@@ -119,7 +121,7 @@ def _policy(config, meshes, data: _Data, ckpt: RunCheckpointer, log: RunLog):
                            reward=data.reward) if config.learner.eval_every else None
   side = learner_side.set_up(config, meshes, ckpt, prompts=data.prompts,
                              warm_start=_warm_start(config, data, evaluate),
-                             eval_prompt_ids=evaluate.evaluator.prompt_ids if evaluate else None)
+                             eval_prompt_ids=evaluate.prompt_ids if evaluate else None)
   if side.resumed:
     log.resume(side.learner.version)
     say(f"resumed from checkpoint at policy version {side.learner.version}")
@@ -426,9 +428,7 @@ def run(config, workdir: str) -> dict:
   summary = log.summary(
       meta, final_eval_accuracy=final[0], final_eval_greedy_accuracy=final[1],
       eval_metric=evaluate.kind if evaluate else None, steps=learner.version,
-      final_eval_accuracy_se=evaluate.standard_errors().get("eval_accuracy_se") if evaluate else None,
-      final_eval_greedy_accuracy_se=(evaluate.standard_errors().get("eval_greedy_accuracy_se")
-                                     if evaluate else None),
+      **(evaluate.final_figures() if evaluate else {}),
       duplicates_dropped=controller.duplicates, failed_rollouts=controller.failed,
       prompts_skipped_too_long=controller.skipped_prompts,
       rejected_rollouts=dict(controller.rejected), retried_rollouts=controller.retried,

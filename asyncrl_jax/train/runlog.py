@@ -348,7 +348,7 @@ def _with_se(summary: dict, key: str):
 def _print_summary(summary: dict) -> None:
   rows = [("held-out accuracy, before RL", summary["initial_eval_accuracy"]),
           ("held-out accuracy, after RL", _with_se(summary, "final_eval_accuracy")),
-          ("  (metric)", summary["eval_metric"]),
+          ("  (metric)", summary.get("final_eval_metric") or summary["eval_metric"]),
           ("held-out greedy accuracy, before RL", summary["initial_eval_greedy_accuracy"]),
           ("held-out greedy accuracy, after RL", _with_se(summary, "final_eval_greedy_accuracy")),
           ("policy versions trained", summary["steps"]),

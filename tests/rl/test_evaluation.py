@@ -46,3 +46,57 @@ def test_each_version_draws_its_own_samples_and_one_version_the_same_ones():
   assert completions(None) != completions(5)
   out = evaluator.evaluate(params, lambda text, answer: float(text.strip() == answer), version=2)
   assert set(out) == {"greedy", "sampled", "greedy_se", "sampled_se"} and out["sampled_se"] >= 0
+
+
+def _run_evaluation(**data):
+  """A main-job evaluation of 6 problems on one device (final fields in ``data``), run to version 4."""
+  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  c = config_lib.base_config()
+  c.steps = 4
+  c.data.update(max_prompt_len=8, max_completion_len=8, eval_problems=3, eval_samples=2, **data)
+  tok = load_tokenizer("")
+  cfg = models.ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                           num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+  mesh = sharding.make_mesh(jax.devices()[:1], dict(data=-1, fsdp=1, tensor=1))
+  meshes = sharding.RoleMeshes(learner=mesh, rollout=None, remote=1, colocated=False)
+  problems = [{"question": f"{a}+{a}=", "answer": str(2 * a)} for a in range(1, 7)]
+  run = evaluation.RunEvaluation(c, cfg, meshes, tok, problems=problems,
+                                 reward=lambda text, answer: float(len(text) % 2 == 0))
+  return run, sharp_params(cfg, 0), c
+
+
+class _Learner:  # what RunEvaluation.run reads of a learner
+  critic = None
+
+  def __init__(self, params, version):
+    self.params, self.version = params, version
+
+
+def test_the_last_version_is_evaluated_on_the_final_problems_and_samples():
+  run, params, config = _run_evaluation(final_eval_problems=6, final_eval_samples=4)
+  assert len(run.prompt_ids) == 6  # (what process 0 shares: enough for the final evaluation)
+  (accuracy, _), extra = run.run(_Learner(params, 1), params)
+  assert len(run.evaluator.last_samples) == 3 * 2 and "2 samples" in run.kind
+  assert accuracy == pytest.approx(np.mean([r for _, _, r in run.evaluator.last_samples]))
+  (accuracy, greedy), extra = run.run(_Learner(params, config.steps), params)
+  samples = run.final_evaluator.last_samples
+  assert len(samples) == 6 * 4 and accuracy == pytest.approx(np.mean([r for _, _, r in samples]))
+  per_problem = np.asarray([r for _, _, r in samples]).reshape(6, 4).mean(axis=1)
+  assert 0 < per_problem.std() and extra["eval_accuracy_se"] == pytest.approx(
+      np.std(per_problem, ddof=1) / np.sqrt(6))
+  final = run.final_figures()
+  assert final["final_eval_problems"] == 6 and "4 samples" in final["final_eval_metric"]
+  assert final["final_eval_accuracy_se"] == extra["eval_accuracy_se"]
+  # a process other than 0 builds the same two evaluations from the shared prompts
+  follower = evaluation.RunEvaluation(config, run.evaluator.model_config, sharding.RoleMeshes(
+      learner=run.evaluator.mesh, rollout=None, remote=1, colocated=False), run.evaluator.tokenizer,
+      prompt_ids=run.prompt_ids)
+  assert [len(follower.evaluator.prompt_ids), follower.evaluator.samples] == [3, 2]
+  assert [len(follower.final_evaluator.prompt_ids), follower.final_evaluator.samples] == [6, 4]
+
+
+def test_without_final_fields_the_last_version_is_evaluated_as_every_other():
+  run, params, config = _run_evaluation()
+  assert run.final_evaluator is run.evaluator and len(run.prompt_ids) == 3
+  run.run(_Learner(params, config.steps), params)
+  assert len(run.evaluator.last_samples) == 3 * 2 and run.final_figures()["final_eval_problems"] == 3
