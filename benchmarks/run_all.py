@@ -85,6 +85,12 @@ BENCHMARKS = {
          "staleness_corrections_pinned"],
         "Which of the new corrections goes into the grid: each at eta 8 (pinned), seed 0, against the "
         "naive baseline's cell of staleness_regime_pinned."),
+    "staleness_factors": (
+        "staleness_factors.py", ["--assemble-only"], ["--assemble-only"],
+        "What makes decoupled PPO's eta-8 gap (8.7 +- 1.2 points in staleness_ablation_pinned; AReaL: about "
+        "1): one factor at a time, pinned, eta 0 and 8, final evaluation 500 x 16. The runs are long "
+        "(docs/staleness.md: plan, power, budget) and go factor by factor "
+        "(`staleness_factors.py --factor NAME --seeds N --workdir DIR`); this assembles their records."),
     "staleness_ablation": ("staleness_ablation.py", ["--assemble-only"], [],
                            "**Run before two fixes** (kept as it was measured): the learning-rate schedule counted policy versions, not optimizer updates (with 2 updates per version the cosine reached its floor half way), staleness was bounded, not pinned (eta was a bound; the staleness reached depended on the roles' speeds), and `ppo` is PPO on the behaviour ratio, not the seeds' naive baseline (`ppo_recompute`). Superseded by staleness_ablation_pinned. Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
                            "drops to 23.3 at eta 4. Goal: a regime where staleness hurts the naive "

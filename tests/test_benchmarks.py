@@ -388,3 +388,48 @@ def test_ablation_runs_fresh_seeds_and_reruns_a_record_of_other_training_code(tm
     ab.main(argv)
   with pytest.raises(SystemExit):
     ab.main(argv[:-4] + ["--final-eval", "500"])
+
+
+def test_staleness_factors_gap_intervals_verdicts_and_shared_eta0_cell(tmp_path):
+  """Each factor's gap is Welch's interval (scipy's own t-test gives the same), the stopping rule
+  reads it against 1.5 points, and factor (e) takes the reference's eta-0 cell, its effect being the
+  eta-8 difference alone."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  from benchmarks import staleness_factors as sf  # pylint: disable=import-outside-toplevel
+  a, b = [40.0, 42.0, 44.0], [30.0, 34.0]
+  gap = sf.welch(a, b)
+  ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.98)
+  assert gap["diff"] == pytest.approx(10.0) and (gap["low"], gap["high"]) == pytest.approx((ci.low, ci.high))
+  assert gap["se"] == pytest.approx(np.sqrt(4 / 3 + 4))  # var 4 over 3 runs, var 8 over 2
+  assert sf.verdict(dict(low=2.0, high=5.0)) == "does not close the gap"
+  assert sf.verdict(dict(low=-1.0, high=1.0)) == "closes the gap"
+  assert sf.verdict(dict(low=0.5, high=2.5)) == "consistent with the target"
+  assert sf.verdict(dict(low=-2.0, high=4.0)) == "open"
+
+  def put(factor, arm, eta, seed, final):
+    d = tmp_path / f"staleness_factor_{factor}_arms"
+    d.mkdir(exist_ok=True)
+    (d / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(dict(
+        arm=arm, eta=eta, seed=seed, final=final, final_greedy=0.5, initial=0.3, initial_greedy=0.6,
+        final_se=0.005, commit="abc", code_commit="abc")))
+  for seed, (zero, eight) in enumerate([(0.40, 0.30), (0.42, 0.34), (0.44, 0.32)]):
+    put("base", "decoupled_ppo", 0, seed, zero)
+    put("base", "decoupled_ppo", 8, seed, eight)
+    put("behav", "ppo", 8, seed, eight + 0.05)
+    put("clip04", "decoupled_ppo", 0, seed, zero)
+    put("clip04", "decoupled_ppo", 8, seed, zero - 0.04 + 0.01 * seed)
+  put("behav", "decoupled_ppo", 8, 9, 0.99)  # another arm's record in the directory: not read
+  assert sf.main(["--assemble-only", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "staleness_factors.json").read_text())
+  base, behav = result["factors"]["base"], result["factors"]["behav"]
+  assert base["gap"]["diff"] == pytest.approx(42.0 - 32.0) and base["seeds"] == {"0": [0, 1, 2], "8": [0, 1, 2]}
+  assert behav["eta0"] == base["eta0"] and behav["eta0_from"] == "base"
+  assert behav["gap"]["diff"] == pytest.approx(42.0 - 37.0)
+  assert behav["effect"]["diff"] == pytest.approx(32.0 - 37.0)  # the eta-8 difference alone
+  clip = result["factors"]["clip04"]  # gap 42 - 39 = 3 against the reference's 10
+  assert clip["effect"]["diff"] == pytest.approx(3.0 - 10.0) and clip["effect"]["n"] == [3, 3, 3, 3]
+  # variances 4 (36, 39, 42 at eta 8: 9), 4 and 4 of the reference, each over 3 runs
+  assert clip["effect"]["se"] == pytest.approx(np.sqrt((4 + 9 + 4 + 4) / 3))
+  assert "token_mean" in result["missing"] and base["eval_se"] == pytest.approx(0.5)
+  md = (tmp_path / "staleness_factors.md").read_text()
+  assert "| base | the pinned grid's regime (reference) | 40 | 3 / 3 | 42.0 +- 2.0 | 32.0 +- 2.0 |" in md
