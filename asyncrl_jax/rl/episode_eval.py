@@ -20,6 +20,7 @@ from asyncrl_jax.envs import base as envs_base
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.models.generate import generate
 from asyncrl_jax.models.sampling import SamplingSettings
+from asyncrl_jax.rl import scores
 from asyncrl_jax.tokenization import TokenizerError
 
 
@@ -73,12 +74,11 @@ class EpisodeEvaluator:
   def evaluate(self, params, reward=None, version: Optional[int] = None) -> dict:
     """``{"greedy": acc, "sampled": pass@1 or None, "greedy_se", "sampled_se"}`` (``reward`` is
     unused: environments score; ``version`` picks the sampling key, as in ``Evaluator``)."""
-    from asyncrl_jax.rl import evaluation  # pylint: disable=import-outside-toplevel  (it imports this)
     del reward
     greedy = self._run(params, 1, SamplingSettings(temperature=0.0), None)
-    sampled = (self._run(params, self.samples, self.sampling, evaluation.eval_key(self.seed, version))
+    sampled = (self._run(params, self.samples, self.sampling, scores.eval_key(self.seed, version))
                if self.samples else None)
-    return evaluation.figures(greedy, sampled, self.samples)
+    return scores.figures(greedy, sampled, self.samples)
 
   def _run(self, params, copies: int, settings, key) -> np.ndarray:
     problems = [p for p in self.problems for _ in range(copies)]

@@ -21,6 +21,7 @@ from asyncrl_jax.models.generate import generate
 from asyncrl_jax.models.sampling import SamplingSettings
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.episode_eval import EpisodeEvaluator
+from asyncrl_jax.rl.scores import eval_key, figures, standard_error  # noqa: F401  (part of this module's interface)
 from asyncrl_jax.weights import local_transfer
 
 
@@ -119,31 +120,6 @@ class Evaluator:
                    settings=self.sampling)
     repeat = lambda xs: [x for x in xs for _ in range(self.samples)] if xs is not None else None
     return self._scores(*out, repeat(self.prompt_ids), repeat(self._answers()), reward)
-
-
-def eval_key(seed: int, version: Optional[int]) -> jax.Array:
-  """The sampling key of the evaluation of policy ``version`` in a run seeded ``seed``."""
-  key = jax.random.key(seed)
-  return key if version is None else jax.random.fold_in(key, version)
-
-
-def standard_error(per_problem: np.ndarray) -> float:
-  """The standard error of a mean over problems (sample sd / sqrt(n); 0 for fewer than 2)."""
-  per_problem = np.asarray(per_problem, np.float64)
-  if per_problem.size < 2:
-    return 0.0
-  return float(per_problem.std(ddof=1) / np.sqrt(per_problem.size))
-
-
-def figures(greedy: np.ndarray, sampled: Optional[np.ndarray], samples: int) -> dict:
-  """The evaluation's figures from its rewards: greedy per problem, sampled problem-major
-  (``samples`` per problem; None: not sampled), each mean with its standard error over problems."""
-  out = {"greedy": float(np.mean(greedy)), "greedy_se": standard_error(greedy),
-         "sampled": None, "sampled_se": None}
-  if sampled is not None:
-    per_problem = np.asarray(sampled, np.float64).reshape(-1, samples).mean(axis=1)
-    out.update(sampled=float(np.mean(sampled)), sampled_se=standard_error(per_problem))
-  return out
 
 
 def _place(array: np.ndarray, where) -> jax.Array:
