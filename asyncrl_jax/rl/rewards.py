@@ -97,6 +97,10 @@ class MathReward:
     old.shutdown(wait=False, cancel_futures=True)
 
   def close(self) -> None:
+    """Stops the pool and kills its workers (a worker left running would keep its parent's
+    stdout open after the parent left)."""
+    for p in list((getattr(self._pool, "_processes", None) or {}).values()):
+      p.kill()
     self._pool.shutdown(wait=False, cancel_futures=True)
 
 

@@ -36,6 +36,7 @@ from absl import app, flags, logging
 from asyncrl_jax import models
 
 from asyncrl_jax.infra import auth
+from asyncrl_jax.infra import leave
 
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.rl.trajectory import DRAINED
@@ -117,10 +118,7 @@ def main(argv=None) -> None:
       logging.warning("sent %d trajectories twice (ASYNCRL_FAULT_DUPLICATES)", service.duplicated)
     # Everything was delivered: exit without interpreter shutdown, where the weight receiver's
     # native threads can abort the process ("terminate called ... exception not rethrown").
-    logging.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failed or refused else 0)  # pylint: disable=protected-access
+    leave.now(1 if failed or refused else 0)
 
   app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 

@@ -23,7 +23,6 @@ cli.ensure_cpu_devices(4)
 
 # pylint: disable=wrong-import-position
 import dataclasses
-import os
 import signal
 import sys
 import threading
@@ -38,7 +37,7 @@ from asyncrl_jax import config as config_lib, envs, models
 from asyncrl_jax.controller.controller import Controller, SamplingMismatch
 from asyncrl_jax.controller.schedule import PublishSchedule
 from asyncrl_jax.data import builder as builder_lib, pipeline
-from asyncrl_jax.infra import auth, distributed, faults, paths, sharding, progress as progress_lib
+from asyncrl_jax.infra import auth, distributed, faults, leave, paths, sharding, progress as progress_lib
 from asyncrl_jax.learner.group import LearnerGroup
 from asyncrl_jax.learner.learner import NonFiniteError
 from asyncrl_jax.rl.evaluation import RunEvaluation, final_size
@@ -349,9 +348,7 @@ def _abandon() -> None:
   print(f"error: learner process {jax.process_index()} of {jax.process_count()} stops without "
         "its clean-up (a learner process failed or died); the next start resumes from the newest "
         "complete checkpoint", file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(1)  # pylint: disable=protected-access
+  leave.now(1)
 
 
 _EARLY_SIGTERM = threading.Event()
@@ -484,9 +481,7 @@ def main(argv=None) -> None:
     # preemption notice's seconds are not spent on it.
     if multi:
       jax.distributed.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # pylint: disable=protected-access
+    leave.now(code)  # (kills the reward pool's workers, which would hold stdout open)
 
   app.run(_main, argv=argv, flags_parser=cli.parse_flags)
 
