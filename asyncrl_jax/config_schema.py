@@ -42,6 +42,9 @@ def _model_section() -> ml_collections.ConfigDict:
       # dtype: activations and matmuls (decode servers also hold the weights in it, norm scales
       # excepted); param_dtype: the learner's stored weights and optimizer state
       tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",
+      # LoRA: rank > 0 adds adapters (scale alpha / rank) to the targets, comma-separated of
+      # q,k,v,o,gate,up,down; the learner then trains only the adapters (the base stays frozen)
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down")),
   ))
 
 

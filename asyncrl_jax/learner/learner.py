@@ -65,14 +65,15 @@ def learning_rate_schedule(config, versions: int):
                                            warmup_steps=c.warmup_steps)
 
 
-def make_optimizer(config, versions: int, schedule=None):
+def make_optimizer(config, versions: int, schedule=None, *, adapters_only: bool = False):
   """The RL optimizer from the ``learner`` config section, at ``schedule`` (default
-  ``learning_rate_schedule(config, versions)``: over ``policy_updates``)."""
+  ``learning_rate_schedule(config, versions)``: over ``policy_updates``); ``adapters_only``: the
+  policy carries LoRA adapters and only they are trained."""
   c = config.learner
   return update_lib.make_optimizer(
       learning_rate=learning_rate_schedule(config, versions) if schedule is None else schedule,
       total_steps=policy_updates(config, versions), grad_clip=c.grad_clip, b1=c.b1, b2=c.b2,
-      weight_decay=c.weight_decay)
+      weight_decay=c.weight_decay, adapters_only=adapters_only)
 
 
 def _combine(per_mb: list, num_updates: int) -> dict:
@@ -120,7 +121,7 @@ class Learner:
     self.aggregation = config.rl.aggregation
     self.version = version
     self._schedule = learning_rate_schedule(config, versions)  # (what the optimizer runs at, and logs)
-    self.optimizer = make_optimizer(config, versions, self._schedule)
+    self.optimizer = make_optimizer(config, versions, self._schedule, adapters_only=model_config.lora)
     loss = functools.partial(micro_batch_loss, model=model_config, settings=self.settings, mesh=mesh)
     self.updater = update_lib.Updater(
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,

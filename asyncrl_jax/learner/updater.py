@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from asyncrl_jax import models
 from asyncrl_jax.infra import bucketing
 from asyncrl_jax.infra import sharding as sharding_lib
+from asyncrl_jax.models import lora
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching
 
@@ -53,16 +54,22 @@ def learning_rate_schedule(*, learning_rate: float, total_steps: int, warmup_ste
 
 def make_optimizer(*, learning_rate, total_steps: int, grad_clip: float, warmup_steps: int = 0,
                    schedule: str = "cosine", b1: float = 0.9, b2: float = 0.999,
-                   weight_decay: float = 1e-4) -> optax.GradientTransformation:
+                   weight_decay: float = 1e-4, adapters_only: bool = False) -> optax.GradientTransformation:
   """AdamW after global-norm clipping at ``grad_clip``, at ``learning_rate_schedule``'s rate over
   ``total_steps`` optimizer updates (``learning_rate`` may instead be a schedule already: it is used
-  as it is)."""
+  as it is). ``adapters_only`` (LoRA): only the adapter leaves are updated, clipped by their own norm
+  and given optimizer state; every other leaf's update is zero and it holds no state, so the compiled
+  step never needs the base weights' gradients."""
   if not grad_clip > 0:
     raise ValueError(f"grad_clip={grad_clip} must be > 0")
   lr = learning_rate if callable(learning_rate) else learning_rate_schedule(
       learning_rate=learning_rate, total_steps=total_steps, warmup_steps=warmup_steps, schedule=schedule)
-  return optax.chain(optax.clip_by_global_norm(grad_clip),
-                     optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+  optimizer = optax.chain(optax.clip_by_global_norm(grad_clip),
+                          optax.adamw(lr, b1=b1, b2=b2, weight_decay=weight_decay))
+  if adapters_only:
+    optimizer = optax.multi_transform({lora.TRAIN: optimizer, lora.FROZEN: optax.set_to_zero()},
+                                      lora.trainable_labels)
+  return optimizer
 
 
 def optimizer_steps(opt_state) -> int:
@@ -88,13 +95,25 @@ def with_shardings(tree, shardings):
 
 
 def opt_state_shardings(optimizer, params, param_shardings, replicated):
-  """Shardings of ``optimizer``'s state for ``params`` (arrays or shapes): every copy of the parameter
-  tree inside it (AdamW's mu and nu) on ``param_shardings``, everything else ``replicated``."""
+  """Shardings of ``optimizer``'s state for ``params`` (arrays or shapes): every leaf of a copy of the
+  parameter tree inside it (AdamW's mu and nu, whole or, with LoRA, the adapters' part only) on its
+  parameter's sharding, everything else (step counts) ``replicated``. A state leaf is a parameter's
+  copy when its path ends with that parameter's path and its shape is the parameter's."""
   state = jax.eval_shape(optimizer.init, params)
-  masked = lambda x: isinstance(x, optax.MaskedNode)
-  return optax.tree_map_params(optimizer, lambda x, s: x if masked(x) else s, state, param_shardings,
-                               transform_non_params=lambda x: x if masked(x) else replicated,
-                               is_leaf=masked)
+  names = lambda path: tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+  by_path = {names(path): (leaf.shape, sharding) for (path, leaf), sharding in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(param_shardings))}
+  depths = sorted({len(k) for k in by_path}, reverse=True)
+
+  def pick(path, leaf):
+    keys = names(path)
+    for depth in depths:
+      hit = by_path.get(keys[-depth:]) if len(keys) >= depth else None
+      if hit is not None and tuple(hit[0]) == tuple(leaf.shape):
+        return hit[1]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, state)
 
 
 def micro_batch_shapes(token_budget: int, max_seq_len: int) -> int:

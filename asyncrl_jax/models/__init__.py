@@ -5,7 +5,8 @@ import jax
 from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_hidden, apply_logits,
                                     cache_length, count_params, decode, init_cache, init_params, logits,
                                     param_shardings, serving_dtypes, serving_params)
-from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+from asyncrl_jax.models import lora
+from asyncrl_jax.models.config import ModelConfig, ModelConfigError, lora_fields
 from asyncrl_jax.models.forward import (ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES, Forward,
                                         ForwardError)
 from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf, load_hf,
@@ -18,7 +19,8 @@ def config_of(config) -> ModelConfig:
   ``config.json`` when set, else the ``model`` section."""
   if config.model.hf_path:
     return config_from_hf(read_hf_config(config.model.hf_path), config.model.hf_path,
-                          dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+                          dtype=config.model.dtype, param_dtype=config.model.param_dtype).replace(
+                              **lora_fields(config.model.get("lora")))
   return ModelConfig.from_mapping(config.model.to_dict())
 
 
@@ -27,8 +29,10 @@ def from_config(config, mesh):
   in ``model.param_dtype``), else the ``model`` section's architecture, randomly initialised from
   ``seed``."""
   if config.model.hf_path:
-    return load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.dtype,
-                   param_dtype=config.model.param_dtype)
+    base_config, base = load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.dtype,
+                                param_dtype=config.model.param_dtype)
+    model_config = base_config.replace(**lora_fields(config.model.get("lora")))
+    return model_config, lora.add_adapters(model_config, base, jax.random.key(config.seed), mesh)
   model_config = ModelConfig.from_mapping(config.model.to_dict())
   return model_config, init_params(model_config, jax.random.key(config.seed), mesh=mesh)
 

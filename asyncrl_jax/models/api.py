@@ -93,10 +93,15 @@ def serving_params(config: ModelConfig, params: Params) -> Params:
                       serving_dtypes(config))
 
 
+def init_fn(config: ModelConfig, mesh: Optional[Mesh] = None):
+  """The (traceable) function from a key to random parameters of ``config``."""
+  boxed = _boxed_init(config, mesh)
+  return lambda r: nn.unbox(boxed(r))
+
+
 def init_params(config: ModelConfig, rng: jax.Array, mesh: Optional[Mesh] = None) -> Params:
   """Random parameters; with a mesh they are created in place, already sharded (no host round trip)."""
-  init_fn = _boxed_init(config, mesh)
-  unboxed_init = lambda r: nn.unbox(init_fn(r))
+  unboxed_init = init_fn(config, mesh)
   if mesh is None:
     return jax.jit(unboxed_init)(rng)
   return jax.jit(unboxed_init, out_shardings=param_shardings(config, mesh))(rng)

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any, Mapping
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# the projections a LoRA adapter can sit on (``lora_targets``)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 class ModelConfigError(ValueError):
@@ -31,6 +33,11 @@ class ModelConfig:
     max_seq_len: longest sequence (prompt + completion) the model is used with.
     dtype: activation / matmul dtype.
     param_dtype: storage dtype of the parameters.
+    lora_rank: r > 0 adds a low-rank adapter to each projection in ``lora_targets``: ``W x`` becomes
+      ``W x + (lora_alpha / r) B A x`` with ``A`` [in, r] and ``B`` [r, out], ``B`` zero at
+      initialisation (``models.lora``). 0: no adapters.
+    lora_alpha: the adapters' scale numerator.
+    lora_targets: which projections carry adapters (of ``LORA_TARGETS``).
   """
 
   vocab_size: int
@@ -47,8 +54,15 @@ class ModelConfig:
   max_seq_len: int = 2048
   dtype: str = "float32"
   param_dtype: str = "float32"
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple = LORA_TARGETS
 
   def __post_init__(self):
+    if isinstance(self.lora_targets, str):  # (the config's comma-separated form)
+      object.__setattr__(self, "lora_targets", tuple(t.strip() for t in self.lora_targets.split(",")
+                                                     if t.strip()))
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
     if not self.head_dim:
       if self.num_heads <= 0 or self.hidden_size % self.num_heads:
         raise ModelConfigError(
@@ -76,7 +90,34 @@ class ModelConfig:
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ModelConfigError(f"model.{name}={getattr(self, name)!r}: must be one of {_DTYPES}")
+    if not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+      raise ModelConfigError(f"model.lora.rank={self.lora_rank!r}: must be an integer >= 0 (0: no LoRA)")
+    if not (isinstance(self.lora_alpha, (int, float)) and self.lora_alpha > 0):
+      raise ModelConfigError(f"model.lora.alpha={self.lora_alpha!r}: must be > 0")
+    unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+    if unknown or (self.lora_rank and not self.lora_targets) or len(set(self.lora_targets)) < len(
+        self.lora_targets):
+      raise ModelConfigError(f"model.lora.targets={','.join(self.lora_targets)!r}: must be distinct "
+                             f"names of {','.join(LORA_TARGETS)}, at least one when model.lora.rank > 0")
 
+  @property
+  def lora(self) -> bool:
+    """Whether the model carries LoRA adapters."""
+    return self.lora_rank > 0
+
+  @property
+  def lora_scale(self) -> float:
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+  @property
+  def num_lora_params(self) -> int:
+    """Parameters in the adapters (0 without LoRA)."""
+    if not self.lora:
+      return 0
+    d, f, h, r = self.hidden_size, self.intermediate_size, self.head_dim, self.lora_rank
+    sizes = {"q": (d, self.num_heads * h), "k": (d, self.num_kv_heads * h), "v": (d, self.num_kv_heads * h),
+             "o": (self.num_heads * h, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
+    return self.num_layers * sum(r * (sizes[t][0] + sizes[t][1]) for t in self.lora_targets)
   @property
   def num_params(self) -> int:
     d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
@@ -89,9 +130,20 @@ class ModelConfig:
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any]) -> "ModelConfig":
-    """Builds from a dict (e.g. the ``model`` section of an experiment config), ignoring unknown keys."""
+    """Builds from a dict (e.g. the ``model`` section of an experiment config, whose ``lora``
+    subsection gives ``lora_rank``, ``lora_alpha``, ``lora_targets``), ignoring unknown keys."""
     fields = {f.name for f in dataclasses.fields(cls)}
+    values = dict(values, **lora_fields(values.get("lora")))
     return cls(**{k: v for k, v in values.items() if k in fields})
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)
+
+
+def lora_fields(lora: Any) -> dict:
+  """``ModelConfig``'s LoRA fields from a config's ``model.lora`` section (a mapping; None: none)."""
+  if not lora:
+    return {}
+  lora = dict(lora)
+  return {"lora_rank": lora.get("rank", 0), "lora_alpha": lora.get("alpha", 16.0),
+          "lora_targets": lora.get("targets", LORA_TARGETS)}

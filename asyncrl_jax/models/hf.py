@@ -35,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from asyncrl_jax.models import api, safetensors_io
+from asyncrl_jax.models import lora
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 
 _SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -293,7 +294,9 @@ def load_hf(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "float32",
 
 def export_hf(config: ModelConfig, params: dict[str, Any], path: str, *, dtype: Optional[str] = None,
               tokenizer_dir: Optional[str] = None) -> None:
-  """Writes ``path/config.json`` and ``path/model.safetensors`` (plus tokenizer files if given)."""
+  """Writes ``path/config.json`` and ``path/model.safetensors`` (plus tokenizer files if given). A model
+  with LoRA adapters is written merged (``lora.merge``): a plain model of the base's architecture."""
+  config, params = lora.merge(config, params)
   os.makedirs(path, exist_ok=True)
   hf_config = config_to_hf(config)
   if dtype:

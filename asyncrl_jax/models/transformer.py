@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asyncrl_jax.models import attention as attention_lib
 from asyncrl_jax.models.config import ModelConfig
@@ -62,6 +63,29 @@ def _param(module: nn.Module, name: str, init, shape: Sequence[int], axes: Seque
            cfg: ModelConfig):
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
                       _dtype(cfg.param_dtype))
+
+
+def _adapter(module: nn.Module, name: str, x, in_shape: Sequence[int], in_axes: Sequence[Optional[str]],
+             out_shape: Sequence[int], out_axes: Sequence[Optional[str]], cfg: ModelConfig):
+  """The LoRA term of projection ``name`` for its input ``x`` ``[B, T, *in_shape]``:
+  ``(alpha / r) (x A) B`` with ``A`` ``[*in_shape, r]`` (``NAME_lora_a``, normal with variance 1 /
+  fan-in) and ``B`` ``[r, *out_shape]`` (``NAME_lora_b``, zeros: a new adapter changes nothing); None
+  when the projection has no adapter. Computed unmerged: two thin matmuls beside the frozen one, so
+  the gradient never forms a full-size weight. The rank axis is replicated; the others shard like
+  the projection's."""
+  if not cfg.lora or name not in cfg.lora_targets:
+    return None
+  r, fan_in = cfg.lora_rank, int(np.prod(in_shape))
+  init_a = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / np.sqrt(fan_in)
+  a = _param(module, f"{name}_lora_a", init_a, (*in_shape, r), (*in_axes, None), cfg)
+  b = _param(module, f"{name}_lora_b", nn.initializers.zeros, (r, *out_shape), (None, *out_axes), cfg)
+  ins, outs = "IJ"[:len(in_shape)], "OP"[:len(out_shape)]
+  low = jnp.einsum(f"BT{ins},{ins}R->BTR", x, a.astype(x.dtype))
+  return jnp.einsum(f"BTR,R{outs}->BT{outs}", low, b.astype(x.dtype)) * jnp.asarray(cfg.lora_scale, x.dtype)
+
+
+def _plus(y, term):
+  return y if term is None else y + term
 
 
 def _constrain(x, axes, mesh):
@@ -111,9 +135,12 @@ class Attention(nn.Module):
     wv = _param(self, "v", init, (d, k, h), ("embed", "kv_heads", "head_dim"), cfg)
     wo = _param(self, "o", init, (n, h, d), ("heads", "head_dim", "embed"), cfg)
     x = x_btd.astype(dt)
-    q = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(dt))
-    key = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt))
-    val = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt))
+    q = _plus(jnp.einsum("BTD,DNH->BTNH", x, wq.astype(dt)),
+              _adapter(self, "q", x, (d,), ("embed",), (n, h), ("heads", "head_dim"), cfg))
+    key = _plus(jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt)),
+                _adapter(self, "k", x, (d,), ("embed",), (k, h), ("kv_heads", "head_dim"), cfg))
+    val = _plus(jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt)),
+                _adapter(self, "v", x, (d,), ("embed",), (k, h), ("kv_heads", "head_dim"), cfg))
     if cfg.qkv_bias:
       zeros = nn.initializers.zeros
       q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"), cfg).astype(dt)
@@ -131,7 +158,7 @@ class Attention(nn.Module):
                                                    mode="drop")
       if cache_rows_b is None and t == 1 and self.forward.decode == "ragged":
         out = attention_lib.ragged_decode(q, new_cache, positions_bt[:, 0], mesh=self.mesh)
-        out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
+        out = self._out(out.reshape(b, t, n, h), wo)
         return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
                           self.mesh), new_cache
       if cache_rows_b is None:  # decoding: attend to the whole cache; a slot prefill, to its own tokens
@@ -142,9 +169,17 @@ class Attention(nn.Module):
                                             chunk=self.forward.attention_chunk, mesh=self.mesh)
     else:
       out = attention_lib.dense(q, key, val, mask)
-    out = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
+    out = self._out(out.reshape(b, t, n, h), wo)
     return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
                       self.mesh), new_cache
+
+
+  def _out(self, out_btnh, wo):
+    """The output projection (and its adapter) of the heads' outputs."""
+    cfg = self.cfg
+    return _plus(jnp.einsum("BTNH,NHD->BTD", out_btnh, wo.astype(_dtype(cfg.dtype))),
+                 _adapter(self, "o", out_btnh, (cfg.num_heads, cfg.head_dim), ("heads", "head_dim"),
+                          (cfg.hidden_size,), ("embed",), cfg))
 
 
 class MLP(nn.Module):
@@ -159,8 +194,10 @@ class MLP(nn.Module):
     up = _param(self, "up", init, (cfg.hidden_size, cfg.intermediate_size), ("embed", "mlp"), cfg)
     down = _param(self, "down", init, (cfg.intermediate_size, cfg.hidden_size), ("mlp", "embed"), cfg)
     x = x_btd.astype(dt)
-    hidden = nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
-    return hidden @ down.astype(dt)
+    d, f = (cfg.hidden_size,), (cfg.intermediate_size,)
+    hidden = (nn.silu(_plus(x @ gate.astype(dt), _adapter(self, "gate", x, d, ("embed",), f, ("mlp",), cfg)))
+              * _plus(x @ up.astype(dt), _adapter(self, "up", x, d, ("embed",), f, ("mlp",), cfg)))
+    return _plus(hidden @ down.astype(dt), _adapter(self, "down", hidden, f, ("mlp",), d, ("embed",), cfg))
 
 
 class Block(nn.Module):
