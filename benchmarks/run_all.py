@@ -60,6 +60,10 @@ BENCHMARKS = {
                     "No seed figure: the shipped TPU configs compiled by the TPU compiler (libtpu) on "
                     "this machine; compiler projections, not measurements. `--quick` assembles the "
                     "recorded reports (a full run compiles every config: about an hour on 2 cores)."),
+    "decode_bytes": ("decode_bytes.py", [], [],
+                     "Goal (issue 44): each shipped config's decode step within 1.3x of the live-cache "
+                     "roofline (serving weights + each slot's KV cache up to its position, over HBM "
+                     "bandwidth). Compiler figures, not measurements; needs libtpu (about 2 minutes)."),
     "staleness_ablation_pinned": (
         "staleness_ablation.py", ["--staleness-mode=pinned", "--steps", "40", "--assemble-only"],
         ["--staleness-mode=pinned", "--steps", "40"],

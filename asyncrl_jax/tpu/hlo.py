@@ -56,6 +56,7 @@ class Instruction:
   operands: list
   attrs: str
   literal: str = ""  # the text inside the parentheses (a constant's value, a parameter's number)
+  root: bool = False  # its computation's result
 
 
 @dataclasses.dataclass
@@ -75,12 +76,33 @@ class Cost:
   # of which (flops) or of the operands' bytes: what scales with a paged cache's live share
   paged_flops: float = 0.0
   paged_bytes: float = 0.0
+  # where the HBM bytes go: top-level instruction -> bytes per run in HBM (``hbm_bytes``: not the
+  # on-chip copies the compiler prefetches into; loops counted; a kernel's analytic bytes included),
+  # for ``breakdown``; their sum, ``hbm``
+  by_instruction: dict = dataclasses.field(default_factory=dict)
+  hbm: float = 0.0
 
 
 def shape_bytes(shape: str) -> float:
   """Bytes of every array in a shape's text (a tuple's elements summed)."""
   return sum(_DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x)
              for d, dims in _ARRAY.findall(shape))
+
+
+_LAID_OUT = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True))
+                       + r")\[([\d,]*)\](\{[^}]*\})?")
+
+
+def hbm_bytes(shape: str) -> float:
+  """Bytes of the arrays of a shape's text that live in HBM: those whose layout names no other
+  memory space (``S(1)``: the TPU's on-chip VMEM, where the compiler prefetches weights;
+  ``S(2)``: scalar memory; ``S(5)``: pinned host memory)."""
+  total = 0.0
+  for d, dims, layout in _LAID_OUT.findall(shape):
+    space = re.search(r"S\((\d+)\)", layout or "")
+    if space is None or space.group(1) == "0":
+      total += _DTYPE_BYTES[d] * math.prod(int(x) for x in dims.split(",") if x)
+  return total
 
 
 def _dims(shape: str) -> list:
@@ -131,7 +153,7 @@ def parse(text: str) -> tuple[dict, str]:
       continue
     shape, tail = _split_shape(m.group(3))
     opcode, operands, attrs, literal = _split_call(tail)
-    current.append(Instruction(m.group(2), shape, opcode, operands, attrs, literal))
+    current.append(Instruction(m.group(2), shape, opcode, operands, attrs, literal, root=bool(m.group(1))))
   if entry is None:
     raise ValueError("no ENTRY computation in the HLO text")
   return computations, entry
@@ -247,12 +269,40 @@ def _loop_start(loop: Instruction, index: int | None, by_name: dict) -> int:
   return 0
 
 
-def _own_cost(instrs: list, shapes: dict) -> tuple:
+_IN_PLACE = ("scatter", "dynamic-update-slice")
+
+
+def _moved(instr: Instruction, shapes: dict, roots: dict, size=shape_bytes) -> float:
+  """Bytes ``instr`` moves: its operands and result, except for an in-place update (a scatter or
+  dynamic-update-slice, or a fusion whose result is one, into an operand of the result's shape):
+  that touches only the update, read and written, not the whole buffer it writes into."""
+  operands = [shapes.get(o, "") for o in instr.operands]
+  if instr.opcode == "copy-start":  # result: (destination, the source itself, a context): one copy
+    first = _LAID_OUT.search(instr.shape)
+    return sum(size(x) for x in operands) + (size(first.group(0)) if first else 0.0)
+  if instr.opcode in ("slice-start", "dynamic-slice-start"):  # ((source), slice, context): reads the
+    found = _LAID_OUT.findall(instr.shape)                     # slice, writes it where it goes
+    if len(found) >= 2:
+      d, dims, layout = found[-2]
+      whole = f"{d}[{dims}]"
+      return shape_bytes(whole) + size(whole + layout)
+  root = instr
+  if instr.opcode == "fusion":
+    called = re.findall(r"calls=%?([\w.\-]+)", instr.attrs)
+    root = roots.get(called[0]) if called else None
+  if root is not None and root.opcode in _IN_PLACE and instr.shape in operands:
+    rest = list(operands)
+    rest.remove(instr.shape)
+    return 2 * sum(size(x) for x in rest)
+  return size(instr.shape) + sum(size(x) for x in operands)
+
+
+def _own_cost(instrs: list, shapes: dict, roots: dict) -> tuple:
   """A computation's own instructions (not those it calls): matrix-product FLOPs, bytes moved,
   collectives (kind -> [count, bytes]) and its known kernels with their operand and result bytes."""
   flops = traffic = 0.0
   coll = collections.defaultdict(lambda: [0, 0.0])
-  custom = []
+  custom, each = [], []
   for instr in instrs:
     if instr.opcode == "convolution":
       flops += _conv_flops(instr, shapes)
@@ -265,7 +315,7 @@ def _own_cost(instrs: list, shapes: dict) -> tuple:
         # XLA's own count leaves out a custom call's operands and results: the kernel's traffic
         # is those (read and written once) plus what its cost adds
         io = shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
-        custom.append((kernel, io))
+        custom.append((kernel, io, instr.name))
     kind = instr.opcode.removesuffix("-start")
     if kind in COLLECTIVES and not instr.opcode.endswith("-done"):
       coll[kind][0] += 1
@@ -274,15 +324,18 @@ def _own_cost(instrs: list, shapes: dict) -> tuple:
       coll[kind][1] += max((shape_bytes(f"{d}[{dims}]") for d, dims in _ARRAY.findall(instr.shape)),
                            default=0.0)
     if instr.opcode not in NO_TRAFFIC and not instr.opcode.endswith("-done"):
-      traffic += shape_bytes(instr.shape) + sum(shape_bytes(shapes.get(o, "")) for o in instr.operands)
-  return flops, traffic, coll, custom
+      traffic += _moved(instr, shapes, roots)
+      each.append((instr, _moved(instr, shapes, roots, hbm_bytes)))
+  return flops, traffic, coll, custom, each
 
 
 def analyze(text: str) -> Cost:
   """The module's ``Cost`` per run (see the module docstring)."""
   computations, entry = parse(text)
   shapes = {i.name: i.shape for instrs in computations.values() for i in instrs}
-  own = {name: _own_cost(instrs, shapes) for name, instrs in computations.items()}
+  roots = {name: next((i for i in instrs if i.root), instrs[-1] if instrs else None)
+           for name, instrs in computations.items()}
+  own = {name: _own_cost(instrs, shapes, roots) for name, instrs in computations.items()}
   fused = {c for instrs in computations.values() for i in instrs if i.opcode == "fusion"
            for c in re.findall(r"calls=%?([\w.\-]+)", i.attrs)}
   cost = Cost()
@@ -291,10 +344,10 @@ def analyze(text: str) -> Cost:
   calls = collections.Counter()
 
   def visit(name: str, times: float, once: float, inside_fusion: bool) -> None:
-    flops, traffic, coll, custom = own.get(name, (0.0, 0.0, {}, []))
+    flops, traffic, coll, custom, each = own.get(name, (0.0, 0.0, {}, [], []))
     cost.flops += flops * times
     cost.flops_once += flops * once
-    for kernel, io in custom:
+    for kernel, io, _ in custom:
       cost.kernel_flops += kernel.flops * times
       cost.kernel_bytes += (kernel.extra_bytes + io) * times
       cost.kernel_reread_bytes += kernel.extra_bytes * times
@@ -304,6 +357,11 @@ def analyze(text: str) -> Cost:
     if not inside_fusion:  # a fusion's inner instructions are one kernel: its own operands count
       cost.bytes += traffic * times
       cost.bytes_once += traffic * once
+      for instr, moved in each:
+        extra = sum(k.extra_bytes for k, _, n in custom if n == instr.name)
+        key = (name, instr.name)
+        cost.by_instruction[key] = cost.by_instruction.get(key, 0.0) + (moved + extra) * times
+        cost.hbm += (moved + extra) * times
     for kind, (count, size) in coll.items():
       totals[kind][0] += count * times
       totals[kind][1] += size * times
@@ -332,3 +390,20 @@ def analyze(text: str) -> Cost:
   cost.collectives = {k: {"count": int(v[0]), "bytes": float(v[1])} for k, v in sorted(totals.items())}
   cost.kernels = {k: int(v) for k, v in sorted(calls.items())}
   return cost
+
+
+def breakdown(text: str, top: int = 15) -> list[dict]:
+  """The ``top`` instructions of an optimized HLO module by the bytes they move per run (loops
+  counted), each with its opcode, result shape, the JAX operation it came from (``op_name``) and
+  its share of the whole: where a memory-bound program's time goes."""
+  computations, _ = parse(text)
+  by_name = {(c, i.name): i for c, instrs in computations.items() for i in instrs}
+  cost = analyze(text)
+  total = sum(cost.by_instruction.values()) or 1.0
+  rows = []
+  for key, moved in sorted(cost.by_instruction.items(), key=lambda kv: -kv[1])[:top]:
+    instr = by_name[key]
+    op = re.search(r'op_name="([^"]*)"', instr.attrs)
+    rows.append({"instruction": key[1], "opcode": instr.opcode, "shape": instr.shape[:120],
+                 "op_name": op.group(1)[-120:] if op else "", "bytes": moved, "share": moved / total})
+  return rows

@@ -234,3 +234,66 @@ def test_a_kernel_reads_its_operands_which_xla_does_not_count():
   cost = hlo.analyze(compiled.as_text())
   assert cost.kernels == {"ragged_paged_attention": 1}
   assert cache <= cost.kernel_bytes <= 1.01 * cache and cost.paged_bytes == cache
+
+
+_SCATTER = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused (p0: f32[64,1024], p1: s32[4,1], p2: f32[4,1024]) -> f32[64,1024] {
+  %p0 = f32[64,1024]{1,0} parameter(0)
+  %p1 = s32[4,1]{1,0} parameter(1)
+  %p2 = f32[4,1024]{1,0} parameter(2)
+  ROOT %r = f32[64,1024]{1,0} scatter(%p0, %p1, %p2), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
+ENTRY %main (c: f32[64,1024], i: s32[4,1], u: f32[4,1024]) -> f32[64,1024] {
+  %c = f32[64,1024]{1,0} parameter(0)
+  %i = s32[4,1]{1,0} parameter(1)
+  %u = f32[4,1024]{1,0} parameter(2)
+  ROOT %f = f32[64,1024]{1,0} fusion(%c, %i, %u), kind=kLoop, calls=%fused, metadata={op_name="jit(f)/scatter"}
+}
+"""
+
+
+def test_an_in_place_update_moves_its_update_not_the_whole_buffer():
+  """A KV cache's write of one row per slot: the scatter fusion reads and writes the 4 updated rows
+  (and reads the indices), not the 64-row cache it updates in place."""
+  update = 4 * 1 * 4 + 4 * 1024 * 4
+  cost = hlo.analyze(_SCATTER)
+  assert cost.bytes == cost.hbm == 2 * update
+  # control: a fusion of the same operands whose result is not an update in place moves them all
+  plain = hlo.analyze(_SCATTER.replace("ROOT %r = f32[64,1024]{1,0} scatter(", "ROOT %r = f32[64,1024]{1,0} select("))
+  assert plain.bytes == 2 * 64 * 1024 * 4 + update
+  rows = hlo.breakdown(_SCATTER)
+  assert rows[0]["op_name"] == "jit(f)/scatter" and rows[0]["bytes"] == 2 * update and rows[0]["share"] == 1.0
+
+
+_PREFETCH = """HloModule m
+
+ENTRY %main (w: bf16[1536,128], big: s8[1000]) -> bf16[1536,128] {
+  %w = bf16[1536,128]{1,0} parameter(0)
+  %big = s8[1000]{0} parameter(1)
+  %cs = (bf16[1536,128]{1,0:S(1)}, bf16[1536,128]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %cd = bf16[1536,128]{1,0:S(1)} copy-done(%cs)
+  %ss = ((s8[1000]{0}), s8[100]{0:S(1)}, s32[]{:S(2)}) slice-start(%big), slice={[0:100]}
+  %sd = s8[100]{0:S(1)} slice-done(%ss)
+  ROOT %n = bf16[1536,128]{1,0} negate(%cd)
+}
+"""
+
+
+def test_hbm_bytes_leave_out_the_on_chip_copies_the_compiler_prefetches():
+  """A weight prefetched into VMEM (memory space S(1)) crosses HBM once, read by the copy; the
+  product that reads the VMEM copy reads no HBM. A prefetched slice reads only its 100 bytes."""
+  w = 1536 * 128 * 2
+  assert hlo.hbm_bytes("bf16[1536,128]{1,0:S(1)}") == 0 and hlo.hbm_bytes("bf16[1536,128]{1,0}") == w
+  assert hlo.hbm_bytes("(bf16[8]{0:S(1)}, f32[8]{0}, u32[]{:S(2)})") == 32
+  cost = hlo.analyze(_PREFETCH)
+  assert cost.hbm == w + 100 + w  # copy's read, slice's read, negate's result (its operand is in VMEM)
+  # every memory: the copy's read and VMEM write, the slice's read and write, negate's both
+  assert cost.bytes == 2 * w + 2 * 100 + 2 * w
