@@ -92,16 +92,19 @@ class MathReward:
   def _restart(self) -> None:
     old = self._pool
     self._pool = self._new_pool()
-    for p in list((getattr(old, "_processes", None) or {}).values()):
-      p.kill()
-    old.shutdown(wait=False, cancel_futures=True)
+    _stop(old)
 
   def close(self) -> None:
     """Stops the pool and kills its workers (a worker left running would keep its parent's
     stdout open after the parent left)."""
-    for p in list((getattr(self._pool, "_processes", None) or {}).values()):
-      p.kill()
-    self._pool.shutdown(wait=False, cancel_futures=True)
+    _stop(self._pool)
+
+
+def _stop(pool: cf.ProcessPoolExecutor) -> None:
+  """Kills ``pool``'s workers (a hung one would never return) and shuts it down without waiting."""
+  for p in list((getattr(pool, "_processes", None) or {}).values()):
+    p.kill()
+  pool.shutdown(wait=False, cancel_futures=True)
 
 
 def reward_fn(task: str) -> Callable[[str, str], float]:
