@@ -36,6 +36,9 @@ BENCHMARKS = {
     "packing": ("packing.py", ["--quick"], [], "Seed: dynamic micro-batching +33.7% mean (17-43%)."),
     "engine_throughput": ("engine_throughput.py", ["--quick"], [], "Goal: >= 0.9 of a fused decode loop."),
     "learner_throughput": ("learner_throughput.py", ["--quick"], [], "No seed figure."),
+    "code_ab": ("code_ab.py", ["--base", "3b19c27", "--rounds", "2"], ["--base", "3b19c27", "--rounds", "4"],
+                "No seed figure: CPU speed of this code against 3b19c27 (before the TPU kernels) on the fixed "
+                "workloads above. Goal: no slower (ratio >= 1 within the rounds' spread)."),
     "transfer": ("transfer.py", ["--quick"], [], "No seed figure."),
     "twin": ("twin.py", ["--quick"], [], "No seed figure: the pod's twin (P learner processes, K decode "
              "servers) on one machine."),

@@ -1,6 +1,7 @@
 """Benchmark arithmetic that turns logged metrics into the reported figures."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -433,3 +434,31 @@ def test_staleness_factors_gap_intervals_verdicts_and_shared_eta0_cell(tmp_path)
   assert "token_mean" in result["missing"] and base["eval_se"] == pytest.approx(0.5)
   md = (tmp_path / "staleness_factors.md").read_text()
   assert "| base | the pinned grid's regime (reference) | 40 | 3 / 3 | 42.0 +- 2.0 | 32.0 +- 2.0 |" in md
+
+
+def test_code_ab_alternates_the_arms_and_reports_head_over_base(tmp_path, monkeypatch):
+  """The two commits run in their own worktrees, base first in even rounds and head first in odd
+  ones; the ratio is head / base of the medians (hand-computed from fake results)."""
+  from benchmarks import code_ab
+  calls = []
+  fake = {"base": {"engine_tok_s": [100.0, 120.0, 110.0], "reference_tok_s": [200.0, 200.0, 200.0]},
+          "head": {"engine_tok_s": [90.0, 99.0, 130.0], "reference_tok_s": [250.0, 150.0, 300.0]}}
+
+  def run(tree, bench, out):
+    side = os.path.basename(tree)
+    i = sum(1 for s, b in calls if s == side)
+    calls.append((side, bench))
+    assert os.path.isfile(os.path.join(tree, "benchmarks", "run_all.py"))  # a real checkout of the commit
+    return {m: fake[side][m][i] for m in ("engine_tok_s", "reference_tok_s")}
+
+  monkeypatch.setattr(code_ab, "_run", run)
+  assert code_ab.main(["--base", "HEAD", "--rounds", "3", "--benchmarks", "engine_throughput",
+                       "--out", str(tmp_path)]) == 0
+  assert [s for s, _ in calls] == ["base", "head", "head", "base", "base", "head"]
+  result = json.load(open(tmp_path / "code_ab.json"))
+  engine = result["metrics"]["engine_tok_s"]
+  assert engine["base"] == 110.0 and engine["head"] == 99.0 and engine["ratio"] == pytest.approx(0.9)
+  assert engine["round_ratios"] == pytest.approx([0.9, 99 / 120, 130 / 110])
+  assert result["metrics"]["reference_tok_s"]["ratio"] == pytest.approx(1.25)
+  assert "0.900" in (tmp_path / "code_ab.md").read_text()
+  assert not [t for t in os.listdir(tmp_path) if t in ("base", "head")]

@@ -3,8 +3,9 @@
 import jax
 
 from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_hidden, apply_logits,
-                                    cache_length, count_params, decode, init_cache, init_params, logits,
-                                    param_shardings, serving_dtypes, serving_params)
+                                    cache_layout, cache_length, count_params, decode, init_cache,
+                                    init_params, logits, param_shardings, serving_dtypes,
+                                    serving_params)
 from asyncrl_jax.models import lora
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError, lora_fields
 from asyncrl_jax.models.forward import (ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES, Forward,
@@ -39,7 +40,7 @@ def from_config(config, mesh):
 
 __all__ = [
     "ATTENTION_KINDS", "DECODE_KINDS", "REMAT_POLICIES", "Forward", "ForwardError", "ModelConfig", "ModelConfigError",
-    "CheckpointError", "KVCache", "abstract_params", "apply_decode", "cache_length",
+    "CheckpointError", "KVCache", "abstract_params", "apply_decode", "cache_layout", "cache_length",
     "apply_hidden", "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params",
     "decode", "export_hf", "from_config",
     "init_cache", "init_params", "load_hf", "logits", "param_shardings", "serving_dtypes",

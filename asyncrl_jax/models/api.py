@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.forward import Forward
-from asyncrl_jax.models.transformer import KVCache, Transformer
+from asyncrl_jax.models.transformer import CACHE_LAYOUTS, KVCache, Transformer
 
 Params = dict
 
@@ -177,19 +177,33 @@ def logits(config: ModelConfig, params: Params, tokens, *, positions=None, segme
   return _jitted_logits(config, mesh)(params, tokens, positions, segment_ids)
 
 
-def init_cache(config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-  """An empty KV cache: per layer one ``[batch, length, 2 x num_kv_heads, head_dim]`` array, each kv
-  head's key and value side by side (``transformer.interleave_kv``)."""
+def init_cache(config: ModelConfig, batch: int, length: int, dtype=None, *,
+               layout: str = "split") -> KVCache:
+  """An empty KV cache of ``length`` positions per row, per layer: with ``layout="split"`` a pair
+  (keys, values), each ``[batch, length, num_kv_heads, head_dim]``; with ``"paged"`` one ``[batch,
+  length, 2 x num_kv_heads, head_dim]`` array, each kv head's key and value side by side
+  (``transformer.interleave_kv``), which the ragged decode kernel needs (``cache_layout``)."""
   if length > config.max_seq_len:
     raise ValueError(f"cache length {length} exceeds model.max_seq_len={config.max_seq_len}")
+  if layout not in CACHE_LAYOUTS:
+    raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {CACHE_LAYOUTS}")
   dtype = jnp.dtype(dtype or config.dtype)
-  shape = (batch, length, 2 * config.num_kv_heads, config.head_dim)
-  return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+  if layout == "paged":
+    shape = (batch, length, 2 * config.num_kv_heads, config.head_dim)
+    return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+  shape = (batch, length, config.num_kv_heads, config.head_dim)
+  return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers))
+
+
+def cache_layout(decode: str) -> str:
+  """The KV cache layout a decode attention implementation reads (``Forward.decode``): "paged" for
+  the ragged kernel, "split" for XLA's masked attention."""
+  return "paged" if decode == "ragged" else "split"
 
 
 def cache_length(cache: KVCache) -> int:
   """Positions per row of a KV cache."""
-  return cache[0].shape[1]
+  return jax.tree.leaves(cache)[0].shape[1]
 
 
 def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,

@@ -37,10 +37,15 @@ from asyncrl_jax.models import attention as attention_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.forward import Forward
 
-# A KV cache: one array per layer, [B, S, 2K, H], each kv head's key and value side by side (key of
-# head i at 2i, value at 2i + 1): the layout of paged attention's pages, so that a slot's rows are
-# its pages (``models.attention.ragged_decode``).
-KVCache = tuple[jax.Array, ...]
+# A KV cache, one entry per layer in one of two layouts (``api.init_cache``'s ``layout``):
+# * "paged": one array [B, S, 2K, H], each kv head's key and value side by side (key of head i at
+#   2i, value at 2i + 1): the layout of paged attention's pages, so that a slot's rows are its pages
+#   (``models.attention.ragged_decode``, the TPU decode kernel);
+# * "split": a pair (keys [B, S, K, H], values [B, S, K, H]): XLA's masked decode attention reads
+#   each directly (on CPU, slicing keys and values out of the paged layout costs a copy of the whole
+#   cache per layer and step: 1.5x the decode step's time at the default config).
+KVCache = tuple  # of [B, S, 2K, H] arrays, or of (keys, values) pairs
+CACHE_LAYOUTS = ("split", "paged")
 
 
 def interleave_kv(key_btkh: jax.Array, val_btkh: jax.Array) -> jax.Array:
@@ -154,15 +159,23 @@ class Attention(nn.Module):
     new_cache = None
     if cache is not None:
       rows = (jnp.arange(x.shape[0]) if cache_rows_b is None else cache_rows_b)[:, None]
-      new_cache = cache.at[rows, positions_bt].set(interleave_kv(key, val).astype(cache.dtype),
-                                                   mode="drop")
+      paged = not isinstance(cache, tuple)
+      if paged:
+        new_cache = cache.at[rows, positions_bt].set(interleave_kv(key, val).astype(cache.dtype),
+                                                     mode="drop")
+      else:
+        new_cache = tuple(c.at[rows, positions_bt].set(v.astype(c.dtype), mode="drop")
+                          for c, v in zip(cache, (key, val)))
       if cache_rows_b is None and t == 1 and self.forward.decode == "ragged":
+        if not paged:
+          raise ValueError('decode attention "ragged" needs the KV cache in the "paged" layout '
+                           '(init_cache(..., layout="paged")); this one is "split"')
         out = attention_lib.ragged_decode(q, new_cache, positions_bt[:, 0], mesh=self.mesh)
         out = self._out(out.reshape(b, t, n, h), wo)
         return _constrain(out, ("activation_batch", "activation_length", "activation_embed"),
                           self.mesh), new_cache
       if cache_rows_b is None:  # decoding: attend to the whole cache; a slot prefill, to its own tokens
-        key, val = (x.astype(dt) for x in split_kv(new_cache))
+        key, val = (x.astype(dt) for x in (split_kv(new_cache) if paged else new_cache))
 
     if mask.ndim == 2:
       out = attention_lib.segment_attention(q, key, val, mask, kind=self.forward.attention,
@@ -250,7 +263,7 @@ class Transformer(nn.Module):
       # blockwise: each attention block builds its own part of the mask from the segment ids
       mask = segment_ids_bt
     else:
-      mask = cache_mask(positions_bt, cache[0].shape[1])
+      mask = cache_mask(positions_bt, jax.tree.leaves(cache[0])[0].shape[1])
     remat = self.forward.rematerialises and cache is None
     block = nn.remat(Block, policy=self.forward.checkpoint_policy()) if remat else Block
     new_cache = []

@@ -55,7 +55,7 @@ from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
 
 @struct.dataclass
 class DecodeState:
-  cache: Any  # per layer (keys, values), each [S, L, K, H]
+  cache: Any  # the KV cache, [S, L, ...] per layer in the engine's ``cache_layout`` (``models.init_cache``)
   logits: jax.Array  # [S, V] next-token logits of each slot
   positions: jax.Array  # [S] where the next token goes (= tokens in the slot so far)
   generated: jax.Array  # [S] tokens generated since the slot was filled
@@ -112,6 +112,7 @@ class Engine(ContextExtension, engine_api.Engine):
     self.config = config
     self.attention_chunk = attention_chunk
     self.decode_attention = decode_attention
+    self.cache_layout = models.cache_layout(decode_attention)  # what the decode step reads
     self._mesh = mesh
     self.num_slots = num_slots
     self._max_prefill = max_prefill_length
@@ -235,7 +236,7 @@ class Engine(ContextExtension, engine_api.Engine):
 
     @functools.partial(jax.jit, out_shardings=self._state_shardings())
     def make():
-      return DecodeState(cache=models.init_cache(c, s, length),
+      return DecodeState(cache=models.init_cache(c, s, length, layout=self.cache_layout),
                          logits=jnp.zeros((s, c.vocab_size), jnp.float32),
                          positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
                          budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed),
@@ -430,7 +431,7 @@ class Engine(ContextExtension, engine_api.Engine):
 
   def _prefill_impl(self, params, tokens_1p, true_length: int) -> Prefix:
     p = tokens_1p.shape[1]
-    cache = models.init_cache(self.config, 1, p)
+    cache = models.init_cache(self.config, 1, p, layout=self.cache_layout)
     positions = jnp.arange(p, dtype=jnp.int32)[None]
     logits, cache = models.apply_decode(self.config, params, tokens_1p, positions, cache,
                                         logits_at_b=jnp.full((1,), true_length - 1, jnp.int32))

@@ -140,3 +140,36 @@ def test_sampled_generate_follows_the_model_distribution(params):
   with pytest.raises(ValueError, match="PRNG key"):
     generate(CFG, params, prompt_bp[:1], lengths[:1], max_new_tokens=2, eos_id=-1,
              settings=SamplingSettings(temperature=1.0))
+
+
+def test_both_cache_layouts_hold_the_same_keys_and_values_and_decode_alike(params):
+  """The "split" layout (keys, values) and the "paged" one (one array, each head's key and value side
+  by side) are two arrangements of the same cache: prefill and steps give the same logits and the
+  paged array, split apart, equals the pair."""
+  from asyncrl_jax.models.transformer import split_kv
+  tokens = _rand_tokens((3, 12))
+  out = {}
+  for layout in ("split", "paged"):
+    cache = models.init_cache(CFG, 3, 16, layout=layout)
+    logits, cache = models.decode(CFG, params, tokens[:, :8], np.tile(np.arange(8), (3, 1)), cache)
+    steps = [np.asarray(logits)]
+    for t in range(8, 12):
+      logits, cache = models.decode(CFG, params, tokens[:, t:t + 1], np.full((3, 1), t), cache)
+      steps.append(np.asarray(logits))
+    out[layout] = np.concatenate(steps, axis=1), cache
+  np.testing.assert_allclose(out["split"][0], out["paged"][0], atol=1e-6, rtol=1e-6)
+  for pair, paged in zip(out["split"][1], out["paged"][1]):
+    assert paged.shape == (3, 16, 2 * CFG.num_kv_heads, CFG.head_dim)
+    for a, b in zip(pair, split_kv(paged)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.abs(np.asarray(pair[0])[:, :12]).min(axis=-1).max() > 0  # (control: written, not zeros)
+  assert models.cache_length(out["split"][1]) == models.cache_length(out["paged"][1]) == 16
+  with pytest.raises(ValueError, match="unknown KV cache layout 'pages'"):
+    models.init_cache(CFG, 1, 8, layout="pages")
+
+
+def test_the_ragged_decode_step_refuses_a_split_cache(params):
+  cache = models.init_cache(CFG, 1, 16)
+  with pytest.raises(ValueError, match='needs the KV cache in the "paged" layout'):
+    models.apply_decode(CFG, params, np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), cache,
+                        decode="ragged")

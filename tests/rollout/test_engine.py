@@ -358,7 +358,7 @@ def test_prefills_split_their_rows_over_the_data_axis(params, name):
     extra = (rows,) * (1 if name == "_jit_refill" else 5)
     out = getattr(engine, name).lower(params, state, tokens, rows, *extra).compile()
     cost = out.cost_analysis()
-    return out, (cost[0] if isinstance(cost, list) else cost)["flops"], state.cache[0].shape
+    return out, (cost[0] if isinstance(cost, list) else cost)["flops"], jax.tree.leaves(state.cache)[0].shape
   one, one_flops, _ = compiled(1)
   four, four_flops, layer = compiled(4)
   assert four_flops < 0.35 * one_flops
@@ -384,8 +384,9 @@ def test_a_tensor_parallel_engine_splits_its_kv_cache_over_the_heads():
   engine = Engine(cfg, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
                   sampling=SamplingSettings(temperature=0.0), params=params)
   state = engine.init_decode_state()
-  kv = state.cache[0]  # [S, L, 2K, H]: each device holds its kv heads' keys and values
-  assert kv.addressable_shards[0].data.shape == (4, 48, 2 * cfg.num_kv_heads // 2, cfg.head_dim)
+  keys, values = state.cache[0]  # [S, L, K, H] each: each device holds its kv heads' share
+  for kv in (keys, values):
+    assert kv.addressable_shards[0].data.shape == (4, 48, cfg.num_kv_heads // 2, cfg.head_dim)
   p = engine.load_params()
   prompts = _prompts(4)
   state = engine.prefill_insert(p, state, prompts, list(range(4)))
