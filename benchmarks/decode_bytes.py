@@ -57,12 +57,17 @@ def _group(op_name: str) -> str:
   return name or "(compiler-made)"
 
 
-def measure(name: str) -> dict:
+def measure(name: str, lora_rank: int = 0) -> dict:
+  """The decode chunk's bytes of config ``name``; ``lora_rank``: with LoRA adapters of that rank
+  (every target), applied unmerged as the decode servers do."""
   import jax  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu import chips, compile as tpu_compile, hlo, projection  # pylint: disable=import-outside-toplevel
   module = config_lib.config_module(name, beside=os.path.join(ROOT, "configs", name))
-  config = config_lib.validate(module.get_config())
+  config = module.get_config()
+  if lora_rank:
+    config.model.lora.rank = lora_rank
+  config = config_lib.validate(config)
   accelerator = module.ACCELERATORS["rollout"]
   m = models.config_of(config)
   chip, _ = chips.parse(accelerator)

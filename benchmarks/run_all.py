@@ -42,6 +42,13 @@ BENCHMARKS = {
     "transfer": ("transfer.py", ["--quick"], [], "No seed figure."),
     "twin": ("twin.py", ["--quick"], [], "No seed figure: the pod's twin (P learner processes, K decode "
              "servers) on one machine."),
+    "lora_serving": ("lora_serving.py", ["--quick"], [],
+                     "No seed figure: LoRA adapters applied unmerged by the decode step against a merged "
+                     "serving copy, on CPU and by the TPU compile."),
+    "twin_lora": ("twin.py", ["--quick", "--shapes", "1x1", "2x2", "--lora", "8"],
+                  ["--shapes", "1x1", "2x2", "--lora", "8"],
+                  "No seed figure: full-weight and LoRA RL side by side on the twin; the bytes a decode "
+                  "server pulls per version. Goal (issue 47): adapters < 5% of a full publish."),
     "async_vs_sync": ("async_vs_sync.py", ["--quick"], [],
                       "Seed (AReaL, 1.5B): 2.77x effective throughput at eta 2 over eta 0."),
     "async_vs_sync_split": ("async_vs_sync.py", ["--quick", "--split-cores", "--name", "async_vs_sync_split"],

@@ -1,6 +1,6 @@
 """The pod's twin's throughput at several (learner processes P, decode servers K), side by side.
 
-  .venv/bin/python benchmarks/twin.py [--quick] [--shapes 1x1 1x2 2x2] [--steps N]
+  .venv/bin/python benchmarks/twin.py [--quick] [--shapes 1x1 1x2 2x2] [--steps N] [--lora R]
 
 Each shape runs ``launch/local.sh WORKDIR --learners P --servers K`` (1 CPU device per process) on the
 main job's config, without warm start, held-out evaluation or compile warm-up, for the same number of
@@ -8,6 +8,11 @@ policy versions. Throughput is trained tokens per second over the versions after
 (compilation), from each run's ``metrics.jsonl``. Beside it: the learner's mean update seconds, the
 seconds it was blocked publishing weights, the slowest pull, the staleness reached, and the weight
 bytes pulled from each learner process. Writes benchmarks/results/twin.{json,md,png}.
+
+``--lora R``: each shape runs twice side by side, full-weight RL and LoRA RL (``model.lora.rank=R``,
+the targets ``--lora-targets``), and the table adds the bytes of one server's pull of the full
+weights and of the adapters alone (``summary.json``'s ``weight_publishes``: with LoRA a server pulls
+the full weights once, then the adapters); written as ``twin_lora``.
 
 Every process of every shape shares this machine's cores, so more processes here means more
 contention, not more hardware: the table says what the twin costs on one machine, not what a pod gains.
@@ -64,7 +69,14 @@ def figures(run: dict, skip: int) -> dict:
               publish_blocked_seconds=mean("publish_blocked_seconds"),
               transfer_seconds=mean("transfer_seconds"), max_staleness_seen=s["max_staleness_seen"],
               learner_processes=s["learner_processes"], decode_servers=s["decode_servers"],
-              transfer_bytes_sent=s["transfer_bytes_sent"], wall_seconds=run["seconds"])
+              transfer_bytes_sent=s["transfer_bytes_sent"], wall_seconds=run["seconds"],
+              weight_publishes=s.get("weight_publishes", {}))
+
+
+def per_pull(publishes: dict, kind: str) -> float:
+  """Mean bytes of one server's pull of ``kind`` ("full" or "partial"); nan when none happened."""
+  n = publishes.get(kind, 0)
+  return publishes.get(f"{kind}_bytes", 0) / n if n else float("nan")
 
 
 def main(argv=None) -> int:
@@ -74,6 +86,8 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int, default=None, help="policy versions per shape (default 20; quick 8)")
   p.add_argument("--skip", type=int, default=2, help="versions excluded from timing (compilation)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y (repeatable)")
+  p.add_argument("--lora", type=int, default=0, help="also run each shape with LoRA of this rank")
+  p.add_argument("--lora-targets", default="q,k,v,o,gate,up,down", help="model.lora.targets for --lora")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   steps = args.steps or (8 if args.quick else 20)
@@ -86,32 +100,51 @@ def main(argv=None) -> int:
     shapes.append((learners, servers))
   if not 0 < args.skip < steps:
     p.error(f"--skip {args.skip} must lie in [1, --steps={steps})")
+  arms = [("", [])]
+  if args.lora:
+    arms.append((f" lora{args.lora}", [f"--config.model.lora.rank={args.lora}",
+                                       f"--config.model.lora.targets={args.lora_targets}"]))
   out, rows = {}, []
   with tempfile.TemporaryDirectory() as tmp:
     for learners, servers in shapes:
-      name = f"{learners}x{servers}"
-      print(f"[twin] P={learners} K={servers}: {steps} versions", flush=True)
-      f = figures(run_shape(learners, servers, steps, os.path.join(tmp, name), args.override), args.skip)
-      out[name] = f
-      sent = f["transfer_bytes_sent"]
-      rows.append([learners, servers, f"{f['tokens_per_s']:.0f}", f"{f['seconds_per_version']:.2f}",
-                   f"{f['learner_seconds']:.2f}", f"{f['publish_blocked_seconds'] * 1e3:.0f}",
-                   f"{f['transfer_seconds'] * 1e3:.0f}", f["max_staleness_seen"],
-                   " / ".join(f"{b / 1e6:.1f}" for b in sent), f"{max(sent) / min(sent):.3f}"])
-      print(f"[twin] {name}: {f}", flush=True)
+      for suffix, extra in arms:
+        name = f"{learners}x{servers}{suffix}"
+        print(f"[twin] P={learners} K={servers}{suffix}: {steps} versions", flush=True)
+        f = figures(run_shape(learners, servers, steps, os.path.join(tmp, name.replace(" ", "_")),
+                              args.override + extra), args.skip)
+        out[name] = f
+        sent = f["transfer_bytes_sent"]
+        row = [name, f"{f['tokens_per_s']:.0f}", f"{f['seconds_per_version']:.2f}",
+               f"{f['learner_seconds']:.2f}", f"{f['publish_blocked_seconds'] * 1e3:.0f}",
+               f"{f['transfer_seconds'] * 1e3:.0f}", f["max_staleness_seen"],
+               " / ".join(f"{b / 1e6:.1f}" for b in sent), f"{max(sent) / min(sent):.3f}"]
+        if args.lora:
+          full, part = per_pull(f["weight_publishes"], "full"), per_pull(f["weight_publishes"], "partial")
+          row += [f"{full / 1e3:.1f}", f"{part / 1e3:.1f}" if part == part else "-",
+                  f"{100 * part / full:.1f}%" if part == part else "-"]
+        rows.append(row)
+        print(f"[twin] {name}: {f}", flush=True)
   base = out.get("1x1", {}).get("tokens_per_s")
   result = dict(machine=machine(), config=dict(steps=steps, skip=args.skip, flags=FLAGS + args.override,
-                                               config="configs/default.py", devices_per_process=1),
+                                               config="configs/default.py", devices_per_process=1,
+                                               lora_rank=args.lora,
+                                               lora_targets=args.lora_targets if args.lora else None),
                 results=out, relative_to_1x1={k: v["tokens_per_s"] / base for k, v in out.items()} if base else {})
-  header = ["learner processes P", "decode servers K", "trained tok/s", "s / version", "learner update (s)",
+  header = ["P x K (learner processes x decode servers)", "trained tok/s", "s / version", "learner update (s)",
             "publish blocked (ms)", "slowest pull (ms)", "max staleness", "weight MB pulled per learner process",
             "max/min"]
+  if args.lora:
+    header += ["kB per full pull", "kB per adapters pull", "adapters / full"]
   notes = (f"`launch/local.sh` on configs/default.py without warm start, evaluation or compile warm-up; "
            f"{steps} policy versions per shape, the first {args.skip} excluded from timing; 1 virtual CPU "
            "device per process (learner fsdp=P across the learner processes). All processes share this "
            "machine's cores: more processes is more contention here, not more hardware.")
-  md = write_result("twin", result, header, rows, notes, **({"out_dir": args.out} if args.out else {}))
-  _plot(out, os.path.join(os.path.dirname(md), "twin.png"))
+  if args.lora:
+    notes += (f" Each shape also ran with LoRA (rank {args.lora} on {args.lora_targets}): a server pulls the "
+              "full weights once, then the adapters alone (the base is frozen).")
+  name = "twin_lora" if args.lora else "twin"
+  md = write_result(name, result, header, rows, notes, **({"out_dir": args.out} if args.out else {}))
+  _plot(out, os.path.join(os.path.dirname(md), f"{name}.png"))
   return 0
 
 

@@ -121,14 +121,16 @@ class LearnerGroup:
                       (len(packed["lengths"]), len(packed["tokens"]), len(packed["floats"])))
     return self.learner.train(sequences, version=version)
 
-  def offer(self, version: int, uuids: Sequence[int]) -> None:
+  def offer(self, version: int, uuids: Sequence[int], partial: Sequence[bool] = ()) -> None:
     """The publisher's offer as an op: every learner process offers its blocks of the current weights
-    (``WeightPublisher.offer_here``); returns once all have (so that a receiver told of the version
-    finds every source ready)."""
+    (``WeightPublisher.offer_here``; ``partial[i]``: the adapters alone for uuid ``i``); returns once
+    all have (so that a receiver told of the version finds every source ready)."""
+    flags = list(partial) or [False] * len(uuids)
     if self.processes > 1:  # (as uint32 halves: without jax_enable_x64 a broadcast int64 is cut to 32 bits)
-      halves = np.asarray(uuids, np.uint64).view(np.uint32) if uuids else None
-      self._broadcast(OFFER, version, {"data": halves} if uuids else None, (len(uuids),))
-    self._offer(version, uuids)
+      data = (np.concatenate([np.asarray(uuids, np.uint64).view(np.uint32), np.asarray(flags, np.uint32)])
+              if uuids else None)
+      self._broadcast(OFFER, version, {"data": data} if uuids else None, (len(uuids),))
+    self._offer(version, uuids, flags)
 
   def save(self, meta: dict) -> None:
     """Every process saves its part of the state at the learner's version; ``meta`` goes in the
@@ -189,9 +191,9 @@ class LearnerGroup:
 
   # ------------------------------------------------------------------ both sides
 
-  def _offer(self, version: int, uuids: Sequence[int]) -> None:
+  def _offer(self, version: int, uuids: Sequence[int], partial: Sequence[bool] = ()) -> None:
     if self.publisher is not None:
-      self.publisher.offer_here(version, uuids)
+      self.publisher.offer_here(version, uuids, partial)
     if self.processes > 1:
       multihost_utils.sync_global_devices(f"offered v{version}")
 
@@ -206,10 +208,10 @@ class LearnerGroup:
                 "versions": np.zeros(b, np.int32), "floats": np.zeros((c, b), np.float32)}
         self.learner.train(unpack_sequences(multihost_utils.broadcast_one_to_all(like)), version=version)
       elif op == OFFER:
-        like = {"data": np.zeros(2 * a, np.uint32)}
-        uuids = (np.asarray(multihost_utils.broadcast_one_to_all(like)["data"], np.uint32).view(np.uint64)
-                 if a else [])
-        self._offer(version, [int(u) for u in uuids])
+        like = {"data": np.zeros(3 * a, np.uint32)}
+        data = np.asarray(multihost_utils.broadcast_one_to_all(like)["data"], np.uint32) if a else None
+        uuids = [int(u) for u in data[:2 * a].view(np.uint64)] if a else []
+        self._offer(version, uuids, [bool(f) for f in data[2 * a:]] if a else [])
       elif op == SAVE:
         data = multihost_utils.broadcast_one_to_all({"data": np.zeros(a, np.uint8)})["data"]
         self.learner.check_version(version, "the checkpoint")

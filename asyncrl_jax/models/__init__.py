@@ -10,8 +10,8 @@ from asyncrl_jax.models import lora
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError, lora_fields
 from asyncrl_jax.models.forward import (ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES, Forward,
                                         ForwardError)
-from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf, load_hf,
-                                   read_hf_config)
+from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf,
+                                   export_peft, load_hf, read_hf_config)
 from asyncrl_jax.models.transformer import KVCache
 
 
@@ -42,7 +42,7 @@ __all__ = [
     "ATTENTION_KINDS", "DECODE_KINDS", "REMAT_POLICIES", "Forward", "ForwardError", "ModelConfig", "ModelConfigError",
     "CheckpointError", "KVCache", "abstract_params", "apply_decode", "cache_layout", "cache_length",
     "apply_hidden", "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params",
-    "decode", "export_hf", "from_config",
+    "decode", "export_hf", "export_peft", "from_config",
     "init_cache", "init_params", "load_hf", "logits", "param_shardings", "serving_dtypes",
     "serving_params",
 ]

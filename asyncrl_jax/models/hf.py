@@ -292,6 +292,57 @@ def load_hf(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "float32",
   return config, jax.device_put(params, api.param_shardings(config, mesh))
 
 
+# our projection name -> the Hugging Face module it is (PEFT's target_modules)
+_HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+
+
+def lora_to_peft(config: ModelConfig, params: dict[str, Any], dtype: Optional[str] = None
+                 ) -> dict[str, np.ndarray]:
+  """The adapters of a LoRA model as PEFT's tensors: per target, ``lora_A.weight`` ``[r, in]`` and
+  ``lora_B.weight`` ``[out, r]`` under ``base_model.model.<HF module>``, so that PEFT's
+  ``W x + (alpha / r) B A x`` is the model's ``x W + (alpha / r) (x A) B``."""
+  if not config.lora:
+    raise ValueError("the model has no LoRA adapters (model.lora.rank is 0)")
+  dt = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
+  adapters, _ = lora.split(params)
+  out = {}
+  for key, a in adapters.items():
+    name = str(key[-1])
+    if not name.endswith("_lora_a"):
+      continue
+    target = name[:-len("_lora_a")]
+    layer = str(key[0])
+    if not layer.startswith("layer_") or target not in _HF_MODULES:
+      raise ValueError(f"unexpected adapter {'/'.join(map(str, key))}")
+    a = np.asarray(jax.device_get(a)).astype(dt)
+    b = np.asarray(jax.device_get(adapters[key[:-1] + (f"{target}_lora_b",)])).astype(dt)
+    r = config.lora_rank
+    prefix = f"base_model.model.model.layers.{layer[len('layer_'):]}.{_HF_MODULES[target]}."
+    out[prefix + "lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+    out[prefix + "lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+  return out
+
+
+def export_peft(config: ModelConfig, params: dict[str, Any], path: str, *, base_model: str,
+                dtype: Optional[str] = None) -> None:
+  """Writes the adapters alone in PEFT's layout: ``path/adapter_config.json`` (LoRA, rank, alpha,
+  targets as Hugging Face module names, ``base_model_name_or_path=base_model``) and
+  ``path/adapter_model.safetensors``; ``peft.PeftModel.from_pretrained`` puts them on the base
+  model (``export_hf`` of the base, or the checkpoint the run started from)."""
+  tensors = lora_to_peft(config, params, dtype)
+  os.makedirs(path, exist_ok=True)
+  safetensors_io.save(os.path.join(path, "adapter_model.safetensors"), tensors, metadata={"format": "pt"})
+  adapter_config = {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+      "r": config.lora_rank, "lora_alpha": config.lora_alpha, "lora_dropout": 0.0, "bias": "none",
+      "target_modules": sorted(_HF_MODULES[t].split(".")[-1] for t in config.lora_targets),
+      "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+      "modules_to_save": None, "inference_mode": True}
+  with open(os.path.join(path, "adapter_config.json"), "w") as f:
+    json.dump(adapter_config, f, indent=2)
+
+
 def export_hf(config: ModelConfig, params: dict[str, Any], path: str, *, dtype: Optional[str] = None,
               tokenizer_dir: Optional[str] = None) -> None:
   """Writes ``path/config.json`` and ``path/model.safetensors`` (plus tokenizer files if given). A model

@@ -72,6 +72,11 @@ def add_adapters(config: ModelConfig, base, rng: jax.Array, mesh: Optional[Mesh]
   return traverse_util.unflatten_dict(flat)
 
 
+def base_model(config: ModelConfig, params) -> tuple[ModelConfig, dict]:
+  """``(config without LoRA, params without adapters)``: the frozen base a LoRA model trains on."""
+  return config.replace(lora_rank=0), traverse_util.unflatten_dict(split(params)[1])
+
+
 def merge(config: ModelConfig, params) -> tuple[ModelConfig, dict]:
   """``(config without LoRA, params)`` with every adapter folded into its projection:
   ``W + (alpha / r) A B``, in the projection's dtype (float32 arithmetic)."""

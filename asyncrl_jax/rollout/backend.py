@@ -26,10 +26,14 @@ class BackendReport:
   ``faults``: counts by kind (``servers_lost``, ``servers_joined``, ``requests_reassigned``,
   ``push_retries``...); ``events``: one record per server event (``event``, ``server_id``,
   ``address``, ``time``, ``detail``); ``bytes_by_source``: weight bytes pulled from each learner
-  process over the run (empty where weights do not cross processes)."""
+  process over the run (empty where weights do not cross processes); ``publishes``: the completed
+  pulls and their bytes, of the full weights and of partial ones (LoRA adapters alone):
+  ``{"full": n, "partial": n, "full_bytes": b, "partial_bytes": b}`` (empty where weights do not
+  cross processes)."""
   faults: dict = dataclasses.field(default_factory=dict)
   events: list = dataclasses.field(default_factory=list)
   bytes_by_source: list = dataclasses.field(default_factory=list)
+  publishes: dict = dataclasses.field(default_factory=dict)
 
 
 @runtime_checkable

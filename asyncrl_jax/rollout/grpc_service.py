@@ -61,6 +61,8 @@ class RolloutService:
     self._unacked: dict[str, Trajectory] = {}
     self._unacked_lock = threading.Lock()
     self.incarnation = 0  # of the learner whose weights the server holds (0: none named one)
+    self.base_id = 0  # the learner's name for the frozen base weights held (LoRA; 0: none)
+    self._held = None  # with a base_id: the weights last pulled (whose base the next partial pull keeps)
     self.draining = False
     self.drain_noticed = threading.Event()  # a Health call was answered "draining"
     self.dropped = 0  # finished trajectories of an older incarnation, never delivered
@@ -146,8 +148,15 @@ class RolloutService:
         sources = protocol.sources_from_pb(request.sources)
       except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"weights v{request.version}: {e}")
+      keep = None
+      if request.partial:  # the adapters alone: the rest is the frozen base this server holds
+        keep = self._held  # (the newest pulled: the server may not have switched to it yet)
+        if not request.base_id or request.base_id != self.base_id or keep is None:
+          context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                        f"weights v{request.version} are adapters for base {request.base_id}, but this "
+                        f"server holds base {self.base_id or 'none'}: it needs the full weights")
       try:
-        params, stats = self.receiver.pull(sources, self.server.engine.param_spec())
+        params, stats = self.receiver.pull(sources, self.server.engine.param_spec(), keep=keep)
       except ValueError as e:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"weights v{request.version}: {e}")
       except Exception as e:  # pylint: disable=broad-except
@@ -159,13 +168,15 @@ class RolloutService:
       # all of it arrived: swap it in whole
       with self._switch_lock:
         self.server.update_weights(params, request.version, restart=restart)
+        self.base_id = request.base_id
+        self._held = params if request.base_id else None
         if restart:
           if self.incarnation:
             log.warning("learner incarnation %d replaces %d: its work is dropped; serving v%d",
                         request.incarnation, self.incarnation, request.version)
           self.incarnation = request.incarnation
-    log.info("pulled weights v%d: %.1f MB from %d learner processes in %.3f s", request.version,
-             stats.bytes / 1e6, len(sources), stats.seconds)
+    log.info("pulled weights v%d%s: %.1f MB from %d learner processes in %.3f s", request.version,
+             " (adapters)" if request.partial else "", stats.bytes / 1e6, len(sources), stats.seconds)
     return M["WeightsReply"](version=request.version, seconds=stats.seconds, bytes=stats.bytes,
                              source_bytes=stats.per_source)
 
@@ -246,11 +257,13 @@ class RolloutClient:
     finally:
       call.cancel()
 
-  def update_weights(self, version: int, sources, timeout: float = 300.0, incarnation: int = 0):
+  def update_weights(self, version: int, sources, timeout: float = 300.0, incarnation: int = 0,
+                     base_id: int = 0, partial: bool = False):
     """Tells the server to pull ``version`` from ``sources`` (``transfer.remote.Source``, one per
-    learner process); returns its ``WeightsReply`` once it holds the new weights."""
+    learner process; with ``partial``, the adapters alone, over the base ``base_id`` it holds);
+    returns its ``WeightsReply`` once it holds the new weights."""
     notice = M["WeightsNotice"](version=version, sources=protocol.sources_to_pb(sources),
-                                incarnation=incarnation)
+                                incarnation=incarnation, base_id=base_id, partial=int(partial))
     return self._calls["UpdateWeights"](notice, timeout=timeout)
 
   def abort(self, request_id: str, timeout: float = 30.0) -> None:

@@ -1,12 +1,15 @@
 """One decode server in this process: a ``RolloutBackend`` (``rollout.backend``) whose weights move
-with ``jax.device_put``."""
+with ``jax.device_put`` (with LoRA, the adapters alone after the first copy: the base is frozen)."""
 
 from __future__ import annotations
 
 import logging
 from typing import Callable
 
+from flax import traverse_util
+
 from asyncrl_jax import models
+from asyncrl_jax.models import lora
 from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory
 from asyncrl_jax.rollout.backend import BackendReport
 from asyncrl_jax.rollout.decode_loop import DecodeServer
@@ -48,8 +51,22 @@ class LocalRollout:
   def maintain(self) -> None:
     """(Nothing to do: one server, in this process.)"""
 
+  def _transfer_adapters(self, learner_params):
+    """LoRA: the adapters alone cast and copied onto the rollout mesh, over the frozen base this
+    server already holds (its own copy, made by the first transfer)."""
+    held = traverse_util.flatten_dict(self.rollout_params)
+    dtypes = traverse_util.flatten_dict(models.serving_dtypes(self.engine.config))
+    shardings = traverse_util.flatten_dict(self.engine.param_shardings)
+    adapters = {k: v.astype(dtypes[k]) for k, v in traverse_util.flatten_dict(learner_params).items()
+                if lora.is_adapter(k)}
+    moved, stats = local_transfer(adapters, {k: shardings[k] for k in adapters})
+    return traverse_util.unflatten_dict(held | moved), stats
+
   def update_weights(self, learner_params, version: int) -> TransferStats:
-    self.rollout_params, stats = self._transfer(learner_params)
+    if self.engine.config.lora:  # the base is frozen: only the adapters move
+      self.rollout_params, stats = self._transfer_adapters(learner_params)
+    else:
+      self.rollout_params, stats = self._transfer(learner_params)
     self.server.update_weights(self.rollout_params, version)
     self.version = version
     self.transfer_seconds = stats.seconds

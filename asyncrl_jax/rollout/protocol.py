@@ -24,8 +24,11 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
   // one per learner process: its transfer server, the uuid of this pull, the blocks it offers
   // (JSON [[leaf, [[start, stop], ...]], ...], see transfer.shards)
   message WeightSource   { string address = 1; int64 uuid = 2; string blocks_json = 3; }
-  // incarnation: of the learner sending it; a newer one than the server serves may send any version
-  message WeightsNotice  { int64 version = 1; repeated WeightSource sources = 4; int64 incarnation = 5; }
+  // incarnation: of the learner sending it; a newer one than the server serves may send any version.
+  // base_id: the learner's name for its frozen base weights (LoRA; 0: none); partial = 1: the sources
+  // offer the adapters alone, to go over the base the server holds, which must be base_id
+  message WeightsNotice  { int64 version = 1; repeated WeightSource sources = 4; int64 incarnation = 5;
+                           int64 base_id = 6; int32 partial = 7; }
   // source_bytes: bytes pulled from each source, in the notice's order
   message WeightsReply   { int64 version = 1; double seconds = 2; int64 bytes = 3;
                            repeated int64 source_bytes = 4; }
@@ -104,7 +107,7 @@ _MESSAGES = {
                    ("turns_json", "string", 19)],
     "WeightSource": [("address", "string", 1), ("uuid", "int64", 2), ("blocks_json", "string", 3)],
     "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4),
-                      ("incarnation", "int64", 5)],
+                      ("incarnation", "int64", 5), ("base_id", "int64", 6), ("partial", "int32", 7)],
     "WeightsReply": [("version", "int64", 1), ("seconds", "double", 2), ("bytes", "int64", 3),
                      ("source_bytes", "int64*", 4)],
     "RegisterRequest": [("server_id", "string", 1), ("address", "string", 2),

@@ -39,6 +39,7 @@ class _Server:
   client: RolloutClient
   registered_at: float = 0.0
   version: Optional[int] = None  # of the weights it holds (None: none yet)
+  base_id: int = 0  # the publisher's frozen base it holds (LoRA: then adapters alone suffice)
   alive: bool = True
   draining: bool = False  # shutting down (SIGTERM): gets no new work, gives its queue back
   last_seen: float = dataclasses.field(default_factory=time.time)  # its last answer to Health
@@ -108,6 +109,9 @@ class RemoteRollout:
     self._no_server_since: Optional[float] = None
     self.published: Optional[int] = None
     self.bytes_by_source = [0] * publisher.processes  # pulled from each learner process, all versions
+    # pulls completed and their bytes, full weights and partial ones (LoRA adapters alone)
+    self.publishes = {"full": 0, "partial": 0}
+    self.publish_bytes = {"full": 0, "partial": 0}
     self.transfer_seconds = 0.0  # the slowest pull so far of the newest version pulled
     self._transfer_version = -1
     self._retired = DecodeStats(servers=0)  # last counters of servers that are gone
@@ -337,20 +341,26 @@ class RemoteRollout:
 
   # ------------------------------------------------------------------ weights
 
-  def _push(self, s: _Server, version: int, uuid: int) -> None:
+  def _push(self, s: _Server, version: int, uuid: int, partial: bool = False) -> None:
+    base_id = self.publisher.base_id
     try:
-      reply = s.client.update_weights(version, self.publisher.sources(uuid), timeout=self.push_timeout,
-                                      incarnation=self.incarnation)
+      reply = s.client.update_weights(version, self.publisher.sources(uuid, partial),
+                                      timeout=self.push_timeout, incarnation=self.incarnation,
+                                      base_id=base_id, partial=partial)
     except Exception as e:  # pylint: disable=broad-except
       with self._lock:
         s.push_error = f"pull of v{version} failed: {e!r}"[:500]
         s.push_failures += 1
+        s.base_id = 0  # (whatever it holds now, the retry sends everything)
       if s.alive:
         log.warning("decode server %s: %s", s.address, s.push_error)
       return
     with self._lock:
       s.version = version  # (notices to one server go in version order)
+      s.base_id = base_id
       s.push_failures = 0
+      self.publishes["partial" if partial else "full"] += 1
+      self.publish_bytes["partial" if partial else "full"] += reply.bytes
       for p, n in enumerate(reply.source_bytes):
         self.bytes_by_source[p] += n
       if version > self._transfer_version:
@@ -364,10 +374,12 @@ class RemoteRollout:
     if not servers:
       return
     uuids = [new_uuid() for _ in servers]
-    self.publisher.offer(version, uuids)
-    for s, uuid in zip(servers, uuids):
+    base_id = self.publisher.base_id
+    partial = [bool(base_id) and s.base_id == base_id for s in servers]  # holds the frozen base
+    self.publisher.offer(version, uuids, partial)
+    for s, uuid, part in zip(servers, uuids, partial):
       s.push_error = None
-      s.pushes[version] = s.pusher.submit(self._push, s, version, uuid)
+      s.pushes[version] = s.pusher.submit(self._push, s, version, uuid, part)
 
   def _wait(self, version: int, timeout: Optional[float] = None) -> None:
     """Waits for every live server's pull of ``version`` (dropping one that takes longer than
@@ -472,7 +484,8 @@ class RemoteRollout:
 
   def report(self) -> BackendReport:
     with self._lock:
-      return BackendReport(dict(self.faults), list(self.events), list(self.bytes_by_source))
+      publishes = dict(self.publishes) | {f"{k}_bytes": v for k, v in self.publish_bytes.items()}
+      return BackendReport(dict(self.faults), list(self.events), list(self.bytes_by_source), publishes)
 
   def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
     self._on_trajectory = on_trajectory

@@ -9,6 +9,10 @@ the newest), restoring the policy parameters only (not the optimizer state), on 
   says so.
 * ``orbax``: a params-only Orbax checkpoint in ``DIR/params`` (``orbax.checkpoint.StandardCheckpointer``
   restores it without this project's code) and the model config in ``DIR/model_config.json``.
+* ``peft`` (a LoRA run): the adapters alone in PEFT's layout (``adapter_config.json``,
+  ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` puts on the base model.
+  Their base is named as the run's ``model.hf_path`` when it started from one; otherwise the base
+  weights are written beside them in ``DIR/base`` (Hugging Face layout) and named so.
 
 The run and ``DIR`` may be buckets (``gs://...``, through ``asyncrl_jax.infra.paths``). A Hugging Face export
 is written locally and then copied up, and read back through a local copy (``local_export``).
@@ -27,7 +31,7 @@ from asyncrl_jax import cli
 
 from asyncrl_jax.infra import paths
 
-FORMATS = ("hf", "orbax")
+FORMATS = ("hf", "orbax", "peft")
 
 
 class ExportError(ValueError):
@@ -81,6 +85,11 @@ def export(workdir: str, out: str, *, fmt: str = "hf", step=None) -> dict:
     tokenizer_dir = config.data.tokenizer_path or None
     write_hf(model_config, params, out, tokenizer_dir=tokenizer_dir)
     note = "" if tokenizer_dir else "the built-in tokenizer has no tokenizer files; none were written"
+  elif fmt == "peft":
+    if not model_config.lora:
+      raise ExportError(f"{workdir} trained the full model (model.lora.rank=0): there is no adapter to "
+                        "export as peft; use --format=hf")
+    note = write_peft(model_config, params, out, base_model=config.model.get("hf_path") or "")
   else:
     write_orbax(model_config, params, out)
     note = ""
@@ -97,6 +106,29 @@ def write_hf(model_config, params, out: str, *, tokenizer_dir=None) -> None:
   with tempfile.TemporaryDirectory(prefix="asyncrl_jax_export_") as tmp:
     models.export_hf(model_config, params, tmp, tokenizer_dir=tokenizer_dir)
     paths.copy_tree(tmp, out)
+
+
+def write_peft(model_config, params, out: str, *, base_model: str = "") -> str:
+  """``models.export_peft`` into ``out`` (a remote ``out`` through a local copy). Without
+  ``base_model`` (a run that did not start from a checkpoint) the base is written to ``out/base``
+  and named. Returns a note on the base."""
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.models import lora  # pylint: disable=import-outside-toplevel
+
+  def write(local: str, named: str) -> None:
+    if not base_model:
+      models.export_hf(*lora.base_model(model_config, params), paths.join(local, "base"))
+    models.export_peft(model_config, params, local, base_model=base_model or named)
+
+  if not paths.is_remote(out):
+    write(out, paths.absolute(paths.join(out, "base")))
+  else:
+    with tempfile.TemporaryDirectory(prefix="asyncrl_jax_export_") as tmp:
+      write(tmp, paths.join(out, "base"))
+      paths.copy_tree(tmp, out)
+  if base_model:
+    return f"the adapters' base is {base_model} (the run's model.hf_path)"
+  return "the run did not start from a checkpoint: its base weights are in base/ (Hugging Face layout)"
 
 
 def write_orbax(model_config, params, out: str) -> None:

@@ -68,13 +68,14 @@ class Publisher(Protocol):
   """What a rollout backend needs of the learner's weight publishing (``learner.publisher``
   implements it): the number of learner processes, an offer of the current weights (``version``)
   under one uuid per receiving server, and where the receiver of a uuid pulls from (the
-  ``remote.Source`` list it is told)."""
+  ``remote.Source`` list it is told). With a frozen base (LoRA), ``base_id`` names it (0: none) and
+  an offer may be partial: the adapters alone, for a server that holds that base."""
 
   processes: int
+  base_id: int
 
-  def offer(self, version: int, uuids: Sequence[int]) -> None:
+  def offer(self, version: int, uuids: Sequence[int], partial: Sequence[bool] = ()) -> None:
     ...
 
-  def sources(self, uuid: int) -> list:
+  def sources(self, uuid: int, partial: bool = False) -> list:
     ...
-

@@ -92,6 +92,24 @@ def _check_blocks(sources: Sequence[Source], leaves: Sequence[Any]) -> None:
                          f"param_dtype agree?)")
 
 
+def _check_kept(keep: Any, leaves: Sequence[Any], treedef, offered: set) -> dict:
+  """The leaves of ``keep`` that no source offers, by index; checks that they fit ``leaves``."""
+  if keep is None:
+    return {}
+  kept, kept_def = jax.tree.flatten(keep)
+  if kept_def != treedef:
+    raise ValueError("the weights kept for a partial pull are not laid out like this server's model")
+  out = {}
+  for i, (k, x) in enumerate(zip(kept, leaves)):
+    if i in offered:
+      continue
+    if tuple(k.shape) != tuple(x.shape) or k.dtype != x.dtype:
+      raise ValueError(f"leaf {i} kept for a partial pull is {k.dtype}{list(k.shape)}, but this server "
+                       f"holds it as {x.dtype}{list(x.shape)}")
+    out[i] = k
+  return out
+
+
 class WeightReceiver:
   """Decode-server side: pulls offered parameters into the local layout given by ``like``."""
 
@@ -108,11 +126,16 @@ class WeightReceiver:
     """Drops the connection to ``address`` (after a failed pull: a restarted sender is a new peer)."""
     self._connections.pop(address, None)
 
-  def pull(self, sources: Sequence[Source], like: Any) -> tuple[Any, TransferStats]:
+  def pull(self, sources: Sequence[Source], like: Any, keep: Any = None) -> tuple[Any, TransferStats]:
     """Pulls every source's blocks (in parallel, one thread per learner process) and assembles them
-    onto ``like``'s shardings (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or arrays)."""
+    onto ``like``'s shardings (a pytree of ``jax.ShapeDtypeStruct`` with shardings, or arrays).
+
+    ``keep``: arrays laid out like ``like`` (the weights held now) whose leaves stand in for the ones
+    no source offers (a partial offer: LoRA adapters alone over a frozen base); without it every leaf
+    must be offered."""
     leaves, treedef = jax.tree.flatten(like)
     _check_blocks(sources, leaves)
+    kept = _check_kept(keep, leaves, treedef, {b.leaf for src in sources for b in src.blocks})
     t = time.perf_counter()
 
     def one(src: Source):
@@ -126,7 +149,8 @@ class WeightReceiver:
     for src, arrays in zip(sources, pulled):
       for b, x in zip(src.blocks, arrays):
         by_leaf[b.leaf].append((b.index, x))
-    out = [shards.assemble(by_leaf[i], x.shape, x.sharding) for i, x in enumerate(leaves)]
+    out = [kept[i] if i in kept else shards.assemble(by_leaf[i], x.shape, x.sharding)
+           for i, x in enumerate(leaves)]
     out = jax.block_until_ready(treedef.unflatten(out))
     arrays = [x for group in pulled for x in group]
     return out, TransferStats(time.perf_counter() - t, sum(x.nbytes for x in arrays),

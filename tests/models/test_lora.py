@@ -132,3 +132,30 @@ def test_a_lora_model_exports_as_the_merged_plain_model(base, tmp_path):
   assert not loaded_config.lora
   np.testing.assert_allclose(models.logits(loaded_config, loaded, TOKENS),
                              models.logits(LORA, trained, TOKENS), atol=1e-4)
+
+
+def test_peft_puts_the_exported_adapter_on_the_transformers_base_and_reproduces_the_logits(base, tmp_path):
+  """The adapter in PEFT's layout, loaded by ``peft`` onto the base exported for ``transformers``,
+  gives our LoRA model's logits; the base alone (the control) does not."""
+  import peft
+  import torch
+  import transformers
+  trained = _with_b(lora.add_adapters(LORA, base, jax.random.key(1)), 0.05)  # (every target)
+  models.export_hf(*lora.base_model(LORA, trained), str(tmp_path / "base"))
+  models.export_peft(LORA, trained, str(tmp_path / "adapter"), base_model=str(tmp_path / "base"))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).eval()
+  tokens = torch.tensor(np.asarray(TOKENS))
+  with torch.no_grad():
+    plain = hf(tokens).logits.numpy()
+    tuned = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    got = tuned(tokens).logits.numpy()
+  want = np.asarray(models.logits(LORA, trained, TOKENS))
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+  assert np.abs(plain - want).max() > 1e-2  # (the adapters matter at this scale)
+  import json
+  written = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+  assert written["r"] == LORA.lora_rank and written["lora_alpha"] == LORA.lora_alpha
+  assert set(written["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"}
+  with pytest.raises(ValueError, match="has no LoRA adapters"):
+    models.export_peft(BASE, base, str(tmp_path / "none"), base_model="x")

@@ -86,7 +86,7 @@ def test_remote_backend_sums_the_decode_servers_counters(local_service):
   (t,) = list(client.stream(max_trajectories=1, timeout=120))
   health = client.health()
   # the same server twice: every counter is counted twice
-  backend = RemoteRollout([client.address, client.address], types.SimpleNamespace(processes=1))
+  backend = RemoteRollout([client.address, client.address], types.SimpleNamespace(processes=1, base_id=0))
   try:
     stats = backend.decode_stats()
   finally:
@@ -213,8 +213,8 @@ class _HandingReceiver:
   def __init__(self, params):
     self.params = params
 
-  def pull(self, sources, spec):
-    del sources, spec
+  def pull(self, sources, spec, keep=None):
+    del sources, spec, keep
     return self.params, types.SimpleNamespace(bytes=1, seconds=0.0, per_source=[1])
 
   def forget(self, address):
@@ -290,6 +290,72 @@ def test_a_newer_learner_incarnation_takes_over_at_an_older_version_and_its_pred
     drained = [t for t in back if t.finish_reason == "aborted"]
     assert drained and all(t.error == DRAINED for t in drained)
     assert all(t.finish_reason in ("eos", "length") for t in back if t not in drained)
+  finally:
+    client.close()
+    grpc_server.stop(0)
+    server.stop()
+
+
+def test_a_lora_server_pulls_the_full_weights_once_then_the_adapters_alone():
+  """The publisher's partial offer moves the adapters alone (< 5% of the bytes here) and the server
+  keeps the base it pulled before: with the learner's copy of the base altered after the full pull
+  (the control: were the base to cross, the server would decode with it), the server decodes with
+  the first base and the new adapters. A partial notice for another base, or to a server holding
+  none, is refused and changes nothing."""
+  import grpc
+  from flax import traverse_util
+  from asyncrl_jax.learner.publisher import WeightPublisher
+  from asyncrl_jax.models import lora
+  from asyncrl_jax.weights.remote import WeightReceiver
+  cfg = CFG.replace(lora_rank=2, lora_alpha=4.0, lora_targets=("q", "v"))
+  learner_mesh = sharding.make_mesh(jax.devices()[:2], dict(data=1, fsdp=-1, tensor=1))
+  learner = types.SimpleNamespace(model_config=cfg, check_version=lambda *a: None,
+                                  params=models.init_params(cfg, jax.random.key(1), mesh=learner_mesh))
+  publisher = WeightPublisher(learner, "127.0.0.1", processes=1, gather=lambda a: [a],
+                              offer_op=lambda v, uuids, partial: publisher.offer_here(v, uuids, partial))
+  engine = Engine(cfg, mesh=sharding.make_mesh(jax.devices()[2:4], dict(data=-1, fsdp=1, tensor=1)),
+                  num_slots=2, max_prefill_length=16, max_target_length=48,
+                  sampling=SamplingSettings(temperature=0.0), params=models.init_params(cfg, jax.random.key(2)))
+  server = DecodeServer(engine, engine.load_params(), server_id="lora")
+  service = RolloutService(server, WeightReceiver())
+  grpc_server, port = serve(service)
+  server.start()
+  client = RolloutClient(f"127.0.0.1:{port}")
+
+  def push(version, partial, base_id=publisher.base_id):
+    uuid = new_uuid()
+    publisher.offer(version, [uuid], [partial])
+    return client.update_weights(version, publisher.sources(uuid, partial), timeout=60,
+                                 base_id=base_id, partial=partial)
+
+  def altered(params, adapters: bool):
+    rng = np.random.default_rng(int(adapters))
+    return traverse_util.unflatten_dict({
+        k: (v + jax.numpy.asarray(rng.normal(size=v.shape), v.dtype) if lora.is_adapter(k) == adapters
+            else v) for k, v in traverse_util.flatten_dict(params).items()})
+
+  try:
+    client.wait_ready(30)
+    assert publisher.base_id > 0
+    with pytest.raises(grpc.RpcError, match="holds base none: it needs the full weights"):
+      push(1, True)  # a server holding no base of this learner
+    full = push(1, False)
+    first = learner.params
+    learner.params = altered(altered(first, adapters=True), adapters=False)  # adapters trained; base "changed"
+    part = push(2, True)
+    adapter_bytes = sum(x.nbytes for x in lora.split(learner.params)[0].values())
+    assert part.bytes == adapter_bytes < 0.05 * full.bytes, (part.bytes, full.bytes)
+    with pytest.raises(grpc.RpcError, match=f"adapters for base {publisher.base_id + 1}, but this server holds base {publisher.base_id}"):
+      push(3, True, base_id=publisher.base_id + 1)
+    adapters, _ = lora.split(learner.params)
+    expect = traverse_util.unflatten_dict(lora.split(first)[1] | adapters)  # the first base, new adapters
+    prompt = [1, 5, 13, 7, 14]
+    request = RolloutRequest(prompt_tokens=prompt, max_new_tokens=10)
+    client.submit([request])
+    (t,) = list(client.stream(max_trajectories=1, timeout=120))
+    assert set(t.versions) == {2}
+    assert list(t.completion_tokens) == _greedy_reference(cfg, expect, prompt, 10)
+    assert list(t.completion_tokens) != _greedy_reference(cfg, learner.params, prompt, 10)  # (control)
   finally:
     client.close()
     grpc_server.stop(0)

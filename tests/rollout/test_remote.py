@@ -17,7 +17,7 @@ class FakeClient:
 
   def __init__(self, address: str, slow: bool = False):
     self.address, self.slow = address, slow
-    self.submitted, self.pulled, self.incarnations = [], [], []
+    self.submitted, self.pulled, self.incarnations, self.notices = [], [], [], []
     self.status, self.incarnation = "serving", 0
     self._released: dict[int, threading.Event] = {}
 
@@ -27,9 +27,10 @@ class FakeClient:
   def release(self, version: int) -> None:
     self._released.setdefault(version, threading.Event()).set()
 
-  def update_weights(self, version, sources, timeout, incarnation=0):
+  def update_weights(self, version, sources, timeout, incarnation=0, base_id=0, partial=False):
     del sources
     self.incarnations.append(incarnation)
+    self.notices.append((version, base_id, partial))
     if self.slow and not self._released.setdefault(version, threading.Event()).wait(timeout):
       raise TimeoutError(f"fake pull of v{version} never released")
     self.pulled.append(version)
@@ -179,7 +180,7 @@ class FaultyClient(FakeClient):
     self._check()
     super().submit(requests)
 
-  def update_weights(self, version, sources, timeout, incarnation=0):
+  def update_weights(self, version, sources, timeout, incarnation=0, base_id=0, partial=False):
     self.uuids.append(sources[0])
     self._check()
     while self.stalled:  # a stopped process: the pull neither finishes nor fails
@@ -187,14 +188,15 @@ class FaultyClient(FakeClient):
     if self.fail_pulls:
       self.fail_pulls -= 1
       raise RuntimeError("Connection closed")
-    return super().update_weights(version, sources, timeout, incarnation)
+    return super().update_weights(version, sources, timeout, incarnation, base_id, partial)
 
 
 def _faulty(names, registry=None, **kw):
   clients = {n: FaultyClient(n) for n in names}
   offered = []
-  group = types.SimpleNamespace(processes=1, offer=lambda v, uuids: offered.append((v, list(uuids))),
-                                sources=lambda uuid: [uuid])
+  group = types.SimpleNamespace(processes=1, base_id=0,
+                                offer=lambda v, uuids, partial=(): offered.append((v, list(uuids))),
+                                sources=lambda uuid, partial=False: [uuid])
   kw = dict(dict(push_timeout=60, deadline=0.5, heartbeat=0.05), **kw)
   backend = RemoteRollout(names, group, client=clients.__getitem__, registry=registry, **kw)
   got = []
@@ -281,8 +283,8 @@ def test_a_server_that_registers_again_gets_the_current_weights_before_work():
                                    forget=lambda *entry: forgotten.append(entry))
   clients = {n: FaultyClient(n) for n in ("a", "b", "b2")}
   offered = []
-  group = types.SimpleNamespace(processes=1, offer=lambda v, uuids: offered.append(v),
-                                sources=lambda uuid: [uuid])
+  group = types.SimpleNamespace(processes=1, base_id=0, offer=lambda v, uuids, partial=(): offered.append(v),
+                                sources=lambda uuid, partial=False: [uuid])
   backend = RemoteRollout(entries, group, client=clients.__getitem__, registry=registry, deadline=0.5,
                           heartbeat=0.05)
   backend.start(lambda t: None)
@@ -363,5 +365,38 @@ def test_a_draining_server_gets_no_new_work_and_is_dropped_once_nothing_of_it_is
     _until(lambda: backend.num_servers == 1)
     assert backend.faults["servers_drained"] == 1 and backend.faults["servers_lost"] == 0
     assert backend.faults["requests_reassigned"] == 0
+  finally:
+    backend.stop()
+
+
+def test_with_a_frozen_base_a_server_gets_the_full_weights_once_then_adapters_alone():
+  """LoRA (a publisher with a ``base_id``): the first pull of each server is full, later ones are
+  partial; a failed pull makes the next one full again (the server may hold anything), and so does a
+  new publisher (another base) or a server that joins later."""
+  clients = {n: FaultyClient(n) for n in ("a", "b")}
+  offers = []
+  group = types.SimpleNamespace(processes=1, base_id=77,
+                                offer=lambda v, uuids, partial=(): offers.append((v, list(partial))),
+                                sources=lambda uuid, partial=False: [uuid])
+  backend = RemoteRollout(["a", "b"], group, push_timeout=30, client=clients.__getitem__)
+  try:
+    backend.update_weights(None, 0)
+    backend.wait_for_pulls(0)
+    backend.update_weights(None, 1)
+    backend.wait_for_pulls(1)
+    assert offers == [(0, [False, False]), (1, [True, True])]
+    assert clients["a"].notices == [(0, 77, False), (1, 77, True)]
+    clients["b"].fail_pulls = 1
+    backend.update_weights(None, 2)
+    _until(lambda: backend._servers[1].push_error is not None)  # pylint: disable=protected-access
+    backend.wait_for_pulls(2)  # (the retry)
+    assert offers[2:] == [(2, [True, True]), (2, [False])]  # b's partial pull failed: a full retry
+    assert clients["b"].notices[-1] == (2, 77, False) and clients["a"].notices[-1] == (2, 77, True)
+    group.base_id = 78  # another base: everyone gets it in full
+    backend.update_weights(None, 3)
+    backend.wait_for_pulls(3)
+    assert clients["a"].notices[-1] == clients["b"].notices[-1] == (3, 78, False)
+    report = backend.report().publishes
+    assert report["full"] == 5 and report["partial"] == 3 and report["full_bytes"] == 500
   finally:
     backend.stop()

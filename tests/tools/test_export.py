@@ -77,6 +77,44 @@ def test_bad_export_requests_are_named(run, tmp_path):
     export.export(str(tmp_path), str(tmp_path / "b"))
   with pytest.raises(export.ExportError, match="format 'onnx'"):
     export.export(str(workdir), str(tmp_path / "c"), fmt="onnx")
+  with pytest.raises(export.ExportError, match=r"trained the full model .* no adapter to export as peft"):
+    export.export(str(workdir), str(tmp_path / "d"), fmt="peft")
+
+
+def test_a_lora_run_exports_its_adapter_for_peft_with_its_base_beside_it(tmp_path):
+  """``--format=peft`` of a LoRA run that started from no checkpoint: the adapter tensors in PEFT's
+  layout and the frozen base in ``base/``, named by the adapter config (peft itself loads them in
+  ``tests/models/test_lora.py``)."""
+  from flax import traverse_util
+  from asyncrl_jax.models import hf, lora
+  from asyncrl_jax.models import safetensors_io
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  config = config_lib.base_config()
+  config.model.lora.rank = 4
+  runlog.record_config(config, str(workdir / "config.json"))
+  model_config = models.config_of(config)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  params = jax.tree.map(lambda x: x + 0.5, sharp_params(model_config, 3, mesh=mesh))  # (B non-zero)
+  learner = Learner(model_config, params, mesh, config, versions=10)
+  ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
+  ckpt.save(1, state=learner.checkpoint_state(), meta={"version": 1})
+  ckpt.close()
+  saved = jax.device_get(learner.params)
+  result = export.export(str(workdir), str(tmp_path / "peft"), fmt="peft")
+  assert {"adapter_config.json", "adapter_model.safetensors", "base"} <= set(result["files"])
+  assert "base weights are in base/" in result["note"]
+  written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+  assert written["base_model_name_or_path"] == str(tmp_path / "peft" / "base") and written["r"] == 4
+  tensors = safetensors_io.load(str(tmp_path / "peft" / "adapter_model.safetensors"))
+  want = hf.lora_to_peft(model_config, saved)
+  assert set(tensors) == set(want) and len(want) == 2 * 7 * model_config.num_layers
+  for k, v in want.items():
+    np.testing.assert_array_equal(tensors[k], v)
+  base_config, base = models.load_hf(str(tmp_path / "peft" / "base"))
+  assert not base_config.lora
+  for k, v in traverse_util.flatten_dict(lora.base_model(model_config, saved)[1]).items():
+    np.testing.assert_array_equal(traverse_util.flatten_dict(base)[k], v)
 
 
 def test_hf_export_into_a_bucket_reads_back_with_the_runs_logits(run, bucket):  # pylint: disable=redefined-outer-name
