@@ -22,6 +22,7 @@ from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
 from asyncrl_jax.models.forward import ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES
+from asyncrl_jax.models.quant import WEIGHT_DTYPES
 
 
 def config_module(path: str, beside: str = ""):
@@ -243,6 +244,8 @@ def _validate_learner(config) -> None:
          f"one of {ATTENTION_KINDS}")
   _check(config.rollout.decode_attention in DECODE_KINDS, "rollout.decode_attention",
          config.rollout.decode_attention, f"one of {DECODE_KINDS}")
+  _check(config.rollout.weight_dtype in WEIGHT_DTYPES, "rollout.weight_dtype", config.rollout.weight_dtype,
+         f"one of {WEIGHT_DTYPES} ('': the serving dtypes)")
   _check(isinstance(config.learner.scan_layers, bool), "learner.scan_layers",
          config.learner.scan_layers, "True or False")
   _check(isinstance(config.learner.warm_up, bool), "learner.warm_up", config.learner.warm_up,

@@ -128,6 +128,11 @@ def _rollout_section() -> ml_collections.ConfigDict:
       # the Pallas paged kernel, reading each slot's positions only up to its own (on a TPU, with
       # model.head_dim a multiple of 128; elsewhere an XLA stand-in, exact and no faster: tests)
       decode_attention="xla",
+      # the decode servers' weights: "" the serving dtypes (the model's compute dtype, norms as
+      # stored); "int8" quantizes each projection kernel per output channel (bfloat16 scales) when
+      # weights arrive and dequantizes as a step reads them; the recorded behaviour log-probs are the
+      # int8 model's (models.quant)
+      weight_dtype="",
   ))
 
 

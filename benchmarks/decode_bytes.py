@@ -57,9 +57,10 @@ def _group(op_name: str) -> str:
   return name or "(compiler-made)"
 
 
-def measure(name: str, lora_rank: int = 0) -> dict:
+def measure(name: str, lora_rank: int = 0, weight_dtype: str = "") -> dict:
   """The decode chunk's bytes of config ``name``; ``lora_rank``: with LoRA adapters of that rank
-  (every target), applied unmerged as the decode servers do."""
+  (every target), applied unmerged as the decode servers do; ``weight_dtype``: the servers'
+  ``rollout.weight_dtype`` (e.g. "int8")."""
   import jax  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import config as config_lib, models  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tpu import chips, compile as tpu_compile, hlo, projection  # pylint: disable=import-outside-toplevel
@@ -67,6 +68,7 @@ def measure(name: str, lora_rank: int = 0) -> dict:
   config = module.get_config()
   if lora_rank:
     config.model.lora.rank = lora_rank
+  config.rollout.weight_dtype = weight_dtype
   config = config_lib.validate(config)
   accelerator = module.ACCELERATORS["rollout"]
   m = models.config_of(config)

@@ -40,14 +40,14 @@ from benchmarks import common  # noqa: E402
 from benchmarks.shapes import model_config  # noqa: E402
 
 
-def _fused_loop(config, new_tokens: int, slots: int = 32):
+def _fused_loop(config, new_tokens: int, slots: int = 32, **engine_kw):
   """(run, tokens per run): the engine's decode step ``new_tokens`` times for every slot, jitted."""
   from asyncrl_jax.infra import sharding  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rollout import Engine, SamplingSettings  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh(jax.devices()[:1], dict(data=1, fsdp=1, tensor=1))
   engine = Engine(config, mesh=mesh, num_slots=slots, max_prefill_length=16,
                   max_target_length=1 << (8 + new_tokens - 1).bit_length(),
-                  sampling=SamplingSettings(temperature=1.0), background_compile=False)
+                  sampling=SamplingSettings(temperature=1.0), background_compile=False, **engine_kw)
   params = engine.load_params()
   prompts = np.zeros((slots, 8), np.int32)
   prompts[:, 0] = 1
@@ -66,19 +66,25 @@ def _fused_loop(config, new_tokens: int, slots: int = 32):
   return (lambda: jax.block_until_ready(loop(params, state))), slots * new_tokens
 
 
-def cpu(rank: int, rounds: int, new_tokens: int) -> dict:
-  plain = model_config("demo", dtype="float32", param_dtype="float32")
-  arms = {"merged": _fused_loop(plain, new_tokens),
-          "unmerged": _fused_loop(plain.replace(lora_rank=rank), new_tokens)}
-  runs = {k: [] for k in arms}
+def interleaved(arms: dict, rounds: int, new_tokens: int) -> dict:
+  """``arms``: name -> (model config, engine keyword arguments). Each arm's fused decode loop, run in
+  alternating order for ``rounds`` rounds; tokens/s per arm (median) and every run's."""
+  loops = {k: _fused_loop(config, new_tokens, **kw) for k, (config, kw) in arms.items()}
+  runs = {k: [] for k in loops}
   for r in range(rounds):
-    for k in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-      run, tokens = arms[k]
+    for k in (list(loops) if r % 2 == 0 else list(loops)[::-1]):
+      run, tokens = loops[k]
       t = time.perf_counter()
       run()
       runs[k].append(tokens / (time.perf_counter() - t))
-  med = {k: float(np.median(v)) for k, v in runs.items()}
-  return {"tokens_per_s": med, "runs": runs, "unmerged_over_merged": med["unmerged"] / med["merged"]}
+  return {"tokens_per_s": {k: float(np.median(v)) for k, v in runs.items()}, "runs": runs}
+
+
+def cpu(rank: int, rounds: int, new_tokens: int) -> dict:
+  plain = model_config("demo", dtype="float32", param_dtype="float32")
+  out = interleaved({"merged": (plain, {}), "unmerged": (plain.replace(lora_rank=rank), {})}, rounds,
+                    new_tokens)
+  return dict(out, unmerged_over_merged=out["tokens_per_s"]["unmerged"] / out["tokens_per_s"]["merged"])
 
 
 def tpu(rank: int, configs) -> list:

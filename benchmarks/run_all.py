@@ -45,6 +45,9 @@ BENCHMARKS = {
     "lora_serving": ("lora_serving.py", ["--quick"], [],
                      "No seed figure: LoRA adapters applied unmerged by the decode step against a merged "
                      "serving copy, on CPU and by the TPU compile."),
+    "int8_rollout": ("int8_rollout.py", ["--quick"], [],
+                     "No seed figure: int8 decode servers against the serving dtype, by the TPU compile "
+                     "(bytes, step time, tokens/s per server) and on CPU."),
     "twin_lora": ("twin.py", ["--quick", "--shapes", "1x1", "2x2", "--lora", "8"],
                   ["--shapes", "1x1", "2x2", "--lora", "8"],
                   "No seed figure: full-weight and LoRA RL side by side on the twin; the bytes a decode "

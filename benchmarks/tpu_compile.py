@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import common  # noqa: E402  pylint: disable=wrong-import-position
 
-CONFIGS = ("qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py", "r1_distill_qwen_7b_v5p.py")
+CONFIGS = ("qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py", "r1_distill_qwen_7b_v5p.py", "r1_distill_qwen_7b_lora_v5p.py")
 RECORDS = os.path.join(common.RESULTS_DIR, "tpu_compile")
 GiB = 2**30
 # (learner.attention, learner.remat) pairs compared by --learner-variants: the XLA reference first
@@ -251,7 +251,7 @@ def section(report: dict) -> list[str]:
   paged = bool((chunk.get("kernels") or {}).get("paged_bytes"))
   lines += ["", f"Projection: learner {p['learner_tokens_per_s']:,.0f} tokens/s on {p['learner_chips']} "
             f"chips, **MFU {p['learner_mfu']:.1%}** (model FLOPs {p['model_flops_per_token']:.3g} per "
-            f"token: 6 x parameters + causal attention within sequences at the token-weighted mean "
+            f"token: 6 x parameters (4 x a frozen LoRA base) + causal attention within sequences at the token-weighted mean "
             f"length {p['attention_length']:,.0f}"
             + (f"; the splash kernel visits {p['splash_visited_fraction']:.0%} of its causal block pairs "
                "at these lengths" if p.get("splash_visited_fraction", 1) < 1 else "") + "); "

@@ -125,7 +125,7 @@ class Learner:
     loss = functools.partial(micro_batch_loss, model=model_config, settings=self.settings, mesh=mesh)
     self.updater = update_lib.Updater(
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,
-        opt_state=opt_state, losses={
+        opt_state=opt_state, adapters_only=model_config.lora, losses={
             # the version's first update: its own forward pass gives the prox log-probs
             "first": lambda p, b, _, n: loss(p, b, None, n,
                                              prox_is_current=self.settings.needs_prox),

@@ -140,54 +140,73 @@ class Updater:
   """
 
   def __init__(self, model_config: ModelConfig, params, mesh: Mesh, optimizer, losses: dict, *,
-               token_budget: int, opt_state=None, param_shardings=None):
+               token_budget: int, opt_state=None, param_shardings=None, adapters_only: bool = False):
     self.model_config, self.mesh, self.optimizer = model_config, mesh, optimizer
     self.token_budget = token_budget
     self.param_shardings = (models.param_shardings(model_config, mesh) if param_shardings is None
                             else param_shardings)
+    # LoRA: gradients are taken with respect to the adapters alone (the base is a constant of the
+    # loss), so no program forms, sums or holds a base weight's gradient; the optimizer and its state
+    # see the adapters alone
+    self.adapters_only = bool(adapters_only and model_config.lora)
+    self.grad_shardings = self._trained(self.param_shardings)
     self.replicated = sharding_lib.replicated(mesh)
     self.batch_sharding = sharding_lib.batch_sharding(mesh, 2)
     self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
     self.max_traces = micro_batch_shapes(token_budget, model_config.max_seq_len)
     # The optimizer's per-parameter state (AdamW's moments) on the parameters' shardings, the rest
     # (step counts) replicated: left to itself, jit would replicate moments it creates from zeros.
-    self.opt_shardings = opt_state_shardings(optimizer, params, self.param_shardings, self.replicated)
+    self.opt_shardings = opt_state_shardings(optimizer, self._trained(params), self.grad_shardings,
+                                             self.replicated)
     self.abstract = is_abstract(params)
+    init = lambda p: optimizer.init(self._trained(p))
     if self.abstract:  # shapes only, for compiling (``asyncrl_jax.tpu``): nothing is allocated
       self.params = with_shardings(params, self.param_shardings)
-      self.opt_state = with_shardings(jax.eval_shape(optimizer.init, params), self.opt_shardings)
+      self.opt_state = with_shardings(jax.eval_shape(init, params), self.opt_shardings)
     else:
       # A private copy: updates donate these buffers, and the caller may still hold the ones it passed.
       self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(
           jax.device_put(params, self.param_shardings))
-      self.opt_state = (jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+      self.opt_state = (jax.jit(init, out_shardings=self.opt_shardings)(self.params)
                         if opt_state is None else jax.device_put(opt_state, self.opt_shardings))
     self._grads = {name: self._jit_grad(fn, name) for name, fn in losses.items()}
     self._add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,),
-                        in_shardings=(self.param_shardings, self.param_shardings),
-                        out_shardings=self.param_shardings)
+                        in_shardings=(self.grad_shardings, self.grad_shardings),
+                        out_shardings=self.grad_shardings)
     self._proceed = (None if self.abstract else  # (placed once, not per step)
                      jax.device_put(np.bool_(True), self.replicated))
     self._apply = jax.jit(self._apply_impl, donate_argnums=(0, 1),
-                          in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings,
+                          in_shardings=(self.param_shardings, self.opt_shardings, self.grad_shardings,
                                         self.replicated),
                           out_shardings=(self.param_shardings, self.opt_shardings, self.replicated))
 
+  def _trained(self, tree):
+    """The part of a parameter-shaped ``tree`` that has gradients: all of it, or the adapters."""
+    return lora.split_nested(tree)[0] if self.adapters_only else tree
+
   def _jit_grad(self, loss_fn: Callable, name: str):
     def grad(params, batch, aux, normalizer):
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, aux, normalizer)
+      if self.adapters_only:
+        adapters, base = lora.split_nested(params)
+        f = lambda a: loss_fn(lora.join_nested(a, base), batch, aux, normalizer)
+        (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(adapters)
+      else:
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, aux, normalizer)
       return loss, metrics, grads
     return jax.jit(bucketing.bounded_traces(grad, f"grad_{name}", self.max_traces),
                    in_shardings=(self.param_shardings, self.batch_sharding, self.batch_sharding,
                                  self.replicated),
-                   out_shardings=(self.replicated, self.replicated, self.param_shardings))
+                   out_shardings=(self.replicated, self.replicated, self.grad_shardings))
 
   def _apply_impl(self, params, opt_state, grads, proceed):
     """The optimizer step, applied only if ``proceed`` and the gradients and the new parameters are
     finite (else params and optimizer state stay as they were); returns them and the step's health:
     gradient norm, new parameters' norm, and whether it was applied."""
-    updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    trained = self._trained(params)
+    updates, new_opt_state = self.optimizer.update(grads, opt_state, trained)
+    new_params = optax.apply_updates(trained, updates)
+    if self.adapters_only:
+      new_params = lora.join_nested(new_params, lora.split_nested(params)[1])
     grad_norm, param_norm = optax.tree.norm(grads), optax.tree.norm(new_params)
     ok = proceed & jnp.isfinite(grad_norm) & jnp.isfinite(param_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -219,7 +238,7 @@ class Updater:
     this updater's own (shapes, when it is ``abstract``): for compiling without running."""
     aux = aux or {}
     normalizer = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-    grads = with_shardings(self.params, self.param_shardings)
+    grads = with_shardings(self._trained(self.params), self.grad_shardings)
     proceed = jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.replicated)
     out = [(f"grad_step[{name}]", fn, (self.params, batch, aux.get(name), normalizer))
            for name, fn in self._grads.items()]

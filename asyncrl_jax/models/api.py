@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.models.config import ModelConfig
+from asyncrl_jax.models import quant
 from asyncrl_jax.models.forward import Forward
 from asyncrl_jax.models.transformer import CACHE_LAYOUTS, KVCache, Transformer
 
@@ -217,6 +218,8 @@ def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, c
   ``attention_chunk``: such a prefill attends that many queries at a time. ``decode``: how a decode
   step (one token per row) attends to the cache (``Forward.decode``).
   """
+  if quant.is_quantized(params):  # int8 serving weights (``models.quant``): dequantized as read
+    params = quant.dequantize(params, jnp.dtype(config.dtype))
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
     return _module(config, mesh, Forward(attention_chunk=attention_chunk, decode=decode)).apply(
         {"params": params}, tokens_bt, positions_bt, None, cache, logits_at_b, cache_rows_b)

@@ -118,6 +118,7 @@ class ModelConfig:
     sizes = {"q": (d, self.num_heads * h), "k": (d, self.num_kv_heads * h), "v": (d, self.num_kv_heads * h),
              "o": (self.num_heads * h, d), "gate": (d, f), "up": (d, f), "down": (f, d)}
     return self.num_layers * sum(r * (sizes[t][0] + sizes[t][1]) for t in self.lora_targets)
+
   @property
   def num_params(self) -> int:
     d, f, h = self.hidden_size, self.intermediate_size, self.head_dim

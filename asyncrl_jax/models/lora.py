@@ -43,6 +43,17 @@ def split(params) -> tuple[dict, dict]:
           {k: v for k, v in flat.items() if not is_adapter(k)})
 
 
+def split_nested(params) -> tuple[dict, dict]:
+  """``(adapters, base)`` as two nested trees shaped like ``params`` (traceable)."""
+  adapters, base = split(params)
+  return traverse_util.unflatten_dict(adapters), traverse_util.unflatten_dict(base)
+
+
+def join_nested(adapters: dict, base: dict) -> dict:
+  """``split_nested``'s inverse."""
+  return traverse_util.unflatten_dict(traverse_util.flatten_dict(base) | traverse_util.flatten_dict(adapters))
+
+
 def count(params) -> int:
   """How many adapter parameters ``params`` holds."""
   return sum(int(v.size) for v in split(params)[0].values())

@@ -40,7 +40,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from asyncrl_jax import models
-from asyncrl_jax.models import attention
+from asyncrl_jax.models import attention, quant
 from asyncrl_jax.infra import sharding as sharding_lib
 from asyncrl_jax.infra.bucketing import bounded_traces
 from asyncrl_jax.models.config import ModelConfig
@@ -89,6 +89,10 @@ class Engine(ContextExtension, engine_api.Engine):
     decode_attention: how a decode step attends to the cache: "xla" (every position, masked) or
       "ragged" (the paged kernel reading each slot's positions up to its own on a TPU; elsewhere its
       XLA stand-in, for tests: ``models.attention.ragged_decode``).
+    weight_dtype: "" holds the weights in the serving dtypes (``models.serving_dtypes``); "int8"
+      quantizes each projection kernel per output channel when weights arrive (``models.quant``), and
+      every program dequantizes them as it reads them: the behaviour log-probs recorded are those of
+      the int8 model that sampled.
   """
 
   def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
@@ -96,7 +100,7 @@ class Engine(ContextExtension, engine_api.Engine):
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
                hf_path: str = "", seed: int = 0, background_compile: bool = True,
                attention_chunk: int = 0, prefill_tokens: int = 0, decode_attention: str = "xla",
-               stream_salt: str = ""):
+               stream_salt: str = "", weight_dtype: str = ""):
     attention.check_decode_attention(decode_attention, head_dim=config.head_dim,
                                      platform=mesh.devices.flat[0].platform, cache_len=max_target_length)
     if max_target_length > config.max_seq_len:
@@ -125,8 +129,14 @@ class Engine(ContextExtension, engine_api.Engine):
     # requests inserted without a stream (JetStream's insert) get f"{salt}#{n}": distinct per engine
     # when each server process passes its own salt
     self._stream_salt, self._default_streams = stream_salt, itertools.count()
-    self.param_shardings = models.param_shardings(config, mesh)
+    self.param_shardings = models.param_shardings(config, mesh)  # of the weights as they arrive
     models.serving_dtypes(config)  # traced here, once: not later on the decode loop's guarded thread
+    self.weight_dtype = quant.check_weight_dtype(weight_dtype)
+    # of the weights the programs take: int8 kernels (and their scales) where the kernels are
+    self.served_shardings = (quant.shardings(self.param_shardings, models.abstract_params(config))
+                             if weight_dtype == "int8" else self.param_shardings)
+    self._jit_quantize = (jax.jit(quant.quantize, out_shardings=self.served_shardings)
+                          if weight_dtype == "int8" else None)
     self._slot_sharding = sharding_lib.batch_sharding(mesh, 1)
     self._replicated = sharding_lib.replicated(mesh)
     self._make_state = None
@@ -141,11 +151,11 @@ class Engine(ContextExtension, engine_api.Engine):
     self._jit_prefill_insert = jax.jit(bounded_traces(
         function(self._prefill_insert_impl), "prefill_insert",
         len(prefill_shapes(num_slots, max_prefill_length, prefill_tokens))), donate_argnums=(1,),
-        in_shardings=(self.param_shardings, state) + (self._replicated,) * 7, out_shardings=state)
+        in_shardings=(self.served_shardings, state) + (self._replicated,) * 7, out_shardings=state)
     self._jit_refill = jax.jit(bounded_traces(
         function(self._refill_impl), "refill",
         len(prefill_shapes(num_slots, max_target_length, prefill_tokens))),
-        donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 3,
+        donate_argnums=(1,), in_shardings=(self.served_shardings, state) + (self._replicated,) * 3,
         out_shardings=state)
     self._set_up_extension(batch_ways, state)
     self.prefill_call_overhead = 256  # tokens one more prefill call is worth (see prefill_plan)
@@ -201,10 +211,23 @@ class Engine(ContextExtension, engine_api.Engine):
                         models.abstract_params(self.config), models.serving_dtypes(self.config),
                         self.param_shardings)
 
+  def served_spec(self):
+    """``param_spec`` as the programs take it: with ``weight_dtype="int8"``, the quantized tree
+    (int8 kernels and their scales, ``models.quant``)."""
+    spec = self.param_spec()
+    if self._jit_quantize is None:
+      return spec
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        jax.eval_shape(quant.quantize, spec), self.served_shardings)
+
   def place_params(self, params):
     """A parameter pytree (any mesh, or the host) on the rollout sharding, in the serving dtypes
-    (cast where it lies: a float32 copy never lands here)."""
-    return jax.device_put(models.serving_params(self.config, params), self.param_shardings)
+    (cast where it lies: a float32 copy never lands here); with ``weight_dtype="int8"``, quantized
+    (``models.quant``; weights already quantized are only placed)."""
+    if quant.is_quantized(params):
+      return jax.device_put(params, self.served_shardings)
+    placed = jax.device_put(models.serving_params(self.config, params), self.param_shardings)
+    return self._jit_quantize(placed) if self._jit_quantize is not None else placed
 
   def get_prefix_destination_sharding(self) -> Any:
     return self._replicated
@@ -298,7 +321,7 @@ class Engine(ContextExtension, engine_api.Engine):
       state = self._state_shardings()
       self._jit_steps[max_steps] = jax.jit(
           bounded_traces(chunk, "decode_chunk", 1), donate_argnums=(1,),
-          in_shardings=(self.param_shardings, state),
+          in_shardings=(self.served_shardings, state),
           out_shardings=(state, self._slot_sharding, self._slot_sharding, self._replicated))
     return self._jit_steps[max_steps]
 
@@ -316,7 +339,7 @@ class Engine(ContextExtension, engine_api.Engine):
     (``param_spec``, ``abstract_decode_state``), for compiling without running: the fused decode
     chunk of ``steps_per_call`` steps, then the batched prefill of new prompts and the re-prefill
     after a weight update at their shapes (``ShapedPrefill.programs``: ``"all"`` or ``"covering"``)."""
-    params, state = self.param_spec(), self.abstract_decode_state()
+    params, state = self.served_spec(), self.abstract_decode_state()
     return ([(f"decode_chunk[{steps_per_call} steps]", self._decode_chunk(steps_per_call),
               (params, state))]
             + self._prefill_insert_calls.programs(params, state, 6, shapes)
@@ -544,5 +567,6 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
                 hf_path=config.model.hf_path, seed=config.seed if seed is None else seed,
                 attention_chunk=config.rollout.attention_chunk,
                 prefill_tokens=config.rollout.prefill_tokens,
-                decode_attention=config.rollout.decode_attention, stream_salt=stream_salt)
+                decode_attention=config.rollout.decode_attention, stream_salt=stream_salt,
+                weight_dtype=config.rollout.get("weight_dtype", ""))
 

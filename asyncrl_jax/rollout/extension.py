@@ -43,7 +43,7 @@ class ContextExtension:
               for n in range(1, self.max_target_length + 1)}
     self._jit_extend = jax.jit(bounded_traces(
         function(self._extend_impl), "extend", len(self._extend_rows()) * len(widths)),
-        donate_argnums=(1,), in_shardings=(self.param_shardings, state) + (self._replicated,) * 5,
+        donate_argnums=(1,), in_shardings=(self.served_shardings, state) + (self._replicated,) * 5,
         out_shardings=state)
     self._jit_park = jax.jit(lambda state, mask: state.replace(budget=jnp.where(mask, 0, state.budget)),
                              donate_argnums=(0,), in_shardings=(state, self._replicated),

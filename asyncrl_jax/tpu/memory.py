@@ -123,10 +123,13 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
     kept = m.num_layers * per_layer + (block["attention"] if chunk else 0)
   columns = int(config.learner.vocab_chunk) or m.vocab_size / tensor
   logits = 3 * tokens * columns * 4  # float32 logits, their softmax, its gradient
+  # LoRA: the base is frozen, so only the adapters have gradients and optimizer state (they shard
+  # like their projections, the rank axis replicated: about as evenly)
+  trained = (m.num_lora_params if m.lora else m.num_params) / (fsdp * tensor)
   terms = {
-      "parameters": shard * p,
-      "optimizer (AdamW mu, nu)": 2 * shard * p,
-      "gradients (sum + micro-batch)": 2 * shard * p,
+      "parameters": (shard + m.num_lora_params / (fsdp * tensor)) * p,
+      "optimizer (AdamW mu, nu)": 2 * trained * p,
+      "gradients (sum + micro-batch)": 2 * trained * p,
       "activations": kept,
       "log-softmax": logits,
   }
@@ -166,6 +169,21 @@ def serving_bytes(m: ModelConfig) -> int:
   return min(_BYTES[m.dtype], _BYTES[m.param_dtype])
 
 
+def served_weight_bytes(config, m: ModelConfig) -> float:
+  """Bytes of the weights a decode server holds: the serving dtype (``serving_bytes``), or with
+  ``rollout.weight_dtype="int8"`` one byte per projection-kernel element plus a bfloat16 scale per
+  output channel, the embedding, norms and adapters as served (``models.quant``)."""
+  b = serving_bytes(m)
+  if config.rollout.get("weight_dtype", "") != "int8":
+    return (m.num_params + m.num_lora_params) * b
+  d, f, h = m.hidden_size, m.intermediate_size, m.head_dim
+  kernels = m.num_layers * (d * h * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * f)
+  scales = m.num_layers * (h * (m.num_heads + 2 * m.num_kv_heads) + d + 2 * f + d)
+  if not m.tie_embeddings:  # the output projection is a kernel too
+    kernels, scales = kernels + m.vocab_size * d, scales + m.vocab_size
+  return kernels + 2 * scales + (m.num_params - kernels + m.num_lora_params) * b
+
+
 def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of one decode server on ``devices`` devices (``config.mesh.rollout``)."""
   data, fsdp, tensor = mesh_sizes(config.mesh.rollout, devices)
@@ -189,7 +207,7 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   refill = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
   refill += 2 * tokens * m.hidden_size * a  # the residual stream in and out of the block
   return RoleMemory("decode server", devices, {
-      "parameters (serving dtype)": m.num_params / (fsdp * tensor) * serving_bytes(m),
+      "parameters (serving dtype)": served_weight_bytes(config, m) / (fsdp * tensor),
       "KV cache": cache,
       "next-token logits": slots * vocab * 4,
       "largest re-prefill call (> a decode step)": max(step, refill),
@@ -255,7 +273,9 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   before the step is kept or dropped (about 1.5 parameter shards)."""
   t = learner(config, m, devices).terms
   data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
-  shard = m.num_params / (fsdp * tensor) * _BYTES[m.param_dtype]
+  shard = (m.num_params + m.num_lora_params) / (fsdp * tensor) * _BYTES[m.param_dtype]
+  # what has gradients and optimizer state: the adapters alone with LoRA
+  trained = (m.num_lora_params if m.lora else m.num_params) / (fsdp * tensor) * _BYTES[m.param_dtype]
   budget = int(config.learner.token_budget)
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
   rows = -(-max(budget // width, 1) // (data * fsdp))
@@ -263,7 +283,7 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   micro_batch = tokens * 9 * 4  # the TokenBatch's nine 4-byte fields
   # (of the log-softmax's three [tokens, columns] float32 buffers, the TPU compiler's gradient step
   # holds two at its peak: the third is fused; its buffer report shows it)
-  grad = t["parameters"] + shard + t["activations"] + t["log-softmax"] * 2 / 3 + micro_batch
+  grad = t["parameters"] + trained + t["activations"] + t["log-softmax"] * 2 / 3 + micro_batch
   forward_options = Forward.from_learner(config)
   block = _block_activations(m, tokens, rows, width, tensor, forward_options.attention_chunk)
   if forward_options.attention == "splash":  # a forward pass keeps no scores: the output's lse only
@@ -272,7 +292,7 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   forward = max(mlp, block["attention"], t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
   prox = t["parameters"] + micro_batch + forward + tokens * 4
   out = {"grad_step[first]": grad, "grad_step[later]": grad + tokens * 4, "prox_pass": prox,
-         "accumulate": 2 * shard, "apply": 5.5 * shard}
+         "accumulate": 2 * trained, "apply": shard + 4.5 * trained}
   if config.rl.advantage == "value":
     out.update({"value_estimate": prox + 2 * tokens * 4, "value_grad_step[value]": grad + 2 * tokens * 4,
                 "value_accumulate": 2 * shard, "value_apply": 5.5 * shard})

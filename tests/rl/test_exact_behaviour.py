@@ -8,12 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 
 from tests.fixtures.helpers import NoStopTokenizer, sharp_params
 from asyncrl_jax import models
 from asyncrl_jax.controller.controller import Controller, SamplingMismatch
 from asyncrl_jax.data.pipeline import PromptStream
 from asyncrl_jax.infra import sharding
+from asyncrl_jax.models import lora, quant
 from asyncrl_jax.models.sampling import OUTSIDE, truncated_logits
 from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.logprobs import compute_logprobs
@@ -32,10 +34,10 @@ def params():
   return sharp_params(CFG, 0, scale=2.0)
 
 
-def _rollouts(params, settings: SamplingSettings, n: int = 8, max_new: int = 24):
+def _rollouts(params, settings: SamplingSettings, n: int = 8, max_new: int = 24, config=CFG, **engine_kw):
   mesh = sharding.make_mesh(jax.devices()[:1], dict(data=-1, fsdp=1, tensor=1))
-  engine = Engine(CFG, mesh=mesh, num_slots=n, max_prefill_length=16, max_target_length=48,
-                  sampling=settings, params=params, seed=11, tokenizer=NoStopTokenizer())
+  engine = Engine(config, mesh=mesh, num_slots=n, max_prefill_length=16, max_target_length=48,
+                  sampling=settings, params=params, seed=11, tokenizer=NoStopTokenizer(), **engine_kw)
   server = DecodeServer(engine, params, steps_per_call=8)
   rng = np.random.default_rng(0)
   server.submit(*[RolloutRequest(prompt_tokens=[1] + list(rng.integers(3, 17, 4)), max_new_tokens=max_new)
@@ -48,7 +50,7 @@ def _rollouts(params, settings: SamplingSettings, n: int = 8, max_new: int = 24)
   return out
 
 
-def _learner_logp(params, trajectories, *, temperature, top_k, top_p):
+def _learner_logp(params, trajectories, *, temperature=1.0, top_k=0, top_p=1.0, config=CFG):
   """The learner's log-probs of every completion token, one padded row per trajectory."""
   seqs = [np.concatenate([t.prompt_tokens, t.completion_tokens]) for t in trajectories]
   width = max(len(s) for s in seqs)
@@ -57,7 +59,7 @@ def _learner_logp(params, trajectories, *, temperature, top_k, top_p):
   for i, s in enumerate(seqs):
     tokens[i, :len(s)], segments[i, :len(s)] = s, 1
   positions = np.tile(np.arange(width, dtype=np.int32), (len(seqs), 1))
-  logp = np.asarray(compute_logprobs(CFG, params, tokens, positions, segments, temperature=temperature,
+  logp = np.asarray(compute_logprobs(config, params, tokens, positions, segments, temperature=temperature,
                                      top_k=top_k, top_p=top_p))
   return np.concatenate([logp[i, len(t.prompt_tokens):len(s)]
                          for i, (t, s) in enumerate(zip(trajectories, seqs))])
@@ -92,6 +94,39 @@ def test_at_version_0_the_learner_computes_the_recorded_behaviour_log_probs(para
     naive = _learner_logp(params, trajectories, temperature=temperature if truncated else 1.0,
                           top_k=0, top_p=1.0)
     assert abs(_kl(behav, naive)) > 1e-3
+
+
+@pytest.mark.slow(20)
+def test_int8_rollout_records_the_log_probs_of_the_int8_model_that_sampled(params):
+  """``rollout.weight_dtype="int8"``: recomputed with the same quantized weights (dequantized), the
+  learner's log-probs are the recorded ones; with the unquantized weights (the control) they are not:
+  the mismatch the learner's behaviour correction then sees."""
+  settings = SamplingSettings(temperature=1.0)
+  trajectories = _rollouts(params, settings, weight_dtype="int8")
+  behav = np.concatenate([t.logprobs for t in trajectories])
+  served = quant.dequantize(quant.quantize(params), jnp.float32)
+  exact = _learner_logp(served, trajectories)
+  assert abs(_kl(behav, exact)) < 1e-5 and np.max(np.abs(behav - exact)) < 1e-4
+  unquantized = _learner_logp(params, trajectories)
+  assert np.max(np.abs(behav - unquantized)) > 1e-3
+
+
+@pytest.mark.slow(20)
+def test_lora_rollout_records_the_log_probs_of_base_plus_adapters(params):
+  """LoRA: the server applies the adapters unmerged; the learner's (unmerged) log-probs are the
+  recorded ones, the merged model's agree to rounding, and the base alone (the control) does not."""
+  config = CFG.replace(lora_rank=4, lora_alpha=8.0)
+  rng = np.random.default_rng(3)
+  tuned = traverse_util.unflatten_dict({
+      k: (jnp.asarray(rng.normal(size=v.shape) * 0.5, v.dtype) if str(k[-1]).endswith("_lora_b") else v)
+      for k, v in traverse_util.flatten_dict(lora.add_adapters(config, params, jax.random.key(5))).items()})
+  trajectories = _rollouts(tuned, SamplingSettings(temperature=1.0), config=config)
+  behav = np.concatenate([t.logprobs for t in trajectories])
+  unmerged = _learner_logp(tuned, trajectories, config=config)
+  assert abs(_kl(behav, unmerged)) < 1e-5 and np.max(np.abs(behav - unmerged)) < 1e-4
+  merged = _learner_logp(lora.merge(config, tuned)[1], trajectories)
+  assert np.max(np.abs(behav - merged)) < 1e-4
+  assert np.max(np.abs(behav - _learner_logp(params, trajectories))) > 1e-2
 
 
 def test_truncated_logits_match_a_numpy_reference():
