@@ -238,6 +238,11 @@ def _validate_learner(config) -> None:
   _number(config, "learner.warm_start_steps", lambda v: v >= 0, "an integer >= 0", integer=True)
   _number(config, "learner.warm_start_batch", lambda v: v >= 1, "an integer >= 1", integer=True)
   _number(config, "learner.warm_start_lr", lambda v: v > 0, "a number > 0")
+  _check(config.learner.warm_start_train in ("all", "adapters"), "learner.warm_start_train",
+         config.learner.warm_start_train, "'all' or 'adapters'")
+  _check(config.learner.warm_start_train != "adapters" or config.model.lora.rank > 0,
+         "learner.warm_start_train", config.learner.warm_start_train,
+         "'adapters' needs LoRA adapters (model.lora.rank > 0)")
   _check(config.learner.remat in REMAT_POLICIES, "learner.remat", config.learner.remat,
          f"one of {REMAT_POLICIES}")
   _check(config.learner.attention in ATTENTION_KINDS, "learner.attention", config.learner.attention,

@@ -147,6 +147,9 @@ def _learner_section() -> ml_collections.ConfigDict:
       eval_every=10,  # policy versions between held-out evaluations (0: never, not even before RL)
       warm_start_steps=0,  # supervised steps on worked solutions before RL (0: none)
       warm_start_batch=128, warm_start_lr=1e-3,  # the warm start's batch (sequences) and peak rate
+      # what the warm start trains: "all" (every weight, LoRA adapters included) or "adapters" (LoRA
+      # supervised fine-tuning: the base stays frozen, as in LoRA RL; needs model.lora.rank > 0)
+      warm_start_train="all",
       # memory and speed, not maths. remat: what each block keeps for the backward pass ("none",
       # "full": only its input, "minimal": the weight products' outputs, "dots_saveable": every
       # product's, "minimal_offloaded": "minimal" held in host memory; True / False = "full" /

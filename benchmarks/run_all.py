@@ -108,6 +108,13 @@ BENCHMARKS = {
         "1): one factor at a time, pinned, eta 0 and 8, final evaluation 500 x 16. The runs are long "
         "(docs/staleness.md: plan, power, budget) and go factor by factor "
         "(`staleness_factors.py --factor NAME --seeds N --workdir DIR`); this assembles their records."),
+    "lora_int8_learning": (
+        "lora_int8_learning.py", ["--assemble-only"], ["--assemble-only"],
+        "Whether RL learns with LoRA adapters alone and with int8 decode servers: decoupled PPO at eta "
+        "0, pinned, 80 versions, 3 seeds, from one warm start, against full-weight RL. Goal: LoRA gains "
+        "at least half of what full-weight RL gains; int8 keeps learning with KL(behaviour || learner) "
+        "reported per version. The runs are long (`lora_int8_learning.py --seeds 3 --workdir DIR`); "
+        "this assembles their records."),
     "staleness_ablation": ("staleness_ablation.py", ["--assemble-only"], [],
                            "**Run before two fixes** (kept as it was measured): the learning-rate schedule counted policy versions, not optimizer updates (with 2 updates per version the cosine reached its floor half way), staleness was bounded, not pinned (eta was a bound; the staleness reached depended on the roles' speeds), and `ppo` is PPO on the behaviour ratio, not the seeds' naive baseline (`ppo_recompute`). Superseded by staleness_ablation_pinned. Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
                            "drops to 23.3 at eta 4. Goal: a regime where staleness hurts the naive "

@@ -214,7 +214,8 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
                                           for side in ("hi_pos", "hi_neg", "lo_pos", "lo_neg"))
                      if mean(k) is not None},
               curves={k: [h.get(k) for h in history] for k in ("reward", "entropy", "ratio_p99",
-                                                               "learning_rate", "dropped_frac")},
+                                                               "learning_rate", "dropped_frac",
+                                                               "kl_behav")},
               max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"],
               value_explained_variance=mean("eval_value_explained_variance"),
               selection=_selection(history))
@@ -281,7 +282,10 @@ def main(argv=None) -> int:
   p.add_argument("--name", default=None, help="result files' name (default staleness_ablation, "
                  "staleness_ablation_quick with --quick)")
   p.add_argument("--override", action="append", default=[], help="extra --config.x=y for every arm "
-                 "(after the regime's own, so they win)")
+                 "(after the regime's own, so they win) and for the shared warm start")
+  p.add_argument("--arm-override", action="append", default=[], help="extra --config.x=y for the arms "
+                 "alone, after --override (the warm start is made without them, so arms of several names "
+                 "can start from one warm start, e.g. LoRA adapters added to it)")
   p.add_argument("--assemble-only", action="store_true",
                  help="write the table from the kept arm records (NAME_arms/); run nothing")
   args = p.parse_args(argv)
@@ -308,8 +312,10 @@ def main(argv=None) -> int:
   steps = args.steps or (QUICK["steps"] if quick else GRID["steps"])
   eval_every = max(1, steps // 4)
   out_dir = args.out or os.path.join(ROOT, "benchmarks", "results")
-  records = ArmRecords(os.path.join(out_dir, f"{args.name}_arms"),
-                       dict(steps=steps, overrides=GRID["overrides"] + args.override))
+  grid = dict(steps=steps, overrides=GRID["overrides"] + args.override)
+  if args.arm_override:  # (absent otherwise, so that records made before the flag stay valid)
+    grid["arm_overrides"] = list(args.arm_override)
+  records = ArmRecords(os.path.join(out_dir, f"{args.name}_arms"), grid)
   # the synchronous reference (eta 0) of the quick mode is naive PPO's alone
   plan = [(seed, arm, eta) for seed in seeds for eta in etas for arm in arms
           if not (quick and eta == 0 and arm != "ppo")]
@@ -340,7 +346,7 @@ def main(argv=None) -> int:
         common = [f"--config.model.hf_path={ws}", f"--config.steps={steps}",
                   f"--config.data.path={os.path.join(work, 'data')}",
                   f"--config.learner.eval_every={eval_every}", f"--config.checkpoint.every_steps={steps}",
-                  *GRID["overrides"], *args.override]
+                  *GRID["overrides"], *args.override, *args.arm_override]
       print(f"[ablation] {len(runs) + 1}/{len(plan)} {name} ({time.time() - t0:.0f}s so far)", flush=True)
       s = _run_arm(py, work, name, steps, [f"--config.rl.loss={loss}", f"--config.seed={seed}", *common,
                                            f"--config.rl.max_staleness={_eta_flag(eta, steps)}", *extra])
@@ -399,6 +405,7 @@ def main(argv=None) -> int:
                                                arms={a: dict(loss=ARMS[a][0], overrides=ARMS[a][1])
                                                      for a in arms},
                                                seeds=seeds, overrides=GRID["overrides"] + args.override,
+                                               arm_overrides=args.arm_override,
                                                quick=quick),
                 runs=runs, missing=missing, warm_start_accuracy=initial,
                 commits=sorted({r["commit"] for r in runs if "commit" in r}),

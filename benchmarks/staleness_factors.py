@@ -29,7 +29,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import read_json, write_result  # noqa: E402  pylint: disable=wrong-import-position
+from benchmarks.common import machine, read_json, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 TARGET = 1.5  # points: the gap the shipped recipe must stay within at eta 8
 LEVEL = 0.98  # the screen's interval (four looks at 5, 8, 12, 16 seeds: docs/staleness.md)
@@ -193,7 +193,10 @@ def main(argv=None) -> int:
            f"{TARGET}-point target: the stopping rule of docs/staleness.md (phase 1 is a screen; a "
            "recipe is confirmed on fresh seeds)."
            + (f" Not run yet: {', '.join(missing)}." if missing else ""))
-  result = dict(target_points=TARGET, level=LEVEL, factors=factors, missing=missing)
+  # (each arm's record names its own commit and machine; this is where the table was assembled)
+  result = dict(machine=machine(), config=dict(arm="decoupled_ppo", staleness_mode="pinned",
+                                               final_eval="500x16", factors={f: v[1] for f, v in FACTORS.items()}),
+                target_points=TARGET, level=LEVEL, factors=factors, missing=missing)
   md = write_result("staleness_factors", result, header, rows, notes, out_dir=args.out)
   print(f"[factors] wrote {md}")
   return 0

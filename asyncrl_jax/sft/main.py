@@ -29,7 +29,8 @@ def _fine_tune(config, model_config, params, mesh, builder, tokenizer, workdir: 
   steps = max(config.learner.warm_start_steps, 1)
   common = dict(learning_rate=learning_rate, token_budget=config.learner.token_budget,
                 max_seconds=max_seconds, grad_clip=config.learner.grad_clip,
-                batch_size=config.learner.warm_start_batch, seed=config.seed)
+                batch_size=config.learner.warm_start_batch, seed=config.seed,
+                adapters_only=config.learner.warm_start_train == "adapters")
   if rft is None:
     steps_run = [0]
 

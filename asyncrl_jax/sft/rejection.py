@@ -65,10 +65,11 @@ def rejection_sampling_fine_tune(
     prompts_per_round: int, steps_per_round: int, batch_size: int, learning_rate: float,
     token_budget: int, max_prompt_len: int, max_new_tokens: int, seed: int, max_steps: int,
     max_seconds: Optional[float] = None, grad_clip: float = 1.0,
-    progress: Optional[Callable[[RFTStats, float], None]] = None) -> tuple:
+    progress: Optional[Callable[[RFTStats, float], None]] = None, adapters_only: bool = False) -> tuple:
   """RFT rounds (module docstring) on ``problems`` (dicts with question, answer) until ``max_steps``
   optimizer steps or ``max_seconds`` of wall time (checked after each sampling and each step, every
-  step waited for); returns ``(params, RFTStats)``. ``progress(stats, last loss)`` after each round."""
+  step waited for); returns ``(params, RFTStats)``. ``progress(stats, last loss)`` after each round.
+  ``adapters_only``: train the LoRA adapters alone (as ``supervised.warm_start``)."""
   if not problems:
     raise ValueError("rejection sampling needs at least one training prompt")
   if samples < 1 or prompts_per_round < 1 or steps_per_round < 1 or max_steps < 1:
@@ -78,10 +79,13 @@ def rejection_sampling_fine_tune(
     raise ValueError("rejection sampling needs sampled completions (rollout.temperature > 0)")
   if max_seconds is not None and not 0 < max_seconds < float("inf"):
     raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
+  if adapters_only and not model_config.lora:
+    raise ValueError("adapters_only needs a model with LoRA adapters (model.lora.rank > 0)")
   optimizer = update_lib.make_optimizer(learning_rate=learning_rate, total_steps=max_steps,
-                                        grad_clip=grad_clip, schedule="constant")
+                                        grad_clip=grad_clip, schedule="constant",
+                                        adapters_only=adapters_only)
   updater = update_lib.Updater(model_config, params, mesh, optimizer, token_budget=token_budget,
-                               losses={"nll": nll_loss(model_config, mesh)})
+                               losses={"nll": nll_loss(model_config, mesh)}, adapters_only=adapters_only)
   rng = np.random.default_rng(seed)
   stats, pool, seen = RFTStats(), [], set()
   t0, loss = time.time(), float("nan")

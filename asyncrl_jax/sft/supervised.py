@@ -67,7 +67,7 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
                tokenizer: Tokenizer, *, steps: int, batch_size: int, learning_rate: float, seed: int,
                token_budget: int, progress: Optional[Callable[[int, float], None]] = None,
                schedule: str = "cosine", max_seconds: Optional[float] = None, grad_clip: float = 1.0,
-               observation: Optional[tuple] = None):
+               observation: Optional[tuple] = None, adapters_only: bool = False):
   """Runs up to ``steps`` AdamW steps of teacher forcing on ``examples`` (dicts with question, solution).
 
   ``schedule``: ``cosine`` decays ``learning_rate`` to 10% over ``steps``; ``constant`` keeps it (for
@@ -77,6 +77,8 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
   as the learner's): the batch is packed into fixed-shape micro-batches whose gradients are summed.
   ``observation``: the tool answers' markers in the solutions (``demonstration``; the run's are
   ``envs.observation_markers(config)``): no loss on what the tool answered.
+  ``adapters_only`` (a model with LoRA adapters, ``learner.warm_start_train="adapters"``): only the
+  adapters are trained, the base weights come back unchanged.
   Returns ``(params, last loss)``; the number of steps run is passed to ``progress`` last.
   """
   if not examples:
@@ -87,10 +89,14 @@ def warm_start(model_config: ModelConfig, params, mesh: Mesh, examples: Sequence
     raise ValueError(f"steps={steps} must be >= 1")
   if max_seconds is not None and not 0 < max_seconds < float("inf"):
     raise ValueError(f"max_seconds={max_seconds} must be a finite number > 0")
+  if adapters_only and not model_config.lora:
+    raise ValueError("adapters_only needs a model with LoRA adapters (model.lora.rank > 0)")
   optimizer = update_lib.make_optimizer(learning_rate=learning_rate, total_steps=steps,
-                                        grad_clip=grad_clip, schedule=schedule)
+                                        grad_clip=grad_clip, schedule=schedule,
+                                        adapters_only=adapters_only)
   updater = update_lib.Updater(model_config, params, mesh, optimizer, token_budget=token_budget,
-                               losses={"nll": nll_loss(model_config, mesh)})
+                               losses={"nll": nll_loss(model_config, mesh)},
+                               adapters_only=adapters_only)
   rng = np.random.default_rng(seed)
   sequences = {}  # example index -> its tokenized demonstration (examples recur across steps)
   t0 = time.time()

@@ -100,7 +100,9 @@ def _warm_start(config, data: _Data, evaluate: Optional[RunEvaluation]):
         data.tokenizer, steps=config.learner.warm_start_steps, batch_size=config.learner.warm_start_batch,
         learning_rate=config.learner.warm_start_lr, seed=config.seed,
         token_budget=config.learner.token_budget, progress=progress, grad_clip=config.learner.grad_clip,
-        observation=envs.observation_markers(config))
+        observation=envs.observation_markers(config),
+        adapters_only=config.learner.warm_start_train == "adapters")
+    meta["warm_start_train"] = config.learner.warm_start_train
     bar.close()  # the RL optimizer state is still the untouched initial one
     meta["warm_start_seconds"] = time.time() - t
     return params, meta

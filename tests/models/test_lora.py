@@ -125,6 +125,41 @@ def test_the_learner_trains_the_adapters_alone_with_their_state_sharded(base):
                             np.asarray(base["layer_0"]["mlp"]["up"]))
 
 
+def test_the_warm_start_trains_the_adapters_alone_or_every_weight(base):
+  """``learner.warm_start_train``: "adapters" moves the adapters and keeps every base weight bit for
+  bit; "all" (control) moves the base too. The config refuses "adapters" without LoRA."""
+  from asyncrl_jax.sft.supervised import warm_start  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
+  tokenizer = load_tokenizer("")
+  cfg = LORA.replace(vocab_size=tokenizer.vocab_size)
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=1, fsdp=2, tensor=1))
+  params = models.init_params(cfg, jax.random.key(2))
+  params = _with_b(params, 0.1)  # (a non-zero B, so that A's gradient is not zero either)
+  before_adapters, before_base = (jax.tree.map(np.asarray, part) for part in lora.split(params))
+  examples = [dict(question="1+2+3", solution="3;6#6"), dict(question="4+4", solution="8#8")]
+  run = lambda only: lora.split(jax.device_get(warm_start(
+      cfg, params, mesh, examples, tokenizer, steps=2, batch_size=4, learning_rate=1e-2, seed=0,
+      token_budget=128, adapters_only=only)[0]))
+  adapters, frozen = run(True)
+  assert all(np.array_equal(frozen[k], v) for k, v in before_base.items())
+  assert all(not np.array_equal(adapters[k], v) for k, v in before_adapters.items())
+  _, moved = run(False)
+  assert not np.array_equal(moved[("layer_0", "mlp", "up")], before_base[("layer_0", "mlp", "up")])
+  with pytest.raises(ValueError, match="adapters_only needs"):
+    warm_start(BASE.replace(vocab_size=tokenizer.vocab_size), models.init_params(
+        BASE.replace(vocab_size=tokenizer.vocab_size), jax.random.key(0)), mesh, examples, tokenizer,
+        steps=1, batch_size=2, learning_rate=1e-2, seed=0, token_budget=128, adapters_only=True)
+  config = config_lib.base_config()
+  config.learner.warm_start_train = "adapters"
+  with pytest.raises(config_lib.ConfigError, match="model.lora.rank > 0"):
+    config_lib.validate(config)
+  config.model.lora.rank = 8
+  config_lib.validate(config)
+  config.learner.warm_start_train = "base"
+  with pytest.raises(config_lib.ConfigError, match="learner.warm_start_train"):
+    config_lib.validate(config)
+
+
 def test_a_lora_model_exports_as_the_merged_plain_model(base, tmp_path):
   trained = _with_b(lora.add_adapters(LORA, base, jax.random.key(1)), 0.05)
   models.export_hf(LORA, trained, str(tmp_path / "hf"))
