@@ -107,6 +107,13 @@ def remove(path: str) -> None:
     os.remove(path)
 
 
+def remove_tree(path: str) -> None:
+  """Deletes directory ``path`` and everything under it (nothing to do when it does not exist)."""
+  p = _epath(path)
+  if p.exists():
+    p.rmtree()
+
+
 def read_bytes(path: str) -> bytes:
   if is_remote(path):
     return _remote(path).read_bytes()

@@ -32,6 +32,7 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.infra import bucketing
 from asyncrl_jax.learner import critic as critic_lib, updater as update_lib
+from asyncrl_jax.models import lora
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.rl import batching, selection
 from asyncrl_jax.rl.logprobs import token_logprobs
@@ -145,17 +146,30 @@ class Learner:
 
   def checkpoint_state(self) -> dict:
     """What a checkpoint holds of the learner: the policy's params and optimizer state, and the
-    critic's when there is one (never sent to decode servers)."""
-    state = {"params": self.params, "opt_state": self.opt_state}
+    critic's when there is one (never sent to decode servers). With LoRA the policy's part is its
+    ``adapters`` alone: the frozen base is the run's to keep once (``RunCheckpointer.keep_base``)."""
+    if self.model_config.lora:
+      state = {"adapters": lora.split_nested(self.params)[0], "opt_state": self.opt_state}
+    else:
+      state = {"params": self.params, "opt_state": self.opt_state}
     if self.critic is not None:
       state.update(value_params=self.critic.params, value_opt_state=self.critic.opt_state)
     return state
 
   def load_checkpoint_state(self, state: dict) -> None:
-    """Takes ``state`` (shaped like ``checkpoint_state()``, on the same shardings) as the learner's."""
-    self.params, self.opt_state = state["params"], state["opt_state"]
+    """Takes ``state`` (shaped like ``checkpoint_state()``, on the same shardings) as the learner's;
+    LoRA adapters go over the base the learner holds."""
+    if "adapters" in state:
+      self.params = lora.join_nested(state["adapters"], self.base_params())
+    else:
+      self.params = state["params"]
+    self.opt_state = state["opt_state"]
     if self.critic is not None:
       self.critic.params, self.critic.opt_state = state["value_params"], state["value_opt_state"]
+
+  def base_params(self) -> dict:
+    """The policy's parameters other than LoRA adapters (all of them without LoRA)."""
+    return lora.split_nested(self.params)[1] if self.model_config.lora else self.params
 
   def _prox_impl(self, params, batch):
     return token_logprobs(self.model_config, params, batch.tokens, batch.positions, batch.segment_ids,

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh
 
@@ -105,3 +106,40 @@ def merge(config: ModelConfig, params) -> tuple[ModelConfig, dict]:
     delta = jnp.tensordot(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32), axes=1)
     out[w_key] = (jnp.asarray(w, jnp.float32) + config.lora_scale * delta.reshape(w.shape)).astype(w.dtype)
   return config.replace(lora_rank=0), traverse_util.unflatten_dict(out)
+
+
+def fingerprint(base) -> dict:
+  """A name for frozen base weights (a tree without adapters) that does not depend on how they are
+  sharded: per leaf (keyed by its ``/``-joined path) its shape, dtype and three float32 sums over
+  its elements x_i: sum x_i, sum x_i^2 and sum x_i cos(0.618 (i mod 4096)). Other weights, even the same ones
+  permuted, give other sums; the same weights on another mesh give the same sums up to the order of
+  the additions (``same_base`` allows for that)."""
+  flat = {"/".join(map(str, k)): v for k, v in traverse_util.flatten_dict(base).items()}
+
+  def sums(x):
+    x = jnp.ravel(x).astype(jnp.float32)
+    wave = jnp.cos((jnp.arange(x.size, dtype=jnp.int32) % 4096).astype(jnp.float32) * 0.618)
+    return jnp.stack([jnp.sum(x), jnp.sum(x * x), jnp.sum(x * wave)])
+
+  values = jax.device_get(jax.jit(lambda tree: {k: sums(v) for k, v in tree.items()})(flat))
+  return {k: dict(shape=list(flat[k].shape), dtype=str(flat[k].dtype), sums=[float(s) for s in values[k]])
+          for k in sorted(flat)}
+
+
+def base_mismatch(want: dict, have: dict, rtol: float = 1e-4) -> str:
+  """Why fingerprint ``have`` is not of the same base weights as ``want`` ("" when it is). Each sum
+  may differ by ``rtol`` of its largest possible size (sqrt(n sum x^2), or sum x^2 itself)."""
+  if set(want) != set(have):
+    diff = sorted(set(want) ^ set(have))
+    return f"other parameters ({len(diff)} differ, e.g. {diff[0]})"
+  for k in sorted(want):
+    a, b = want[k], have[k]
+    if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
+      return f"{k} is {b['dtype']}{b['shape']}, not {a['dtype']}{a['shape']}"
+    n = max(1, int(np.prod(a["shape"])))
+    scale = [np.sqrt(n * max(a["sums"][1], 0.0)), max(a["sums"][1], 0.0),
+             np.sqrt(n * max(a["sums"][1], 0.0))]
+    for name, x, y, s in zip(("sum", "sum of squares", "weighted sum"), a["sums"], b["sums"], scale):
+      if abs(x - y) > rtol * s + 1e-30:
+        return f"{k}: its {name} is {y:.6g}, not {x:.6g}"
+  return ""

@@ -53,6 +53,7 @@ def restore_params(workdir: str, step=None):
   import jax  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.models import lora  # pylint: disable=import-outside-toplevel
   config = run_config(workdir)
   model_config = models.config_of(config)
   directory = paths.join(paths.absolute(workdir), "checkpoints")
@@ -66,11 +67,52 @@ def restore_params(workdir: str, step=None):
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu),
                           models.abstract_params(model_config))
-  item = {"params": abstract}  # the policy only: the optimizer state is never read
-  out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+  if not model_config.lora:
+    item = {"params": abstract}  # the policy only: the optimizer state is never read
+  else:  # a LoRA step holds the adapters; its meta names the base (train/checkpoint.py)
+    adapters, base_like = lora.split_nested(abstract)
+    item = {"adapters": adapters}
+  out = mgr.restore(step, args=ocp.args.Composite(
+      state=ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                                   partial_restore=True),
+      meta=ocp.args.JsonRestore()))
   mgr.close()
-  return model_config, jax.device_get(out.state["params"]), step
+  if not model_config.lora:
+    return model_config, jax.device_get(out.state["params"]), step
+  base = _lora_base(directory, step, dict(out.meta), base_like, config)
+  return model_config, jax.device_get(lora.join_nested(out.state["adapters"], base)), step
+
+
+def _lora_base(directory: str, step: int, meta: dict, like, config):
+  """The frozen base a LoRA step's adapters go on: the run's written copy (``DIR/base``) or its
+  ``model.hf_path``, checked against the fingerprint the step's meta holds."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.models import lora  # pylint: disable=import-outside-toplevel
+  from flax import traverse_util  # pylint: disable=import-outside-toplevel
+  record = meta.get("base")
+  if record is None:
+    raise ExportError(f"checkpoint step {step} in {directory} holds LoRA adapters but names no base "
+                      "weights: it was written before checkpoints named their base")
+  if record.get("path"):
+    path = paths.join(directory, record["path"])
+    if not paths.exists(path + ".json"):
+      raise ExportError(f"the run's base weights ({path}) are missing or were not completely written")
+    restorer = ocp.StandardCheckpointer()
+    base = restorer.restore(path, like)
+    restorer.close()
+  else:
+    if not paths.exists(paths.join(record["source"], "config.json")):
+      raise ExportError(f"the adapters' base is {record['source']} (the run's model.hf_path), which "
+                        "holds no config.json here: export where that directory is")
+    _, base = models.load_hf(record["source"], dtype=config.model.dtype, param_dtype=config.model.param_dtype)
+    want = set(traverse_util.flatten_dict(like))
+    base = traverse_util.unflatten_dict({k: v for k, v in traverse_util.flatten_dict(base).items() if k in want})
+  why = lora.base_mismatch(record["fingerprint"], lora.fingerprint(base))
+  if why:
+    raise ExportError(f"the base weights at {record.get('path') or record['source']} are not the ones "
+                      f"the adapters were trained on ({why})")
+  return base
 
 
 def export(workdir: str, out: str, *, fmt: str = "hf", step=None) -> dict:

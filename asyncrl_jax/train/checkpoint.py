@@ -1,7 +1,13 @@
 """Orbax checkpoints of the whole run: params, optimizer state (the value model's too, with value
 advantages), policy version, staleness counters, prompt-stream (grain) state. Saves are asynchronous and atomic (a save interrupted by SIGKILL leaves
 no half-written step behind); ``RunCheckpointer.restore_run`` resumes from the newest complete step.
-The directory may be a bucket (``gs://bucket/run/checkpoints``), which every learner host writes."""
+The directory may be a bucket (``gs://bucket/run/checkpoints``), which every learner host writes.
+
+With LoRA a step holds the adapters and their optimizer state alone, and its meta names the frozen
+base (``base``: where it came from and ``lora.fingerprint`` of it). A base loaded from
+``model.hf_path`` is loaded from there again on resume; one that came from no checkpoint (the warm
+start's) is written once, to ``DIR/base`` (an Orbax checkpoint, complete when ``DIR/base.json``
+exists). A resume whose base does not match the fingerprint stops with an error that says so."""
 
 from __future__ import annotations
 
@@ -11,9 +17,10 @@ from typing import Any, Optional
 import jax
 import orbax.checkpoint as ocp
 
-from asyncrl_jax.infra import faults
+from asyncrl_jax.infra import faults, paths
+from asyncrl_jax.models import lora
 
-from asyncrl_jax.infra import paths
+BASE_DIR = "base"  # (under the checkpoint directory) a LoRA run's frozen base, when it came from no checkpoint
 
 
 class Checkpointer:
@@ -67,12 +74,42 @@ class RunCheckpointer(Checkpointer):
   prompt stream's position at that version's batch, the staleness counters and the run's meta
   (evaluations, warm-start figures)."""
 
-  @staticmethod
-  def run_meta(learner, controller, meta: dict) -> dict:
-    """``meta`` updated with the version, data and staleness state to save at ``learner.version``."""
+  base: Optional[dict] = None  # LoRA: the record naming the frozen base (``keep_base``)
+
+  def run_meta(self, learner, controller, meta: dict) -> dict:
+    """``meta`` updated with the version, data and staleness state to save at ``learner.version``
+    (and, with LoRA, the base the adapters go on)."""
     meta.update(version=learner.version, data_state=controller.data_state_for(learner.version),
                 staleness=controller.manager.state_dict())
+    if self.base is not None:
+      meta["base"] = self.base
     return _jsonable(meta)
+
+  def keep_base(self, learner, source: str) -> None:
+    """LoRA, a fresh run (every learner process): names the learner's frozen base in every later
+    step's meta; ``source`` is where it was loaded from (``model.hf_path``), or "" for a base from no
+    checkpoint, which is then written to ``DIR/base`` (once: a base already there with the same
+    fingerprint is kept). Without LoRA nothing happens."""
+    if not learner.model_config.lora:
+      return
+    base = learner.base_params()
+    record = dict(source=source or "warm start", fingerprint=lora.fingerprint(base))
+    if not source:
+      path, marker = paths.join(self.directory, BASE_DIR), paths.join(self.directory, BASE_DIR + ".json")
+      kept = json.loads(paths.read_text(marker))["fingerprint"] if paths.exists(marker) else None
+      if kept is None or lora.base_mismatch(kept, record["fingerprint"]):
+        if jax.process_index() == 0:
+          if paths.exists(marker):
+            paths.remove(marker)
+          paths.remove_tree(path)
+        saver = ocp.StandardCheckpointer()
+        saver.save(path, base)
+        saver.wait_until_finished()
+        saver.close()
+        if jax.process_index() == 0:
+          paths.write_text(marker, json.dumps(dict(fingerprint=record["fingerprint"])))
+      record["path"] = BASE_DIR
+    self.base = record
 
   def restore_run(self, learner, prompts) -> Optional[dict]:
     """Restores the newest complete step into ``learner`` and ``prompts`` (None in learner processes
@@ -84,7 +121,34 @@ class RunCheckpointer(Checkpointer):
       return None
     state, meta = self.restore(step, state_like=learner.checkpoint_state())
     learner.load_checkpoint_state(state)
+    if learner.model_config.lora:
+      self._restore_base(learner, step, meta)
     learner.version = int(meta["version"])
     if prompts is not None:
       prompts.set_state(meta["data_state"])
     return meta
+
+  def _restore_base(self, learner, step: int, meta: dict) -> None:
+    """The base the restored adapters were trained on: read from ``DIR/base`` when the run wrote it,
+    else the one the learner loaded; either way it must match the step's fingerprint."""
+    record = meta.get("base")
+    if record is None:
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds LoRA adapters but names no "
+                       "base weights: it was written before checkpoints named their base")
+    if record.get("path"):
+      path = paths.join(self.directory, record["path"])
+      if not paths.exists(path + ".json"):
+        raise ValueError(f"checkpoint step {step} needs the base weights in {path}, which are missing "
+                         "or were not completely written")
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                              learner.base_params())
+      restorer = ocp.StandardCheckpointer()
+      base = restorer.restore(path, abstract)
+      restorer.close()
+      learner.params = lora.join_nested(lora.split_nested(learner.params)[0], base)
+    why = lora.base_mismatch(record["fingerprint"], lora.fingerprint(learner.base_params()))
+    if why:
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds LoRA adapters trained on the "
+                       f"base from {record['source']}, but this run's base weights differ ({why}): "
+                       "resume with the model.hf_path the run started from")
+    self.base = record

@@ -57,6 +57,8 @@ def set_up(config, meshes, ckpt, *, prompts=None,
   resumed = meta is not None
   if not resumed and warm_starts(config):
     meta = _warm_start(config, learner, warm_start)
+  if not resumed:  # LoRA: every checkpoint names the frozen base (written once if it is the warm start's)
+    ckpt.keep_base(learner, config.model.hf_path)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
   if config.learner.eval_every:
     eval_prompt_ids = group.share_token_lists(eval_prompt_ids if group.is_leader else None)

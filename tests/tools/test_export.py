@@ -14,7 +14,7 @@ from asyncrl_jax.infra import sharding
 from asyncrl_jax.learner.learner import Learner
 from asyncrl_jax.tools import export
 from asyncrl_jax.train import runlog
-from asyncrl_jax.train.checkpoint import Checkpointer
+from asyncrl_jax.train.checkpoint import Checkpointer, RunCheckpointer
 from tests.fixtures.helpers import sharp_params
 from tests.infra.test_paths import bucket  # noqa: F401  pylint: disable=unused-import
 
@@ -97,10 +97,16 @@ def test_a_lora_run_exports_its_adapter_for_peft_with_its_base_beside_it(tmp_pat
   mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
   params = jax.tree.map(lambda x: x + 0.5, sharp_params(model_config, 3, mesh=mesh))  # (B non-zero)
   learner = Learner(model_config, params, mesh, config, versions=10)
-  ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
-  ckpt.save(1, state=learner.checkpoint_state(), meta={"version": 1})
+  ckpt = RunCheckpointer(str(workdir / "checkpoints"), async_save=False)
+  ckpt.keep_base(learner, "")  # (a run from no checkpoint: its base is written once, beside the steps)
+  ckpt.save(1, state=learner.checkpoint_state(), meta={"version": 1, "base": ckpt.base})
   ckpt.close()
   saved = jax.device_get(learner.params)
+  merged = export.export(str(workdir), str(tmp_path / "hf"), fmt="hf")  # adapters on the written base
+  _, want_merged = lora.merge(model_config, saved)
+  for k, v in traverse_util.flatten_dict(models.load_hf(str(tmp_path / "hf"))[1]).items():
+    np.testing.assert_allclose(v, np.asarray(traverse_util.flatten_dict(want_merged)[k]), rtol=1e-6, atol=1e-6)
+  assert merged["format"] == "hf"
   result = export.export(str(workdir), str(tmp_path / "peft"), fmt="peft")
   assert {"adapter_config.json", "adapter_model.safetensors", "base"} <= set(result["files"])
   assert "base weights are in base/" in result["note"]
