@@ -108,6 +108,11 @@ BENCHMARKS = {
         "1): one factor at a time, pinned, eta 0 and 8, final evaluation 500 x 16. The runs are long "
         "(docs/staleness.md: plan, power, budget) and go factor by factor "
         "(`staleness_factors.py --factor NAME --seeds N --workdir DIR`); this assembles their records."),
+    "greedy_diagnosis": (
+        "greedy_diagnosis.py", ["--assemble-only"], ["--assemble-only"],
+        "Why greedy accuracy falls under RL while pass@1 rises: the warm start's greedy completions against "
+        "trained arms', by first mistake (staleness_factor_lr_half's arms; rerun with `--run WORKDIR` on "
+        "kept arm directories)."),
     "lora_int8_learning": (
         "lora_int8_learning.py", ["--assemble-only"], ["--assemble-only"],
         "Whether RL learns with LoRA adapters alone and with int8 decode servers: decoupled PPO at eta "

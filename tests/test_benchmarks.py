@@ -464,6 +464,20 @@ def test_lora_int8_learning_gain_share_and_kl_per_version(tmp_path):
   assert "| lora8_lr10x |" in md and "not run yet" in md and "+5.0 [" in md
 
 
+def test_greedy_diagnosis_names_the_first_mistake_of_a_completion():
+  """Hand-made completions of 3+4+5= (solution 3+4=7;7+5=12;#12), one per kind."""
+  from benchmarks.greedy_diagnosis import classify  # pylint: disable=import-outside-toplevel
+  p = dict(question="3+4+5=", answer="12", solution="3+4=7;7+5=12;#12")
+  assert classify(p, "3+4=7;7+5=12;#12") == "correct"
+  assert classify(p, "3+4=8;8+5=13;#13") == "addition error"
+  assert classify(p, "3+4=7;7+4=11;#11") == "term error"  # a term misread
+  assert classify(p, "3+5=8;8+5=13;#13") == "term error"  # a term skipped
+  assert classify(p, "3+4=7;#7") == "chain length"
+  assert classify(p, "3+4=7;7+5=12;#13") == "answer not the last sum"
+  assert classify(p, "3+4=7;7+5=12") == "malformed"
+  assert classify(p, "3+4=7;7+x=12;#1") == "malformed"
+
+
 def test_code_ab_alternates_the_arms_and_reports_head_over_base(tmp_path, monkeypatch):
   """The two commits run in their own worktrees, base first in even rounds and head first in odd
   ones; the ratio is head / base of the medians (hand-computed from fake results)."""
