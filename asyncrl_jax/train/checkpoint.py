@@ -29,7 +29,9 @@ class Checkpointer:
     self.directory = paths.absolute(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                            enable_async_checkpointing=async_save, create=True)
-    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+    # (the handlers named, so that item_metadata can read a step's tree before restoring it)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
 
   def save(self, step: int, *, state: dict, meta: dict) -> None:
     """Starts saving ``step``: ``state`` (name -> pytree of arrays, e.g. ``Learner.checkpoint_state``)
@@ -46,6 +48,11 @@ class Checkpointer:
     saved); returns (state, meta). A name the checkpoint lacks is an error that names it."""
     saved = self._mgr.item_metadata(step)
     saved = saved.get("state") if saved is not None and hasattr(saved, "get") else None
+    if saved is not None and "params" in saved and "adapters" in state_like:
+      raise ValueError(f"checkpoint step {step} in {self.directory} holds the whole policy, but this LoRA "
+                       "run's steps hold the adapters alone: it was written by a run without LoRA, or "
+                       "by a LoRA run before checkpoints held adapters alone (export it with that "
+                       "version, or start a new run from its weights with model.hf_path)")
     if saved is not None and set(saved) != set(state_like):
       raise ValueError(f"checkpoint step {step} in {self.directory} holds {', '.join(sorted(saved))}, "
                        f"but this run restores {', '.join(sorted(state_like))}: it was written by a "

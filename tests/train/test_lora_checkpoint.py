@@ -80,3 +80,14 @@ def test_a_lora_step_holds_the_adapters_and_resumes_onto_its_written_base(tmp_pa
     RunCheckpointer(str(tmp_path / "ckpt2"), async_save=False).restore_run(_learner(config, 7, mesh), None)
   same = _learner(config, 0, mesh)  # the same base (seed 0): restores
   assert RunCheckpointer(str(tmp_path / "ckpt2"), async_save=False).restore_run(same, None)["version"] == 1
+
+
+def test_a_step_of_the_whole_policy_is_refused_by_a_lora_run_with_the_reason(tmp_path):
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+  learner = _learner(_config(), 0, mesh)
+  ckpt = RunCheckpointer(str(tmp_path / "ckpt"), async_save=False)
+  ckpt.save(1, state={"params": learner.params, "opt_state": learner.opt_state},
+            meta={"version": 1, "data_state": None})  # (as LoRA steps were written before)
+  ckpt.close()
+  with pytest.raises(ValueError, match="holds the whole policy, but this LoRA run's steps hold the adapters alone"):
+    RunCheckpointer(str(tmp_path / "ckpt"), async_save=False).restore_run(_learner(_config(), 0, mesh), None)
