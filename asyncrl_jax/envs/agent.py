@@ -87,11 +87,14 @@ class AgentEnvironment:
     self._context = 0  # tokens in the episode's context so far (usage.prompt_tokens)
     self.max_action_tokens: Optional[int] = None  # the pending request's max_tokens (the decode server reads it)
     self.episode_id = ""
+    self._closed = False
+    self._close_lock = threading.Lock()  # a request is queued before close drains, or refused after
 
   def reset(self, problem: dict) -> list:
     """Starts the program and waits for its first request; returns the episode's prompt (its token
     ids)."""
     self.episode_id = uuid.uuid4().hex
+    self._closed = False
     self._endpoint.register(self.episode_id, self._request, self.step_timeout)
     config = {"base_url": self._endpoint.base_url, "api_key": auth.load_token() or "loopback",
               "default_headers": {chat_endpoint.EPISODE_HEADER: self.episode_id}}
@@ -131,7 +134,11 @@ class AgentEnvironment:
           "tools: the built-in vocabulary's tool call names no function and carries one argument: give "
           "exactly one function with exactly one parameter")
     answer: futures.Future = futures.Future()
-    self._events.put(("request", chat, answer))
+    with self._close_lock:
+      if self._closed:  # (it found the handler before the id was released)
+        answer.set_exception(RuntimeError(_ENDED))
+      else:
+        self._events.put(("request", chat, answer))
     return answer
 
   def _next(self) -> tuple:
@@ -206,7 +213,11 @@ class AgentEnvironment:
 
   def close(self) -> None:
     """The episode ended (any reason): a request still waiting gets an error (409), the id is
-    released."""
+    released. The id goes first, so a program that reacts to the 409 by asking again finds no
+    episode (404)."""
+    self._endpoint.unregister(self.episode_id)
+    with self._close_lock:
+      self._closed = True
     if self._pending is not None and not self._pending[1].done():
       self._pending[1].set_exception(RuntimeError(_ENDED))
     while True:
@@ -216,7 +227,6 @@ class AgentEnvironment:
         break
       if event[0] == "request" and not event[2].done():
         event[2].set_exception(RuntimeError(_ENDED))
-    self._endpoint.unregister(self.episode_id)
 
 
 def _parameter(function: dict) -> str:
