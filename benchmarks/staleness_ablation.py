@@ -206,7 +206,7 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
               final_metric=s.get("final_eval_metric", s.get("eval_metric")),
               final_problems=s.get("final_eval_problems"),
               evals={h["version"]: h["eval_accuracy"] for h in history if "eval_accuracy" in h},
-              kl_behav=mean("kl_behav"), clipped_frac=mean("clipped_frac"),
+              kl_behav=mean("kl_behav"), kl_behav_prox=mean("kl_behav_prox"), clipped_frac=mean("clipped_frac"),
               dropped_frac=mean("dropped_frac"), mean_staleness=mean("mean_staleness"),
               ratio_p50=mean("ratio_p50"), ratio_p90=mean("ratio_p90"), ratio_p99=mean("ratio_p99"),
               ratio_max=max((h["ratio_max"] for h in history if "ratio_max" in h), default=None),
@@ -215,7 +215,7 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
                      if mean(k) is not None},
               curves={k: [h.get(k) for h in history] for k in ("reward", "entropy", "ratio_p99",
                                                                "learning_rate", "dropped_frac",
-                                                               "kl_behav")},
+                                                               "kl_behav", "kl_behav_prox")},
               max_staleness_seen=s["max_staleness_seen"], rl_seconds=s["rl_seconds_this_run"],
               value_explained_variance=mean("eval_value_explained_variance"),
               selection=_selection(history))

@@ -30,7 +30,10 @@ Ratios beyond e^20 saturate: their value is capped and their gradient is 0.
 Every function returns ``(loss, metrics)``; metrics are computed without gradient, scalars:
 ``clipped_frac``, ``dropped_frac``, ``iw_mean``, ``iw_max`` (importance weight over policy tokens),
 ``kl_behav`` / ``kl_prox`` (k3 estimate of KL(pi_ref || pi_theta) from the ref's samples:
-E[(r - 1) - log r], r = pi_theta / pi_ref), and ``entropy`` when per-token entropies are given; and
+E[(r - 1) - log r], r = pi_theta / pi_ref), ``kl_behav_prox`` where a proximal pass ran (KL(behaviour ||
+proximal): staleness plus any serving mismatch, and at staleness 0 the mismatch alone, e.g. int8
+rollout, which ``kl_behav`` mixes with the update's own step), and ``entropy`` when per-token
+entropies are given; and
 two per-token arrays, ``dropped`` and ``clipped`` (``[B, T]``, 1 on the policy tokens counted by
 ``dropped_frac`` / ``clipped_frac``), which ``rl.selection`` breaks down by completion length,
 staleness, the side of the behaviour ratio and the sign of the advantage.
@@ -208,7 +211,8 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   clipped = (clipped & ~dropped & (mask > 0)).astype(jnp.float32)
   metrics.update(clipped_frac=_mean(mask, clipped), clipped=clipped,
                  dropped_frac=_mean(mask, dropped.astype(jnp.float32)),
-                 dropped=dropped.astype(jnp.float32), kl_prox=_k3(mask, jax.lax.stop_gradient(log_u)))
+                 dropped=dropped.astype(jnp.float32), kl_prox=_k3(mask, jax.lax.stop_gradient(log_u)),
+                 kl_behav_prox=_k3(mask, log_w))
   return loss, metrics
 
 
@@ -412,7 +416,9 @@ def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps
     if name == "ppo_recompute":  # (the KL the staleness metrics mean: to the behaviour policy)
       log_prox = _safe_log_ratio(mask, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(prox_logp))
       metrics.update(kl_prox=_k3(mask, log_prox), kl_behav=_k3(
-          mask, _safe_log_ratio(mask, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(behav_logp))))
+          mask, _safe_log_ratio(mask, jax.lax.stop_gradient(logp), jax.lax.stop_gradient(behav_logp))),
+                     kl_behav_prox=_k3(mask, _safe_log_ratio(mask, jax.lax.stop_gradient(prox_logp),
+                                                             jax.lax.stop_gradient(behav_logp))))
   elif name == "decoupled_ppo":
     if prox_logp is None:
       raise ValueError("decoupled_ppo needs prox_logp (the prox log-prob pass)")

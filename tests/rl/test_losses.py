@@ -181,6 +181,23 @@ def test_an_infinite_cap_and_a_zero_floor_drop_nothing():
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_kl_behav_prox_is_the_behaviour_to_proximal_kl_whatever_the_update_did(seed):
+  """``kl_behav_prox``: KL(behaviour || proximal) by k3 on the behaviour's samples, from the two
+  recorded log-probs alone (so the update's own step, which ``kl_behav`` includes, is not in it)."""
+  logp, prox, behav, adv, mask = _random_inputs(seed)
+  d = prox - behav
+  want = ((np.expm1(d) - d) * mask).sum() / mask.sum()
+  for name in ("decoupled_ppo", "ppo_recompute"):
+    for moved in (logp, logp + 0.5):  # (the current policy's log-probs do not enter)
+      lp, pr, be, ad, ma = _f32(moved, prox, behav, adv, mask)
+      _, m = losses.policy_loss(name, logp=lp, behav_logp=be, prox_logp=pr, advantages=ad, mask=ma,
+                                eps_clip=0.2, eps_low=0.2, eps_high=0.28)
+      assert float(m["kl_behav_prox"]) == pytest.approx(want, rel=1e-4)
+      assert float(m["kl_behav"]) != pytest.approx(want, rel=1e-2)  # (control: the other KL differs)
+  _, same = losses.decoupled_ppo_loss(*_f32(logp, behav, behav, adv, mask))
+  assert float(same["kl_behav_prox"]) == 0.0
+
+
 def test_decoupled_reduces_exactly_to_ppo_at_staleness_zero(seed):
   logp, _, behav, adv, mask = _random_inputs(seed)
   logp, behav, adv, mask = _f32(logp, behav, adv, mask)
