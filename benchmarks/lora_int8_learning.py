@@ -15,9 +15,11 @@ on the warm-start weights, which it then computes exactly; its learner trains th
 
 ``--assemble-only`` writes benchmarks/results/lora_int8_learning.{json,md}: per variant the final
 pass@1 (500 x 16) and greedy accuracy, the gain over the warm start with its Welch 95% interval, the
-gain as a share of full-weight RL's, and KL(behaviour || learner) per version (at eta 0 it is the
-mismatch between the decode servers' model and the learner's: zero up to float rounding in
-full precision, the quantization's with int8).
+gain as a share of full-weight RL's, and two KLs per version: KL(behaviour || proximal)
+(``kl_behav_prox``: at eta 0 the mismatch between the decode servers' model and the learner's weights
+it was published from, zero up to float rounding in full precision, the quantization's with int8) and
+KL(behaviour || learner) (``kl_behav``: that mismatch plus the update's own step within the version,
+which at these step sizes is the larger part).
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ VARIANTS = {
     "int8": ("full-weight RL, decode servers in int8 (rollout.weight_dtype=int8)",
              ["--config.rollout.weight_dtype=int8"]),
 }
+
+
+def _mean_curve(curves: list) -> list:
+  """The per-version mean of the seeds' curves (``None`` entries and missing curves left out)."""
+  curves = [c for c in curves if c]
+  if not curves:
+    return []
+  return [float(np.mean(vals)) if (vals := [c[i] for c in curves if i < len(c) and c[i] is not None]) else None
+          for i in range(max(map(len, curves)))]
 
 
 def _name(variant: str) -> str:
@@ -91,7 +102,7 @@ def assemble(out_dir: str) -> dict:
     recs = _records(out_dir, variant)
     if not recs:
       rows[variant] = dict(change=change, overrides=overrides, seeds=[], missing=True)
-      table.append([variant, change, "0", "-", "-", "-", "-", "-", "not run yet"])
+      table.append([variant, change, "0", "-", "-", "-", "-", "-", "-", "not run yet"])
       continue
     final = [100 * r["final"] for r in recs]
     start = [100 * r["initial_greedy"] for r in recs]
@@ -100,17 +111,20 @@ def assemble(out_dir: str) -> dict:
     ws = [100 * r["initial"] for r in recs]
     initial = initial if initial is not None else float(np.mean(ws))
     gain = welch(final, ws)
-    kl = [r.get("curves", {}).get("kl_behav") for r in recs]
-    kl = [k for k in kl if k]
-    kl_curve = ([float(np.mean([row[i] for row in kl if i < len(row) and row[i] is not None]))
-                 for i in range(max(map(len, kl)))] if kl else [])
+    curves = {key: _mean_curve([r.get("curves", {}).get(key) for r in recs])
+              for key in ("kl_behav", "kl_behav_prox")}
+    mismatch = [r.get("kl_behav_prox") for r in recs]
     rows[variant] = dict(change=change, overrides=overrides, seeds=sorted(r["seed"] for r in recs),
                          commits=sorted({r["commit"] for r in recs}),
                          code_commits=sorted({r.get("code_commit") for r in recs}),
                          final=final, final_se=[100 * r["final_se"] for r in recs], warm_start=ws,
                          greedy=greedy, warm_start_greedy=start, gain=gain,
                          kl_behav_mean=float(np.mean([r["kl_behav"] for r in recs])),
-                         kl_behav_per_version=kl_curve, rl_seconds=[r["rl_seconds"] for r in recs])
+                         kl_behav_per_version=curves["kl_behav"],
+                         # (None where the arms ran before the metric existed)
+                         kl_behav_prox_mean=(float(np.mean(mismatch)) if None not in mismatch else None),
+                         kl_behav_prox_per_version=curves["kl_behav_prox"],
+                         rl_seconds=[r["rl_seconds"] for r in recs])
   full = rows.get("full", {})
   for variant, row in rows.items():
     if row.get("missing"):
@@ -124,6 +138,7 @@ def assemble(out_dir: str) -> dict:
                   f"{g['diff']:+.1f}" + (f" [{g['low']:+.1f}, {g['high']:+.1f}]" if g.get("low") is not None else ""),
                   "-" if share is None else f"{share:.2f}",
                   f"{np.mean(row['warm_start_greedy']):.1f} -> {percent_cell(np.asarray(row['greedy']) / 100)}",
+                  "-" if row["kl_behav_prox_mean"] is None else f"{row['kl_behav_prox_mean']:.2e}",
                   f"{row['kl_behav_mean']:.2e}", ", ".join(row["code_commits"])])
   table.sort(key=lambda r: list(VARIANTS).index(r[0]))
   note = ("Decoupled PPO at eta 0, pinned, learning rate 3e-4 (LoRA 10x: 3e-3), 2 updates per version, "
@@ -131,14 +146,17 @@ def assemble(out_dir: str) -> dict:
           "on 256 x 4). Final: pass@1 on 500 held-out problems x 16 samples (T=1), mean +- sd over seeds, "
           "in points. Gain: final minus the warm start's pass@1 (256 x 4 of the same problems' first 256, each "
           "seed's own draw; the same for every variant, so the share does not depend on it), Welch 95% "
-          "interval. Share: the gain over full-weight RL's (the acceptance asks >= 0.5 of LoRA). KL: "
-          "KL(behaviour || learner) per token, mean over versions: at eta 0 the decode servers' model "
-          "against the learner's (the int8 mismatch). Per-version KL is in the JSON.")
+          "interval. Share: the gain over full-weight RL's (the acceptance asks >= 0.5 of LoRA). Serving "
+          "mismatch: KL(behaviour || proximal) per token, mean over versions: at eta 0 the decode "
+          "servers' model against the learner weights it was published from (the int8 mismatch). "
+          "KL(behav || learner) adds the update's own step within the version. Per-version KLs are "
+          "in the JSON.")
   result = dict(machine=machine(), config=dict(steps=STEPS, variants={v: o for v, (_, o) in VARIANTS.items()}),
                 variants=rows, note=note)
   write_result("lora_int8_learning", result,
                ["variant", "change", "seeds", "final pass@1", "gain over warm start", "share of full's gain",
-                "greedy warm start -> final", "KL(behav || learner)", "code"],
+                "greedy warm start -> final", "serving mismatch KL(behav || prox)", "KL(behav || learner)",
+                "code"],
                table, notes=note, out_dir=out_dir)
   return result
 

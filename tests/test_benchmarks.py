@@ -441,27 +441,33 @@ def test_lora_int8_learning_gain_share_and_kl_per_version(tmp_path):
   version, hand-computed from fake records; a variant without records is reported as not run."""
   from benchmarks import lora_int8_learning as li  # pylint: disable=import-outside-toplevel
 
-  def put(variant, seed, final, kl):
+  def put(variant, seed, final, kl, mismatch=None):
     d = tmp_path / f"lora_int8_learning_{variant}_arms"
     d.mkdir(exist_ok=True)
-    (d / f"decoupled_ppo_eta0_seed{seed}.json").write_text(json.dumps(dict(
-        arm="decoupled_ppo", eta=0, seed=seed, final=final, final_greedy=0.5, initial=0.30,
-        initial_greedy=0.64, final_se=0.005, commit="abc", code_commit="abc", kl_behav=float(np.mean(kl)),
-        rl_seconds=100.0, curves=dict(kl_behav=kl))))
+    rec = dict(arm="decoupled_ppo", eta=0, seed=seed, final=final, final_greedy=0.5, initial=0.30,
+               initial_greedy=0.64, final_se=0.005, commit="abc", code_commit="abc", kl_behav=float(np.mean(kl)),
+               rl_seconds=100.0, curves=dict(kl_behav=kl))
+    if mismatch is not None:  # (lora8's records predate the metric)
+      rec.update(kl_behav_prox=float(np.mean(mismatch)), curves=dict(kl_behav=kl, kl_behav_prox=mismatch))
+    (d / f"decoupled_ppo_eta0_seed{seed}.json").write_text(json.dumps(rec))
   for seed, (full, lo) in enumerate([(0.40, 0.34), (0.42, 0.36), (0.44, 0.35)]):
-    put("full", seed, full, [0.0, 0.0])
+    put("full", seed, full, [0.5, 0.5], [0.0, 0.0])
     put("lora8", seed, lo, [0.0, 0.0])
-    put("int8", seed, full - 0.01, [0.01 * (seed + 1), 0.02 * (seed + 1)])
+    put("int8", seed, full - 0.01, [0.5, 0.5], [0.01 * (seed + 1), 0.02 * (seed + 1)])
   assert li.main(["--assemble-only", "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "lora_int8_learning.json").read_text())["variants"]
   assert result["full"]["gain"]["diff"] == pytest.approx(12.0)  # 42 - 30
   assert result["lora8"]["gain"]["diff"] == pytest.approx(5.0)  # 35 - 30
   assert result["lora8"]["share_of_full_gain"] == pytest.approx(5.0 / 12.0)
   assert result["int8"]["share_of_full_gain"] == pytest.approx(11.0 / 12.0)
-  assert result["int8"]["kl_behav_per_version"] == pytest.approx([0.02, 0.04])
+  assert result["int8"]["kl_behav_prox_per_version"] == pytest.approx([0.02, 0.04])
+  assert result["int8"]["kl_behav_prox_mean"] == pytest.approx(0.03)
+  assert result["int8"]["kl_behav_per_version"] == pytest.approx([0.5, 0.5])
+  assert result["lora8"]["kl_behav_prox_mean"] is None and result["lora8"]["kl_behav_prox_per_version"] == []
   assert result["lora8_lr10x"]["missing"]
   md = (tmp_path / "lora_int8_learning.md").read_text()
   assert "| lora8_lr10x |" in md and "not run yet" in md and "+5.0 [" in md
+  assert "| 3.00e-02 | 5.00e-01 |" in md and "| 0.00e+00 | 5.00e-01 |" in md
 
 
 def test_greedy_diagnosis_names_the_first_mistake_of_a_completion():
