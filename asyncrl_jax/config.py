@@ -148,6 +148,8 @@ def _validate_data(config) -> None:
   for f in ("data.final_eval_problems", "data.final_eval_samples"):
     _number(config, f, lambda v: v >= 0, "an integer >= 0 (0: as data.eval_problems / eval_samples)",
             integer=True)
+  _check(isinstance(config.data.initial_eval_final, bool), "data.initial_eval_final",
+         config.data.initial_eval_final, "True or False")
   if config.data.task in ("arithmetic", "tool_arithmetic"):
     _number(config, "data.final_eval_problems", lambda v: v <= config.data.num_test,
             f"at most data.num_test ({config.data.num_test}): the held-out split has no more", integer=True)

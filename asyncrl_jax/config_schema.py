@@ -73,6 +73,10 @@ def _data_section() -> ml_collections.ConfigDict:
       # problem; 0 = as every evaluation (eval_problems, eval_samples). E.g. 500 x 16 for a pass@1
       # with a standard error near half a point
       final_eval_problems=0, final_eval_samples=0,
+      # when the last version's evaluation reads more than every other's, a fresh run evaluates its
+      # starting weights that way too (summary: initial_final_eval_*), so before and after RL are
+      # compared on the same problems: one more evaluation of that size at the start
+      initial_eval_final=True,
   ))
 
 

@@ -200,6 +200,9 @@ def _arm_record(work: str, name: str, s: dict, **fields) -> dict:
   mean = lambda key: float(np.mean([h[key] for h in history if key in h])) if any(
       key in h for h in history) else None
   return dict(fields, initial=s["initial_eval_accuracy"], initial_greedy=s["initial_eval_greedy_accuracy"],
+              # the starting weights on the final evaluation's problems (absent in older records)
+              initial_final=s.get("initial_final_eval_accuracy"),
+              initial_final_greedy=s.get("initial_final_eval_greedy_accuracy"),
               final=s["final_eval_accuracy"],
               final_greedy=s["final_eval_greedy_accuracy"],
               final_se=s.get("final_eval_accuracy_se"), final_greedy_se=s.get("final_eval_greedy_accuracy_se"),

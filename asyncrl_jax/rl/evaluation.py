@@ -161,6 +161,9 @@ class RunEvaluation:
       self.final_evaluator = evaluator_for(config, model_config, mesh, tokenizer, **first(final_n),
                                            samples=final_samples)
     self.final_version = config.steps
+    # the starting weights (version 0) also get the last version's evaluation, when it differs
+    self.initial_final = (bool(config.data.initial_eval_final) and self.final_evaluator is not self.evaluator
+                          and self.final_version != 0)
     # what process 0 shares with the others: the prompts of the larger of the two
     self.prompt_ids = max(self.evaluator.prompt_ids, self.final_evaluator.prompt_ids, key=len)
     self.reward = reward
@@ -198,11 +201,26 @@ class RunEvaluation:
     return {"eval_accuracy_se": se, "eval_greedy_accuracy_se": self.last["greedy_se"]}
 
   def run(self, learner, rollout_params=None) -> tuple[tuple[float, float], dict]:
-    """The accuracies, their standard errors and, with a critic, the value model's ``value_figures``."""
+    """The accuracies, their standard errors and, with a critic, the value model's ``value_figures``;
+    at version 0 with ``initial_final`` also the last version's evaluation of these weights
+    (``initial_final_eval_accuracy``, ``..._greedy_accuracy`` and their ``_se``; every learner
+    process runs it, as it runs ``run``)."""
     accuracy = self(learner.params, rollout_params, version=learner.version)
     extra = self.standard_errors()
     if learner.critic is not None:
       extra.update(self.value_figures(learner.critic))
+    if learner.version == 0 and self.initial_final:
+      kept = self.last, self.last_evaluator
+      params = rollout_params if rollout_params is not None else local_transfer(learner.params,
+                                                                                self.shardings)[0]
+      self.last, self.last_evaluator = self.final_evaluator.evaluate(params, self.reward, version=0), \
+          self.final_evaluator
+      se = self.standard_errors()
+      extra.update(initial_final_eval_accuracy=primary(self.last),
+                   initial_final_eval_greedy_accuracy=self.last["greedy"],
+                   initial_final_eval_accuracy_se=se["eval_accuracy_se"],
+                   initial_final_eval_greedy_accuracy_se=se["eval_greedy_accuracy_se"])
+      self.last, self.last_evaluator = kept
     return accuracy, extra
 
   def value_figures(self, critic) -> dict:

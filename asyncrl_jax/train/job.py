@@ -142,12 +142,15 @@ def _initial_evaluation(config, group: LearnerGroup, evaluate: Optional[RunEvalu
     return
   if meta.get("initial_eval_greedy_accuracy") is None:  # (a checkpoint from before pass@1: measure both)
     meta.pop("last_eval_accuracy", None)
-    (meta["initial_eval_accuracy"], meta["initial_eval_greedy_accuracy"]), _ = group.evaluate(
+    (meta["initial_eval_accuracy"], meta["initial_eval_greedy_accuracy"]), extra = group.evaluate(
         lambda: evaluate.run(learner))
+    meta.update({k: v for k, v in extra.items() if k.startswith("initial_final_eval_")})
   say(f"model {models.count_params(learner.params):,} params; held-out accuracy "
       f"{meta['initial_eval_accuracy']:.3f} ({evaluate.kind}), greedy "
       f"{meta['initial_eval_greedy_accuracy']:.3f} at version {learner.version}"
-      + (f" (over {group.processes} learner processes)" if group.processes > 1 else ""))
+      + (f" (over {group.processes} learner processes)" if group.processes > 1 else "")
+      + (f"; on the last version's evaluation {meta['initial_final_eval_accuracy']:.3f}, greedy "
+         f"{meta['initial_final_eval_greedy_accuracy']:.3f}" if "initial_final_eval_accuracy" in meta else ""))
 
 
 def _registered(config, model_config, tokenizer, workdir: str, token, incarnation: int):

@@ -291,6 +291,7 @@ class RunLog:
         "initial_eval_accuracy": meta["initial_eval_accuracy"],
         "untrained_eval_accuracy": meta.get("untrained_eval_accuracy"),
         "initial_eval_greedy_accuracy": meta["initial_eval_greedy_accuracy"],
+        **{k: v for k, v in meta.items() if k.startswith("initial_final_eval_")},
         "trained_tokens": sum(h.get("trained_tokens", 0) for h in self.history),
         "wall_seconds": time.time() - self.t_start,
         "rl_seconds_this_run": seconds,
@@ -346,10 +347,13 @@ def _with_se(summary: dict, key: str):
 
 
 def _print_summary(summary: dict) -> None:
-  rows = [("held-out accuracy, before RL", summary["initial_eval_accuracy"]),
+  # before RL as the last version was evaluated, when the run measured it (data.initial_eval_final)
+  like = "initial_final_eval_accuracy" in summary
+  before = "initial_final_eval" if like else "initial_eval"
+  rows = [("held-out accuracy, before RL", _with_se(summary, f"{before}_accuracy")),
           ("held-out accuracy, after RL", _with_se(summary, "final_eval_accuracy")),
           ("  (metric)", summary.get("final_eval_metric") or summary["eval_metric"]),
-          ("held-out greedy accuracy, before RL", summary["initial_eval_greedy_accuracy"]),
+          ("held-out greedy accuracy, before RL", _with_se(summary, f"{before}_greedy_accuracy")),
           ("held-out greedy accuracy, after RL", _with_se(summary, "final_eval_greedy_accuracy")),
           ("policy versions trained", summary["steps"]),
           ("trained tokens", summary["trained_tokens"]),

@@ -228,3 +228,27 @@ def test_the_data_of_a_bucket_workdir_is_prepared_in_a_local_cache(bucket, monke
   assert second.data_dir != first.data_dir
   assert [r["answer"] for r in pipeline.read_split(second, "train")] == ["4"]
   assert len(os.listdir(cache)) == 4 and not any(k.startswith("/bkt") for k in bucket), sorted(bucket)
+
+
+def test_the_summary_compares_before_and_after_on_the_last_evaluations_problems(tmp_path, capsys):
+  """With ``initial_final_eval_*`` in the meta (the starting weights evaluated as the last version
+  was), the summary keeps them and its table's "before RL" rows show them, not the smaller first
+  evaluation's."""
+  log = runlog.RunLog(str(tmp_path), config_lib.base_config())
+  log.start_fresh()
+  log.start_rl(0, DecodeStats())
+  log.append(_record(1), _batch(1))
+  log.close()
+  meta = {"initial_eval_accuracy": 0.111, "initial_eval_greedy_accuracy": 0.222,
+          "initial_final_eval_accuracy": 0.333, "initial_final_eval_greedy_accuracy": 0.444,
+          "initial_final_eval_accuracy_se": 0.011, "initial_final_eval_greedy_accuracy_se": 0.022}
+  summary = log.summary(meta, final_eval_accuracy=0.5, final_eval_greedy_accuracy=0.6, eval_metric="s", steps=1)
+  assert {k: summary[k] for k in meta} == meta
+  log.finish(summary)
+  out = capsys.readouterr().out
+  assert "0.333 +- 0.011" in out and "0.444 +- 0.022" in out and "0.111" not in out
+  plain = runlog.RunLog(str(tmp_path / "plain"), config_lib.base_config())
+  plain.start_fresh()
+  plain.finish(plain.summary({"initial_eval_accuracy": 0.111, "initial_eval_greedy_accuracy": 0.222},
+                             final_eval_accuracy=0.5, final_eval_greedy_accuracy=0.6, eval_metric="s", steps=0))
+  assert "0.111" in capsys.readouterr().out

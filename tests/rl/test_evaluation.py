@@ -100,3 +100,31 @@ def test_without_final_fields_the_last_version_is_evaluated_as_every_other():
   assert run.final_evaluator is run.evaluator and len(run.prompt_ids) == 3
   run.run(_Learner(params, config.steps), params)
   assert len(run.evaluator.last_samples) == 3 * 2 and run.final_figures()["final_eval_problems"] == 3
+
+
+def test_the_starting_weights_are_also_evaluated_as_the_last_version_will_be():
+  """At version 0 (a fresh run) the weights get the final evaluation too, with a key of their own,
+  so before and after RL compare on the same problems; every later version gets only its own."""
+  run, params, config = _run_evaluation(final_eval_problems=6, final_eval_samples=4)
+  reward = run.reward
+  (accuracy, greedy), extra = run.run(_Learner(params, 0), params)
+  assert run.last_evaluator is run.evaluator  # (the version's own evaluation stays the last one)
+  assert len(run.evaluator.last_samples) == 3 * 2
+  samples = run.final_evaluator.last_samples
+  assert len(samples) == 6 * 4
+  assert extra["initial_final_eval_accuracy"] == pytest.approx(np.mean([r for _, _, r in samples]))
+  per_problem = np.asarray([r for _, _, r in samples]).reshape(6, 4).mean(axis=1)
+  assert extra["initial_final_eval_accuracy_se"] == pytest.approx(np.std(per_problem, ddof=1) / np.sqrt(6))
+  # the same figure as the final evaluator gives these weights at version 0 on its own
+  again = run.final_evaluator.evaluate(params, reward, version=0)
+  assert again["sampled"] == extra["initial_final_eval_accuracy"]
+  assert again["greedy"] == extra["initial_final_eval_greedy_accuracy"]
+  _, later = run.run(_Learner(params, 1), params)
+  assert not any(k.startswith("initial_final") for k in later)
+  # off, or with no larger final evaluation: nothing more at version 0
+  off, params, _ = _run_evaluation(final_eval_problems=6, final_eval_samples=4, initial_eval_final=False)
+  _, extra = off.run(_Learner(params, 0), params)
+  assert not any(k.startswith("initial_final") for k in extra)
+  same, params, _ = _run_evaluation()
+  _, extra = same.run(_Learner(params, 0), params)
+  assert not any(k.startswith("initial_final") for k in extra)
