@@ -113,6 +113,13 @@ BENCHMARKS = {
         "Why greedy accuracy falls under RL while pass@1 rises: the warm start's greedy completions against "
         "trained arms', by first mistake (staleness_factor_lr_half's arms; rerun with `--run WORKDIR` on "
         "kept arm directories)."),
+    "staleness_headline": (
+        "staleness_headline.py", ["--assemble-only"], ["--assemble-only"],
+        "The headline (docs/staleness.md, phase 2): the recipe (decoupled PPO) and the seeds' baseline "
+        "(ppo_recompute) at eta 0 / 4 / 8 / 16, pinned, 160 versions at lr 7.5e-5, seeds 100-107, final "
+        "evaluation 500 x 16. Goal: the recipe within 1.5 points of its eta-0 accuracy at eta 8, the "
+        "baseline more than 10 below it, greedy accuracy not below the starting weights'. The runs are "
+        "long (`staleness_headline.py --workdir DIR`, seed by seed); this assembles their records."),
     "lora_int8_learning": (
         "lora_int8_learning.py", ["--assemble-only"], ["--assemble-only"],
         "Whether RL learns with LoRA adapters alone and with int8 decode servers: decoupled PPO at eta "

@@ -510,3 +510,51 @@ def test_code_ab_alternates_the_arms_and_reports_head_over_base(tmp_path, monkey
   assert result["metrics"]["reference_tok_s"]["ratio"] == pytest.approx(1.25)
   assert "0.900" in (tmp_path / "code_ab.md").read_text()
   assert not [t for t in os.listdir(tmp_path) if t in ("base", "head")]
+
+
+def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
+  """Fake records of 3 seeds: the recipe loses 1 point at eta 8 (holds against 1.5 only if the
+  interval is narrow), the baseline 20; greedy rises 1 point over each arm's own start. The claims
+  follow from hand-computed intervals, and a cell's eta-0 runs are shared with the baseline."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  from benchmarks import staleness_headline as sh  # pylint: disable=import-outside-toplevel
+  d = tmp_path / "staleness_headline_arms"
+  d.mkdir()
+  finals = {("decoupled_ppo", 0): [0.44, 0.45, 0.46], ("decoupled_ppo", 8): [0.43, 0.44, 0.45],
+            ("decoupled_ppo", 4): [0.44, 0.44, 0.44], ("decoupled_ppo", 16): [0.42, 0.43, 0.44],
+            ("ppo_recompute", 4): [0.40, 0.41, 0.42], ("ppo_recompute", 8): [0.23, 0.24, 0.25],
+            ("ppo_recompute", 16): [0.10, 0.11, 0.12]}
+  for (arm, eta), values in finals.items():
+    for i, final in enumerate(values):
+      seed = 100 + i
+      (d / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(dict(
+          arm=arm, eta=eta, seed=seed, final=final, final_se=0.017, final_greedy=0.62 + 0.01 * i,
+          initial_final=0.30, initial_final_greedy=0.61 + 0.01 * i, kl_behav=0.001, kl_behav_prox=0.0,
+          code_commit="abc")))
+  assert sh.main(["--assemble-only", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "staleness_headline.json").read_text())
+  assert result["cells"]["ppo_recompute_eta0"]["final"] == pytest.approx([44.0, 45.0, 46.0])
+  assert result["cells"]["ppo_recompute_eta0"]["shared_with"] == "decoupled_ppo"
+  gap = result["claims"]["recipe_gap_at_eta8"]["gap"]
+  half = stats.t.ppf(0.975, 4.0) * np.sqrt(1.0 / 3 + 1.0 / 3)  # (both cells: sd 1, equal: df 4)
+  assert gap["diff"] == pytest.approx(1.0) and gap["high"] == pytest.approx(1.0 + half)
+  assert result["claims"]["recipe_gap_at_eta8"]["verdict"] == "open"  # (1 + 2.27 straddles 1.5)
+  below = result["claims"]["baseline_below_at_eta8"]
+  assert below["difference"]["diff"] == pytest.approx(20.0) and below["verdict"] == "holds"
+  greedy = result["claims"]["greedy_not_below_start"]
+  assert greedy["change"]["0"]["mean"] == pytest.approx(1.0) and greedy["change"]["0"]["low"] == pytest.approx(1.0)
+  assert greedy["verdict"] == "holds"  # (+1 on every seed: a zero-width interval above 0)
+  gain = result["claims"]["regime_gain_at_eta0"]
+  assert gain["gain"]["mean"] == pytest.approx(15.0) and gain["verdict"] == "holds"
+  md = (tmp_path / "staleness_headline.md").read_text()
+  assert "| ppo_recompute (= recipe) | 0 | 3 | 45.0 +- 1.0 |" in md and "**recipe_gap_at_eta8**: open" in md
+  # a greedy fall fails the claim; the baseline within 10 points fails its
+  for f in d.iterdir():
+    r = json.loads(f.read_text())
+    r.update(final_greedy=r["initial_final_greedy"] - 0.03)
+    if r["arm"] == "ppo_recompute" and r["eta"] == 8:
+      r.update(final=r["final"] + 0.15)
+    f.write_text(json.dumps(r))
+  result = sh.assemble(str(tmp_path))
+  assert result["claims"]["greedy_not_below_start"]["verdict"] == "fails"
+  assert result["claims"]["baseline_below_at_eta8"]["verdict"] == "fails"

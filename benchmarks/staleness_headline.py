@@ -1,0 +1,200 @@
+"""The headline of docs/staleness.md (phase 2): does the shipped recipe hold its eta-0 accuracy under
+exact staleness, and does the seeds' baseline collapse? Fresh seeds, one fixed plan, one analysis.
+
+  nice -n 19 .venv/bin/python benchmarks/staleness_headline.py --workdir DIR      # runs, resumes
+  .venv/bin/python benchmarks/staleness_headline.py --assemble-only               # tabulates
+
+Cells (``PLAN``), pinned staleness (``rl.staleness_mode=pinned``: every batch is decoded by the version
+exactly eta behind the one it trains), in phase 1's regime (``REGIME``: lr 7.5e-5, 2 updates per
+version, 160 versions), seeds 100-107: the recipe (decoupled PPO) at eta 0, 4, 8 and 16, the baseline
+(``ppo_recompute``: PPO's ratio against the recomputed proximal policy, the behaviour policy ignored)
+at 4, 8 and 16; at eta 0 the two objectives are the same update, so they share the recipe's cell.
+Arms run one seed at a time (the recipe's four, then the baseline's three), so a sitting that stops
+leaves whole seeds; every arm's record is kept in benchmarks/results/staleness_headline_arms/ and a
+rerun runs only the missing ones (``staleness_ablation.py``'s records, checked against the grid and
+the training code's commit).
+
+``--assemble-only`` writes benchmarks/results/staleness_headline.{json,md}: every cell's final pass@1
+(500 problems x 16 samples) with its mean standard error, and the three claims, each at 95%:
+
+* the recipe's gap (eta 0 minus eta 8, Welch interval) has its upper end at most ``TARGET`` (1.5);
+* the baseline is more than ``BASELINE_MARGIN`` (10) points below the recipe at eta 8 (lower end);
+* greedy accuracy minus the starting weights' (each arm's own evaluation of them on the same 500
+  problems, ``data.initial_eval_final``) has mean >= 0 and lower end > -1.5, at eta 0 and at eta 8;
+
+and the regime's condition, that RL gains at least ``MIN_GAIN`` (5) points of pass@1 over the warm
+start at eta 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks.common import machine, read_json, write_result  # noqa: E402  pylint: disable=wrong-import-position
+
+NAME = "staleness_headline"
+RECIPE, BASELINE = "decoupled_ppo", "ppo_recompute"
+PLAN = {RECIPE: (0, 4, 8, 16), BASELINE: (4, 8, 16)}  # (the baseline's eta 0 is the recipe's)
+STEPS = 160
+REGIME = ["--config.learner.learning_rate=7.5e-5"]  # on top of the pinned grid's regime
+FIRST_SEED, SEEDS = 100, 8
+TARGET, BASELINE_MARGIN, GREEDY_MARGIN, MIN_GAIN, LEVEL = 1.5, 10.0, 1.5, 5.0, 0.95
+
+
+def _argv(arm: str, seed: int, workdir: str) -> list[str]:
+  return ["--staleness-mode=pinned", "--steps", str(STEPS), "--arms", arm,
+          "--etas", *map(str, PLAN[arm]), "--first-seed", str(seed), "--seeds", "1",
+          "--final-eval", "500x16", "--name", NAME, "--workdir", workdir,
+          *(f"--override={o}" for o in REGIME)]
+
+
+def run(workdir: str, out_dir: str, first_seed: int = FIRST_SEED, seeds: int = SEEDS) -> None:
+  """Every missing arm, seed by seed; the table is assembled after each (``staleness_ablation``
+  writes its own under the same name, which this replaces)."""
+  from benchmarks import staleness_ablation  # pylint: disable=import-outside-toplevel
+  for seed in range(first_seed, first_seed + seeds):
+    for arm in PLAN:
+      print(f"[headline] seed {seed}: {arm} at eta {', '.join(map(str, PLAN[arm]))}", flush=True)
+      staleness_ablation.main([*_argv(arm, seed, workdir), "--out", out_dir])
+      assemble(out_dir)
+
+
+def _records(out_dir: str) -> list[dict]:
+  path = os.path.join(out_dir, f"{NAME}_arms")
+  if not os.path.isdir(path):
+    return []
+  return [read_json(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.endswith(".json")]
+
+
+def t_interval(x, level: float = LEVEL) -> dict:
+  """Mean of ``x`` with its one-sample t interval (None without 2 values)."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  x = np.asarray(x, np.float64)
+  out = {"mean": float(x.mean()) if x.size else None, "n": int(x.size)}
+  if x.size < 2:
+    return dict(out, low=None, high=None)
+  half = float(stats.t.ppf(0.5 + level / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
+  return dict(out, low=out["mean"] - half, high=out["mean"] + half)
+
+
+def _claim(holds: bool, fails: bool) -> str:
+  return "holds" if holds else "fails" if fails else "open"
+
+
+def assemble(out_dir: str) -> dict:
+  """The cells, the gaps and the claims (points)."""
+  from benchmarks.staleness_factors import welch  # pylint: disable=import-outside-toplevel
+  recs = _records(out_dir)
+  cell = lambda arm, eta: sorted((r for r in recs if r["eta"] == eta and r["arm"] == (
+      RECIPE if eta == 0 else arm)), key=lambda r: r["seed"])
+  pts = lambda runs, key="final": [100 * r[key] for r in runs if r.get(key) is not None]
+  cells, rows = {}, []
+  for arm, etas in PLAN.items():
+    for eta in (0, *etas) if arm == BASELINE else etas:
+      runs = cell(arm, eta)
+      greedy_change = [100 * (r["final_greedy"] - r["initial_final_greedy"]) for r in runs
+                       if r.get("initial_final_greedy") is not None]
+      cells[f"{arm}_eta{eta}"] = c = dict(
+          arm=arm, eta=eta, seeds=[r["seed"] for r in runs], final=pts(runs),
+          final_se=pts(runs, "final_se"), greedy=pts(runs, "final_greedy"),
+          start=pts(runs, "initial_final"), start_greedy=pts(runs, "initial_final_greedy"),
+          greedy_change=t_interval(greedy_change), kl_behav=[r.get("kl_behav") for r in runs],
+          kl_behav_prox=[r.get("kl_behav_prox") for r in runs],
+          code_commits=sorted({str(r.get("code_commit")) for r in runs}),
+          shared_with=RECIPE if arm == BASELINE and eta == 0 else None)
+      fin = np.asarray(c["final"])
+      rows.append([arm + (" (= recipe)" if c["shared_with"] else ""), eta, len(runs),
+                   f"{fin.mean():.1f} +- {fin.std(ddof=1):.1f}" if fin.size > 1 else
+                   (f"{fin.mean():.1f}" if fin.size else "-"),
+                   f"{np.mean(c['final_se']):.2f}" if c["final_se"] else "-",
+                   f"{np.mean(c['greedy']):.1f}" if c["greedy"] else "-",
+                   _interval(c["greedy_change"]), ", ".join(c["code_commits"]) or "-"])
+  zero = cells[f"{RECIPE}_eta0"]
+  gaps = {f"{arm}_eta{eta}": welch(zero["final"], cells[f"{arm}_eta{eta}"]["final"], LEVEL)
+          for arm, etas in PLAN.items() for eta in etas if eta}
+  below = {eta: welch(cells[f"{RECIPE}_eta{eta}"]["final"], cells[f"{BASELINE}_eta{eta}"]["final"], LEVEL)
+           for eta in PLAN[BASELINE]}
+  gain = t_interval([f - s for f, s in zip(zero["final"], zero["start"])] if len(zero["start"]) == len(
+      zero["final"]) else [])
+  g8, b8 = gaps[f"{RECIPE}_eta8"], below[8]
+  greedy = {eta: cells[f"{RECIPE}_eta{eta}"]["greedy_change"] for eta in (0, 8)}
+  claims = {
+      "recipe_gap_at_eta8": dict(
+          gap=g8, target=TARGET,
+          verdict=_claim(g8["high"] is not None and g8["high"] <= TARGET,
+                         g8["low"] is not None and g8["low"] > TARGET)),
+      "baseline_below_at_eta8": dict(
+          difference=b8, margin=BASELINE_MARGIN,
+          verdict=_claim(b8["low"] is not None and b8["low"] > BASELINE_MARGIN,
+                         b8["high"] is not None and b8["high"] <= BASELINE_MARGIN)),
+      "greedy_not_below_start": dict(
+          change=greedy, margin=GREEDY_MARGIN,
+          verdict=_claim(all(g["low"] is not None and g["mean"] >= 0 and g["low"] > -GREEDY_MARGIN
+                             for g in greedy.values()),
+                         any(g["mean"] is not None and g["n"] > 1 and (g["mean"] < 0 or g["high"] <= -GREEDY_MARGIN)
+                             for g in greedy.values()))),
+      "regime_gain_at_eta0": dict(
+          gain=gain, minimum=MIN_GAIN,
+          verdict=_claim(gain["low"] is not None and gain["low"] >= MIN_GAIN,
+                         gain["high"] is not None and gain["high"] < MIN_GAIN)),
+  }
+  seeds_done = sorted({r["seed"] for r in recs})
+  note = (f"Pinned staleness, {STEPS} versions, lr 7.5e-5, 2 updates per version, 256 trajectories per "
+          f"version, seeds {FIRST_SEED}-{FIRST_SEED + SEEDS - 1} (recorded so far: "
+          f"{', '.join(map(str, seeds_done)) or 'none'}). Recipe: {RECIPE}; baseline: {BASELINE} (its eta-0 "
+          "cell is the recipe's: the same update there). Final pass@1: 500 held-out problems x 16 samples, "
+          "mean +- sd over seeds, points; SE: the runs' mean standard error over problems. Greedy change: "
+          "final greedy accuracy minus the starting weights' on the same 500 problems, mean [95% t "
+          "interval]. Claims (95%): recipe gap at eta 8 (eta 0 minus eta 8, Welch) upper end <= "
+          f"{TARGET}; baseline more than {BASELINE_MARGIN} below the recipe at eta 8 (lower end); greedy "
+          f"change mean >= 0 and lower end > -{GREEDY_MARGIN} at eta 0 and 8; and RL's gain over the "
+          f"warm start at eta 0 at least {MIN_GAIN}.\n\n" + "\n".join(
+              f"* **{k}**: {v['verdict']} ({_describe(k, v)})" for k, v in claims.items()))
+  result = dict(machine=machine(), plan={a: list(e) for a, e in PLAN.items()}, steps=STEPS, regime=REGIME,
+                seeds=seeds_done, cells=cells, gaps=gaps, baseline_below=below, claims=claims, note=note)
+  write_result(NAME, result, ["arm", "eta", "seeds", "final pass@1", "SE", "greedy", "greedy change",
+                              "code"], rows, notes=note, out_dir=out_dir)
+  return result
+
+
+def _interval(d: dict, key: str = "mean") -> str:
+  if d.get(key) is None:
+    return "-"
+  return f"{d[key]:+.1f}" + (f" [{d['low']:+.1f}, {d['high']:+.1f}]" if d.get("low") is not None else "")
+
+
+def _describe(name: str, claim: dict) -> str:
+  if name == "recipe_gap_at_eta8":
+    return f"gap {_interval(claim['gap'], 'diff')} against {TARGET}"
+  if name == "baseline_below_at_eta8":
+    return f"recipe minus baseline {_interval(claim['difference'], 'diff')} against {BASELINE_MARGIN}"
+  if name == "greedy_not_below_start":
+    return "; ".join(f"eta {eta}: {_interval(g)}" for eta, g in claim["change"].items())
+  return f"gain {_interval(claim['gain'])} against {MIN_GAIN}"
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--workdir", default="", help="the arms' work directories (required to run; a rerun resumes)")
+  p.add_argument("--first-seed", type=int, default=FIRST_SEED)
+  p.add_argument("--seeds", type=int, default=SEEDS)
+  p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+  p.add_argument("--assemble-only", action="store_true")
+  args = p.parse_args(argv)
+  if not args.assemble_only:
+    if not args.workdir:
+      raise SystemExit("--workdir is required to run the arms")
+    run(args.workdir, args.out, args.first_seed, args.seeds)
+  assemble(args.out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
