@@ -198,6 +198,7 @@ def test_kl_behav_prox_is_the_behaviour_to_proximal_kl_whatever_the_update_did(s
   assert float(same["kl_behav_prox"]) == 0.0
 
 
+@pytest.mark.parametrize("seed", range(3))
 def test_decoupled_reduces_exactly_to_ppo_at_staleness_zero(seed):
   logp, _, behav, adv, mask = _random_inputs(seed)
   logp, behav, adv, mask = _f32(logp, behav, adv, mask)
