@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable
 
 import ml_collections
 
-from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, LOGPROB_SOURCES, LOSSES,  # noqa: F401
-                                       STALENESS_MODES, TASKS, ConfigError, base_config)
+from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, KL_ESTIMATORS, LOGPROB_SOURCES,  # noqa: F401
+                                       LOSSES, STALENESS_MODES, TASKS, ConfigError, base_config)
 from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
 from asyncrl_jax.models.config import ModelConfig, ModelConfigError
@@ -289,6 +289,9 @@ def _validate_rl(config) -> None:
           f"an integer in [0, data.max_completion_len={config.data.max_completion_len}) (0: none)",
           integer=True)
   _number(config, "rl.eps_clip", lambda v: 0 < v < 1, "a number in (0, 1)")
+  _number(config, "rl.kl_coef", lambda v: 0 <= v < float("inf"), "a finite number >= 0 (0: no KL term)")
+  _check(config.rl.kl_estimator in KL_ESTIMATORS, "rl.kl_estimator", config.rl.kl_estimator,
+         f"one of {', '.join(KL_ESTIMATORS)}")
   _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
           "1 - eps_low > 0")
   _number(config, "rl.eps_high", lambda v: v > 0, "a number > 0")

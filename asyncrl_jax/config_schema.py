@@ -21,6 +21,7 @@ import ml_collections
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
 LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
+KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.kl_estimator (rl.losses.reference_kl)
 STALENESS_MODES = ("bounded", "pinned")
 ADVANTAGES = ("group", "value")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -213,6 +214,12 @@ def _rl_section() -> ml_collections.ConfigDict:
       # 1, no cap: in the eta 8 probe the cap alone (AReaL's 5) removed the stale tokens that correct the
       # policy's current mistakes and an unbounded w let a few tokens steer the update (docs/decisions/0004).
       behav_weight_cap=float("inf"), behav_weight_floor=0.0, behav_weight_clip=1.0,
+      # a penalty of kl_coef times the policy's KL divergence from a reference per policy token, the
+      # reference being the policy
+      # the run's RL started from (after any warm start), estimated on the sampled tokens by
+      # kl_estimator: k1 (log ratio), k2 (half its square) or k3 (GRPO's r - 1 - log r); 0 = none.
+      # It costs one more forward pass per micro-batch and, without LoRA, a copy of the weights
+      kl_coef=0.0, kl_estimator="k3",
       # group: GRPO's group-mean baseline over group_size samples per prompt (divided by the group's
       # std with scale_by_std); value: a learned baseline with GAE(gamma, gae_lambda)
       advantage="group", group_size=8, scale_by_std=False, gamma=1.0, gae_lambda=1.0,

@@ -114,6 +114,8 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("data.max_prompt_len", 0, r"data.max_prompt_len=0 is not allowed: an integer >= 1"),
     ("data.eval_samples", -1, r"data.eval_samples=-1 is not allowed"),
     ("data.final_eval_samples", -2, r"data.final_eval_samples=-2 is not allowed"),
+    ("rl.kl_coef", -0.1, r"rl.kl_coef=-0.1 .*>= 0"),
+    ("rl.kl_estimator", "k4", r"rl.kl_estimator='k4' .*one of k1, k2, k3"),
     ("data.final_eval_problems", 501, r"data.final_eval_problems=501 .*at most data.num_test \(500\)"),
     ("data.max_terms", 1, r"data.max_terms=1 is not allowed: an integer >= data.min_terms \(2\)"),
     ("data.max_digits", 0, r"data.max_digits=0 is not allowed: an integer in \[1, 9\]"),

@@ -24,9 +24,10 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -85,10 +86,10 @@ def _combine(per_mb: list, num_updates: int) -> dict:
   for metrics in per_mb:
     weight = float(metrics.pop("policy_tokens"))
     for k, v in metrics.items():
-      totals.setdefault(k, []).append((float(v), 1.0 if k == "loss" else weight))
+      totals.setdefault(k, []).append((float(v), 1.0 if k in ("loss", "kl_ref_penalty") else weight))
   out = {}
   for k, vals in totals.items():
-    if k == "loss":
+    if k in ("loss", "kl_ref_penalty"):  # (globally normalised per micro-batch)
       out[k] = sum(v for v, _ in vals) / num_updates
     elif k in ("iw_max", "ratio_max"):
       out[k] = max(v for v, _ in vals)
@@ -127,11 +128,21 @@ class Learner:
     self.updater = update_lib.Updater(
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,
         opt_state=opt_state, adapters_only=model_config.lora, losses={
-            # the version's first update: its own forward pass gives the prox log-probs
-            "first": lambda p, b, _, n: loss(p, b, None, n,
-                                             prox_is_current=self.settings.needs_prox),
-            "later": lambda p, b, prox, n: loss(p, b, prox, n)})
+            # the version's first update: its own forward pass gives the prox log-probs; ``aux``
+            # holds the reference's log-probs ("ref", with rl.kl_coef) and, for later updates, the
+            # prox pass's ("prox")
+            "first": lambda p, b, aux, n: loss(p, b, None, n, prox_is_current=self.settings.needs_prox,
+                                               ref_logp=aux["ref"] if aux else None),
+            "later": lambda p, b, aux, n: loss(p, b, (aux or {}).get("prox"), n,
+                                               ref_logp=(aux or {}).get("ref"))})
+    # the prox pass; with rl.kl_coef also the reference's (the same program on the reference's weights)
     self._prox = self.updater.jit_forward(self._prox_impl, "prox_logprobs")
+    # rl.kl_coef: the policy RL started from (its trained part: every weight, or the LoRA adapters
+    # over the frozen base), set again after a warm start (``set_reference``) or restored with a
+    # checkpoint
+    self._reference = None
+    if self.settings.kl_coef:
+      self.set_reference()
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
     self.critic = critic_lib.Critic(
         model_config, params, mesh, config, versions=versions,
@@ -167,6 +178,37 @@ class Learner:
     if self.critic is not None:
       self.critic.params, self.critic.opt_state = state["value_params"], state["value_opt_state"]
 
+  def set_reference(self) -> None:
+    """The current policy becomes the KL penalty's reference (``rl.kl_coef``): a copy of its
+    trained part (every weight; with LoRA the adapters, the base being frozen)."""
+    part = lora.split_nested(self.params)[0] if self.model_config.lora else self.params
+    self._reference = part if self.updater.abstract else jax.tree.map(jnp.copy, part)
+
+  @property
+  def reference(self):
+    """The KL reference's trained part (``set_reference``), or None without rl.kl_coef."""
+    return self._reference
+
+  @reference.setter
+  def reference(self, part) -> None:
+    self._reference = part
+
+  def reference_params(self) -> dict:
+    """The KL reference's whole parameters (with LoRA: its adapters over the base)."""
+    if self._reference is None:
+      raise ValueError("rl.kl_coef > 0 but the learner holds no reference policy (set_reference)")
+    if self.model_config.lora:
+      return lora.join_nested(self._reference, self.base_params())
+    return self._reference
+
+  def _aux(self, prox: Optional[list], ref: Optional[list]) -> Optional[list]:
+    """Per micro-batch ``aux`` of a gradient step: {"prox": ..., "ref": ...} as present."""
+    if prox is None and ref is None:
+      return None
+    n = len(prox if prox is not None else ref)
+    return [{**({"prox": prox[j]} if prox is not None else {}), **({"ref": ref[j]} if ref is not None else {})}
+            for j in range(n)]
+
   def base_params(self) -> dict:
     """The policy's parameters other than LoRA adapters (all of them without LoRA)."""
     return lora.split_nested(self.params)[1] if self.model_config.lora else self.params
@@ -191,10 +233,12 @@ class Learner:
       seq = batching.make_sequence(np.zeros(width - 1, np.int32), np.zeros(1, np.int32),
                                    logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32))
       mbs, normalizer = self.updater.place([seq])
-      _, health = self.updater.update(mbs, normalizer, loss="first", proceed=skip)
-      if later:
-        aux = [self._prox(self.params, b) for b in mbs]
-        _, health = self.updater.update(mbs, normalizer, loss="later", aux=aux, proceed=skip)
+      ref = [self._prox(self.reference_params(), b) for b in mbs] if self.settings.kl_coef else None
+      _, health = self.updater.update(mbs, normalizer, loss="first", aux=self._aux(None, ref), proceed=skip)
+      if later or (self.settings.kl_coef and self.minibatches > 1):
+        prox = [self._prox(self.params, b) for b in mbs] if later else None
+        _, health = self.updater.update(mbs, normalizer, loss="later", aux=self._aux(prox, ref),
+                                        proceed=skip)
       if self.critic is not None:
         aux = [(values, returns) for _, returns, values in self.critic.estimate(mbs)]
         _, value_health = self.critic.updater.update(mbs, normalizer, loss="value", aux=aux,
@@ -211,12 +255,16 @@ class Learner:
     model's programs in value mode. Arguments are shapes when the learner was built from shapes
     (``asyncrl_jax.tpu``): for compiling without running."""
     batch = self.updater.abstract_micro_batch(row_len)
-    later = self.settings.needs_prox and self.minibatches > 1
-    prox = jax.ShapeDtypeStruct(batch.tokens.shape, np.float32, sharding=batch.tokens.sharding)
-    out = [p for p in self.updater.programs(batch, {"later": prox})
-           if later or p[0] != "grad_step[later]"]
-    if later:
+    kl = bool(self.settings.kl_coef)
+    later = (self.settings.needs_prox or kl) and self.minibatches > 1
+    spec = jax.ShapeDtypeStruct(batch.tokens.shape, np.float32, sharding=batch.tokens.sharding)
+    ref = {"ref": spec} if kl else {}
+    aux = {"first": ref or None, "later": {**({"prox": spec} if self.settings.needs_prox else {}), **ref}}
+    out = [p for p in self.updater.programs(batch, aux) if later or p[0] != "grad_step[later]"]
+    if self.settings.needs_prox and self.minibatches > 1:
       out.insert(2, ("prox_pass", self._prox, (self.params, batch)))
+    elif kl:  # (the same program as the prox pass, on the reference's weights)
+      out.insert(2, ("reference_pass", self._prox, (self.reference_params(), batch)))
     return out + (self.critic.programs(batch) if self.critic is not None else [])
 
   def schedule_position(self) -> dict:
@@ -257,8 +305,12 @@ class Learner:
     needs_prox = self.settings.needs_prox and trains_policy
     prox = [[self._prox(self.params, b) for b in mbs] if needs_prox and i else None
             for i, (mbs, _) in enumerate(placed)]
+    # rl.kl_coef: the reference policy's log-probs of every micro-batch
+    ref = [[self._prox(self.reference_params(), b) for b in mbs] if self.settings.kl_coef and trains_policy
+           else None for mbs, _ in placed]
+    aux_of = [self._aux(p, r) for p, r in zip(prox, ref)]
     per_mb, health = [], []
-    for i, ((mbs, normalizer), aux) in enumerate(zip(placed, prox) if trains_policy else ()):
+    for i, ((mbs, normalizer), aux) in enumerate(zip(placed, aux_of) if trains_policy else ()):
       metrics, h = self.updater.update(mbs, normalizer, loss="later" if i else "first", aux=aux,
                                        proceed=health[-1]["applied"] if health else None)
       per_mb += metrics

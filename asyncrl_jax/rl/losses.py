@@ -440,6 +440,33 @@ def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps
   return loss, metrics
 
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def reference_kl(logp, ref_logp, mask, *, coef: float, estimator: str = "k3", normalizer=None,
+                 loss_weight=None) -> tuple[jax.Array, Metrics]:
+  """The KL penalty towards a reference policy (``rl.kl_coef``): ``coef * sum_t c_t k(t) / N`` over
+  policy tokens, aggregated as the policy loss is (``loss_weight`` c, ``normalizer`` N), with a
+  per-token estimate ``k`` of KL(pi_theta || pi_ref) on the sampled tokens, ``d = logp - ref_logp``:
+
+  * ``k1 = d`` (unbiased, high variance, can be negative per token);
+  * ``k2 = d^2 / 2`` (low variance, biased; its gradient is d * grad logp);
+  * ``k3 = exp(-d) - 1 + d`` (GRPO's: unbiased under pi_theta's samples, >= 0; gradient
+    (1 - exp(-d)) * grad logp).
+
+  ``ref_logp`` carries no gradient. Returns the penalty (to add to the loss) and ``kl_ref`` (the
+  k3 estimate, token mean, for the metrics)."""
+  if estimator not in KL_ESTIMATORS:
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+  mask = jnp.asarray(mask, jnp.float32)
+  ref_logp = jax.lax.stop_gradient(ref_logp)
+  # d clamped at -MAX_LOG_RATIO below (so exp(-d) stays finite), as every ratio here is
+  d = -_safe_log_ratio(mask, ref_logp, logp)
+  per_token = {"k1": d, "k2": 0.5 * jnp.square(d), "k3": jnp.expm1(-d) + d}[estimator]
+  penalty = coef * _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
+  return penalty, {"kl_ref": _k3(mask, jax.lax.stop_gradient(-d))}
+
+
 def needs_prox(name: str, corrections: Corrections = Corrections()) -> bool:
   """Whether the loss needs the prox log-probs (``decoupled_ppo``, ``ppo_recompute``, or a
   correction that reads ``pi_prox / pi_behav``)."""

@@ -47,6 +47,9 @@ class LossSettings:
   # the stop tokens a minimum length bans (``TokenBatch.eos_banned`` says where); () when the run
   # sets no minimum length, so the forward pass has nothing more to do
   eos_ban_ids: tuple = ()
+  # rl.kl_coef / rl.kl_estimator: the penalty towards the policy RL started from (0: none)
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
 
   @classmethod
   def from_config(cls, config, stop_ids=()) -> "LossSettings":
@@ -66,7 +69,8 @@ class LossSettings:
                temperature=temperature, top_k=top_k, top_p=top_p,
                vocab_chunk=int(config.learner.vocab_chunk),
                forward=Forward.from_learner(config),
-               eos_ban_ids=eos_ban_ids(config, stop_ids))
+               eos_ban_ids=eos_ban_ids(config, stop_ids),
+               kl_coef=float(config.rl.kl_coef), kl_estimator=str(config.rl.kl_estimator))
 
 
   @property
@@ -101,7 +105,8 @@ def eos_ban_ids(config, stop_ids) -> tuple:
 
 
 def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model: ModelConfig,
-                     settings: LossSettings, mesh: Optional[Mesh] = None, prox_is_current: bool = False):
+                     settings: LossSettings, mesh: Optional[Mesh] = None, prox_is_current: bool = False,
+                     ref_logp=None):
   """Loss of one micro-batch, normalised by the *global* policy-token count ``normalizer``.
 
   Summing this over the micro-batches of a global batch (and their gradients) gives exactly the token
@@ -109,8 +114,11 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
   from ``compute_logprobs`` under the weights before the update. ``prox_is_current=True`` says that
   ``params`` *are* those weights (the first optimizer update of a version): the prox log-probs are then
   this forward pass's own, held constant, and no separate prox pass is needed (``prox_logp`` must be
-  None).
+  None). ``ref_logp`` ([R, L]): the reference policy's log-probs, for the KL penalty
+  (``settings.kl_coef`` > 0, which needs them).
   """
+  if settings.kl_coef and ref_logp is None:
+    raise ValueError("rl.kl_coef > 0 needs the reference policy's log-probs (ref_logp)")
   if prox_is_current and prox_logp is not None:
     raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
   logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
@@ -133,6 +141,12 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       corrections=settings.corrections, segment_ids=batch.segment_ids,
       normalizer=normalizer, loss_weight=batch.loss_weight,
       entropy=jax.lax.stop_gradient(entropy))
+  if settings.kl_coef:
+    penalty, kl = losses.reference_kl(logp, ref_logp, mask, coef=settings.kl_coef,
+                                      estimator=settings.kl_estimator, normalizer=normalizer,
+                                      loss_weight=batch.loss_weight)
+    loss = loss + penalty
+    metrics.update(kl, kl_ref_penalty=jax.lax.stop_gradient(penalty))
   policy_tokens = jnp.sum(batch.mask)
   outside = batch.mask - mask
   # rl.selection: every policy token given weight 0, counted by its sequence's length and its

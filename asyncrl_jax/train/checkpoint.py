@@ -7,7 +7,11 @@ With LoRA a step holds the adapters and their optimizer state alone, and its met
 base (``base``: where it came from and ``lora.fingerprint`` of it). A base loaded from
 ``model.hf_path`` is loaded from there again on resume; one that came from no checkpoint (the warm
 start's) is written once, to ``DIR/base`` (an Orbax checkpoint, complete when ``DIR/base.json``
-exists). A resume whose base does not match the fingerprint stops with an error that says so."""
+exists). A resume whose base does not match the fingerprint stops with an error that says so.
+
+With ``rl.kl_coef`` the KL penalty's reference (the policy RL started from: its weights, or its LoRA
+adapters) is written once at the start, to ``DIR/reference`` (complete when ``DIR/reference.json``
+exists), and read back on resume."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from asyncrl_jax.infra import faults, paths
 from asyncrl_jax.models import lora
 
 BASE_DIR = "base"  # (under the checkpoint directory) a LoRA run's frozen base, when it came from no checkpoint
+REFERENCE_DIR = "reference"  # (under the checkpoint directory) the KL penalty's reference (rl.kl_coef)
 
 
 class Checkpointer:
@@ -118,6 +123,37 @@ class RunCheckpointer(Checkpointer):
       record["path"] = BASE_DIR
     self.base = record
 
+  def keep_reference(self, learner) -> None:
+    """rl.kl_coef, a fresh run (every learner process): writes the learner's KL reference to
+    ``DIR/reference`` (replacing one a run that made no step left there). Without it nothing
+    happens."""
+    if learner.reference is None:
+      return
+    path, marker = (paths.join(self.directory, REFERENCE_DIR),
+                    paths.join(self.directory, REFERENCE_DIR + ".json"))
+    if jax.process_index() == 0:
+      if paths.exists(marker):
+        paths.remove(marker)
+      paths.remove_tree(path)
+    saver = ocp.StandardCheckpointer()
+    saver.save(path, learner.reference)
+    saver.wait_until_finished()
+    saver.close()
+    if jax.process_index() == 0:
+      paths.write_text(marker, json.dumps(dict(adapters=bool(learner.model_config.lora))))
+
+  def _restore_reference(self, learner, step: int) -> None:
+    path = paths.join(self.directory, REFERENCE_DIR)
+    if not paths.exists(path + ".json"):
+      raise ValueError(f"rl.kl_coef > 0, but checkpoint step {step} in {self.directory} has no KL reference "
+                       f"({path} is missing or was not completely written): the run that wrote it had no "
+                       "KL term. Resume it with rl.kl_coef=0, or start a new run from its weights")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                            learner.reference)
+    restorer = ocp.StandardCheckpointer()
+    learner.reference = restorer.restore(path, abstract)
+    restorer.close()
+
   def restore_run(self, learner, prompts) -> Optional[dict]:
     """Restores the newest complete step into ``learner`` and ``prompts`` (None in learner processes
     that read no data); returns its meta, or None when there is no checkpoint (a fresh run). The
@@ -130,6 +166,8 @@ class RunCheckpointer(Checkpointer):
     learner.load_checkpoint_state(state)
     if learner.model_config.lora:
       self._restore_base(learner, step, meta)
+    if learner.reference is not None:
+      self._restore_reference(learner, step)
     learner.version = int(meta["version"])
     if prompts is not None:
       prompts.set_state(meta["data_state"])

@@ -59,6 +59,9 @@ def set_up(config, meshes, ckpt, *, prompts=None,
     meta = _warm_start(config, learner, warm_start)
   if not resumed:  # LoRA: every checkpoint names the frozen base (written once if it is the warm start's)
     ckpt.keep_base(learner, config.model.hf_path)
+    if learner.reference is not None:  # rl.kl_coef: the policy RL starts from, after any warm start
+      learner.set_reference()
+      ckpt.keep_reference(learner)
   group = LearnerGroup(learner, ckpt, transfer_host=config.rollout.host if meshes.remote else None)
   if config.learner.eval_every:
     eval_prompt_ids = group.share_token_lists(eval_prompt_ids if group.is_leader else None)

@@ -37,12 +37,15 @@ def _config(loss, minibatches):
   return c
 
 
-def _reference(params, sequences, config, prox_after_update=False):
+def _reference(params, sequences, config, prox_after_update=False, *, start=None, opt_state=None,
+               with_state=False):
   """One policy version written out by hand. ``prox_after_update`` is a deliberately wrong variant
-  (each minibatch's prox pass under the weights it is updated from) used to show the test can tell."""
+  (each minibatch's prox pass under the weights it is updated from) used to show the test can tell.
+  ``start``: the KL reference's weights (rl.kl_coef); ``opt_state``: the optimizer's state to go on
+  from (``with_state`` returns it too)."""
   settings = LossSettings.from_config(config)
   optimizer = make_optimizer(config, config.steps)
-  opt_state = optimizer.init(params)
+  opt_state = optimizer.init(params) if opt_state is None else opt_state
   chunks = np.array_split(np.arange(len(sequences)), config.learner.ppo_minibatches)
   plans = [batching.pack_sequences([sequences[i] for i in idx], TOKEN_BUDGET) for idx in chunks]
   before = params
@@ -58,12 +61,13 @@ def _reference(params, sequences, config, prox_after_update=False):
       b = jax.tree.map(jnp.asarray, b)
       if prox_after_update:
         p = prox_of(params, b)
-      g = jax.grad(lambda w, b=b, p=p: micro_batch_loss(w, b, p, normalizer, model=CFG,
-                                                        settings=settings)[0])(params)
+      ref = prox_of(start, b) if start is not None else None
+      g = jax.grad(lambda w, b=b, p=p, ref=ref: micro_batch_loss(w, b, p, normalizer, model=CFG,
+                                                                 settings=settings, ref_logp=ref)[0])(params)
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-  return params
+  return (params, opt_state) if with_state else params
 
 
 
@@ -95,6 +99,50 @@ def test_learner_update_equals_written_out_reference(loss, minibatches):
     # differs by far more than the tolerance above.
     wrong = _reference(params, sequences, config, prox_after_update=True)
     assert max_abs_diff(wrong, want) > 10 * tolerance
+
+
+@pytest.mark.slow(60)
+def test_the_kl_term_pulls_towards_the_policy_the_run_started_from():
+  """rl.kl_coef: the learner's reference is its starting weights (the penalty is 0 there); with the
+  reference set to other weights, one version equals the version written out by hand with the
+  penalty towards them, and a large coefficient ends nearer them than none (the control: without the
+  term the learner ends elsewhere)."""
+  config = _config("decoupled_ppo", 2)
+  config.rl.kl_coef = 0.5
+  params = sharp_params(CFG, 4, scale=2.0)
+  start = sharp_params(CFG, 9, scale=2.0)
+  sequences = _sequences(5)
+  mesh = sharding.make_mesh(jax.devices()[:2], {"data": 1, "fsdp": 2, "tensor": 1})
+
+  def learner_with(coef, reference=None):
+    c = _config("decoupled_ppo", 2)
+    c.rl.kl_coef = coef
+    learner = Learner(CFG, params, mesh, c, versions=c.steps)
+    assert (learner.reference is None) == (coef == 0)
+    if reference is not None:
+      learner.reference = jax.device_put(reference, learner.param_shardings)
+    return learner
+
+  fresh = learner_with(0.5)
+  assert max_abs_diff(fresh.reference, params) == 0.0
+  mbs, normalizer = fresh.updater.place(sequences)
+  ref = [fresh._prox(fresh.reference_params(), b) for b in mbs]  # pylint: disable=protected-access
+  per_mb, _ = fresh.updater.update(mbs, normalizer, loss="first", aux=fresh._aux(None, ref))  # pylint: disable=protected-access
+  assert all(float(m["kl_ref"]) == 0.0 for m in per_mb)  # (the first update starts at the reference)
+
+  learner = learner_with(0.5, start)
+  metrics = learner.train(sequences, version=0)
+  assert metrics["kl_ref"] > 0 and metrics["kl_ref_penalty"] > 0
+  assert max_abs_diff(learner.reference, start) == 0.0  # (the reference does not move)
+  want = _reference(params, sequences, config, start=start)
+  moved = max_abs_diff(want, params)
+  tolerance = 2e-2 * moved
+  assert max_abs_diff(learner.params, want) < tolerance
+  free, held = learner_with(0.0), learner_with(50.0, start)
+  for other in (free, held):
+    other.train(sequences, version=0)
+  assert max_abs_diff(free.params, want) > 10 * tolerance
+  assert max_abs_diff(held.params, start) < max_abs_diff(free.params, start)
 
 
 @pytest.mark.slow(23)

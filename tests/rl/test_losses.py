@@ -284,3 +284,34 @@ def test_unknown_loss_name():
   with pytest.raises(ValueError, match="needs prox_logp"):
     losses.policy_loss("decoupled_ppo", logp=z, behav_logp=z, prox_logp=None, advantages=z, mask=z,
                        eps_clip=0.2, eps_low=0.3, eps_high=5.0)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_reference_kl_against_numpy_values_and_gradients(estimator):
+  """rl.kl_coef's penalty: coef * sum_t c_t k(d_t) / N with d = logp - ref_logp, by hand in float64,
+  and its gradient (the reference carries none); padding content never reaches either."""
+  logp, ref, _, _, mask = _random_inputs(7)
+  weight = np.random.default_rng(8).uniform(0.5, 2.0, logp.shape)
+  d = logp - ref
+  per = {"k1": d, "k2": 0.5 * d ** 2, "k3": np.exp(-d) - 1 + d}[estimator]
+  dper = {"k1": np.ones_like(d), "k2": d, "k3": 1 - np.exp(-d)}[estimator]
+  n = 11.0
+  want = 0.3 * (per * weight * mask).sum() / n
+  garbage = np.where(mask > 0, logp, np.nan)  # (padding: NaN in both inputs)
+  lp, rf, ma, wt = _f32(garbage, np.where(mask > 0, ref, np.inf), mask, weight)
+  f = lambda x: losses.reference_kl(x, rf, ma, coef=0.3, estimator=estimator, normalizer=n,
+                                    loss_weight=wt)[0]
+  value, grad = jax.value_and_grad(f)(lp)
+  assert float(value) == pytest.approx(want, rel=1e-4)
+  np.testing.assert_allclose(np.asarray(grad), 0.3 * dper * weight * mask / n, rtol=1e-4, atol=1e-7)
+  _, metrics = losses.reference_kl(lp, rf, ma, coef=0.3, estimator=estimator, normalizer=n)
+  assert float(metrics["kl_ref"]) == pytest.approx(((np.exp(-d) - 1 + d) * mask).sum() / mask.sum(), rel=1e-4)
+  # the policy at its reference: no penalty, and no gradient but k1's (the score function, whose
+  # expectation over the policy's own samples is 0, not each sample's)
+  same = jax.value_and_grad(lambda x: losses.reference_kl(x, lp, ma, coef=0.3, estimator=estimator)[0])(lp)
+  assert float(same[0]) == 0.0 and np.any(np.asarray(same[1])) == (estimator == "k1")
+
+
+def test_reference_kl_refuses_an_unknown_estimator():
+  with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+    losses.reference_kl(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), coef=1.0, estimator="k4")
