@@ -157,8 +157,10 @@ def assemble(out_dir: str) -> dict:
           f"change mean >= 0 and lower end > -{GREEDY_MARGIN} at eta 0 and 8; and RL's gain over the "
           f"warm start at eta 0 at least {MIN_GAIN}.\n\n" + "\n".join(
               f"* **{k}**: {v['verdict']} ({_describe(k, v)})" for k, v in claims.items()))
-  result = dict(machine=machine(), plan={a: list(e) for a, e in PLAN.items()}, steps=STEPS, regime=REGIME,
-                seeds=seeds_done, cells=cells, gaps=gaps, baseline_below=below, claims=claims, note=note)
+  config = dict(plan={a: list(e) for a, e in PLAN.items()}, steps=STEPS, regime=REGIME, final_eval="500x16",
+                staleness_mode="pinned", seeds=list(range(FIRST_SEED, FIRST_SEED + SEEDS)))
+  result = dict(machine=machine(), config=config, seeds=seeds_done, cells=cells, gaps=gaps,
+                baseline_below=below, claims=claims, note=note)
   write_result(NAME, result, ["arm", "eta", "seeds", "final pass@1", "SE", "greedy", "greedy change",
                               "code"], rows, notes=note, out_dir=out_dir)
   return result
