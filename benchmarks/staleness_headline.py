@@ -156,7 +156,11 @@ def assemble(out_dir: str) -> dict:
           f"{TARGET}; baseline more than {BASELINE_MARGIN} below the recipe at eta 8 (lower end); greedy "
           f"change mean >= 0 and lower end > -{GREEDY_MARGIN} at eta 0 and 8; and RL's gain over the "
           f"warm start at eta 0 at least {MIN_GAIN}.\n\n" + "\n".join(
-              f"* **{k}**: {v['verdict']} ({_describe(k, v)})" for k, v in claims.items()))
+              f"* **{k}**: {v['verdict']} ({_describe(k, v)})" for k, v in claims.items())
+          + "\n\nAt every eta (points, Welch 95%): the recipe's gap to its eta 0 "
+          + ", ".join(f"eta {e}: {_interval(gaps[f'{RECIPE}_eta{e}'], 'diff')}" for e in PLAN[RECIPE] if e)
+          + "; the recipe minus the baseline "
+          + ", ".join(f"eta {e}: {_interval(below[e], 'diff')}" for e in PLAN[BASELINE]) + ".")
   config = dict(plan={a: list(e) for a, e in PLAN.items()}, steps=STEPS, regime=REGIME, final_eval="500x16",
                 staleness_mode="pinned", seeds=list(range(FIRST_SEED, FIRST_SEED + SEEDS)))
   result = dict(machine=machine(), config=config, seeds=seeds_done, cells=cells, gaps=gaps,
