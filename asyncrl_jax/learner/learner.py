@@ -139,8 +139,8 @@ class Learner:
     self._prox = self.updater.jit_forward(self._prox_impl, "prox_logprobs")
     # rl.kl_coef: the policy RL started from (its trained part: every weight, or the LoRA adapters
     # over the frozen base), set again after a warm start (``set_reference``) or restored with a
-    # checkpoint
-    self._reference = None
+    # checkpoint; None without the term
+    self.reference = None
     if self.settings.kl_coef:
       self.set_reference()
     # rl.advantage="value": the critic turns each batch's per-token rewards into advantages
@@ -182,24 +182,15 @@ class Learner:
     """The current policy becomes the KL penalty's reference (``rl.kl_coef``): a copy of its
     trained part (every weight; with LoRA the adapters, the base being frozen)."""
     part = lora.split_nested(self.params)[0] if self.model_config.lora else self.params
-    self._reference = part if self.updater.abstract else jax.tree.map(jnp.copy, part)
-
-  @property
-  def reference(self):
-    """The KL reference's trained part (``set_reference``), or None without rl.kl_coef."""
-    return self._reference
-
-  @reference.setter
-  def reference(self, part) -> None:
-    self._reference = part
+    self.reference = part if self.updater.abstract else jax.tree.map(jnp.copy, part)
 
   def reference_params(self) -> dict:
     """The KL reference's whole parameters (with LoRA: its adapters over the base)."""
-    if self._reference is None:
+    if self.reference is None:
       raise ValueError("rl.kl_coef > 0 but the learner holds no reference policy (set_reference)")
     if self.model_config.lora:
-      return lora.join_nested(self._reference, self.base_params())
-    return self._reference
+      return lora.join_nested(self.reference, self.base_params())
+    return self.reference
 
   def _aux(self, prox: Optional[list], ref: Optional[list]) -> Optional[list]:
     """Per micro-batch ``aux`` of a gradient step: {"prox": ..., "ref": ...} as present."""

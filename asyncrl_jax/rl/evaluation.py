@@ -176,12 +176,18 @@ class RunEvaluation:
     """(primary accuracy, greedy accuracy) of the params (the decode server's copy when given) at
     policy ``version`` (which picks the sampling key, and the final evaluation at the last version);
     every figure is kept in ``last``."""
-    params = rollout_params if rollout_params is not None else local_transfer(learner_params,
-                                                                              self.shardings)[0]
+    params = self._served(learner_params, rollout_params)
     evaluator = self.final_evaluator if version == self.final_version else self.evaluator
     self.last = evaluator.evaluate(params, self.reward, version=version)
     self.last_evaluator = evaluator
     return primary(self.last), self.last["greedy"]
+
+  def _served(self, learner_params, rollout_params):
+    """The weights to evaluate: the decode server's copy when given, else the learner's on this
+    evaluation's mesh."""
+    if rollout_params is not None:
+      return rollout_params
+    return local_transfer(learner_params, self.shardings)[0]
 
   def final_figures(self) -> dict:
     """What the summary says of the last evaluation: its kind and number of problems, and the
@@ -211,8 +217,7 @@ class RunEvaluation:
       extra.update(self.value_figures(learner.critic))
     if learner.version == 0 and self.initial_final:
       kept = self.last, self.last_evaluator
-      params = rollout_params if rollout_params is not None else local_transfer(learner.params,
-                                                                                self.shardings)[0]
+      params = self._served(learner.params, rollout_params)
       self.last, self.last_evaluator = self.final_evaluator.evaluate(params, self.reward, version=0), \
           self.final_evaluator
       se = self.standard_errors()
