@@ -80,6 +80,23 @@ class EpisodeEvaluator:
                if self.samples else None)
     return scores.figures(greedy, sampled, self.samples)
 
+  def _decode(self, params, contexts: list, settings, key) -> tuple[np.ndarray, np.ndarray]:
+    """One action of every episode: the policy continues each context (rows padded to the mesh's
+    data ways); returns the new tokens and where each row's action ends."""
+    ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    rows = -(-len(contexts) // ways) * ways
+    batch = np.full((rows, self.max_prompt_len + self.max_new_tokens), self.tokenizer.pad_id, np.int32)
+    lengths = np.ones(rows, np.int32)
+    for i, ctx in enumerate(contexts):
+      batch[i, :len(ctx)] = ctx
+      lengths[i] = len(ctx)
+    where = sharding.batch_sharding(self.mesh, 2), sharding.batch_sharding(self.mesh, 1)
+    out = generate(self.model_config, params, jax.device_put(batch, where[0]),
+                   jax.device_put(lengths, where[1]), key, max_new_tokens=self.max_new_tokens,
+                   eos_id=self.stop_id, mesh=self.mesh, settings=settings)
+    tokens, ends = (np.asarray(x) for x in jax.device_get(out))
+    return tokens, ends
+
   def _run(self, params, copies: int, settings, key) -> np.ndarray:
     problems = [p for p in self.problems for _ in range(copies)]
     n = len(problems)
@@ -98,27 +115,14 @@ class EpisodeEvaluator:
         active[i] = False
       elif isinstance(first, (list, tuple)):  # the environment's own prompt
         prompts[i] = [int(t) for t in first]
-    ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-    rows = -(-n // ways) * ways
-    width = self.max_prompt_len + self.max_new_tokens
     eos = set(self.tokenizer.stop_ids)
     max_turns = int(self.episode.get("max_turns") or 1)
     for turn in range(max_turns):
       if not active.any():
         break
-      batch = np.full((rows, width), self.tokenizer.pad_id, np.int32)
-      lengths = np.ones(rows, np.int32)
-      for i in range(n):
-        ctx = prompts[i] + completions[i] if active[i] else prompts[i][:1]
-        batch[i, :len(ctx)] = ctx
-        lengths[i] = len(ctx)
-      where = sharding.batch_sharding(self.mesh, 2), sharding.batch_sharding(self.mesh, 1)
-      out = generate(self.model_config, params, jax.device_put(batch, where[0]),
-                     jax.device_put(lengths, where[1]),
-                     None if key is None else jax.random.fold_in(key, turn),
-                     max_new_tokens=self.max_new_tokens, eos_id=self.stop_id, mesh=self.mesh,
-                     settings=settings)
-      tokens, ends = (np.asarray(x) for x in jax.device_get(out))
+      contexts = [prompts[i] + completions[i] if active[i] else prompts[i][:1] for i in range(n)]
+      tokens, ends = self._decode(params, contexts, settings,
+                                  None if key is None else jax.random.fold_in(key, turn))
       stepping = []
       for i in np.flatnonzero(active):
         action = tokens[i, :ends[i]].tolist()
