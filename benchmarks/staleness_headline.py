@@ -40,37 +40,65 @@ sys.path.insert(0, ROOT)
 from benchmarks.common import machine, read_json, write_result  # noqa: E402  pylint: disable=wrong-import-position
 
 NAME = "staleness_headline"
-RECIPE, BASELINE = "decoupled_ppo", "ppo_recompute"
-PLAN = {RECIPE: (0, 4, 8, 16), BASELINE: (4, 8, 16)}  # (the baseline's eta 0 is the recipe's)
+BASELINE = "ppo_recompute"
+KL_COEF = 0.3
+# The recipes, each against the one baseline: label -> (its records' name, overrides on top of
+# REGIME). Both are decoupled PPO; the second adds the KL term towards the starting policy
+# (rl.kl_coef, k3), which the greedy probes chose (docs/staleness.md, "During phase 2").
+RECIPES = {"decoupled_ppo": (NAME, []),
+           "decoupled_ppo_kl": (NAME + "_kl", [f"--config.rl.kl_coef={KL_COEF}"])}
+SHIPPED = "decoupled_ppo_kl"
+RECIPE_ETAS, BASELINE_ETAS = (0, 4, 8, 16), (4, 8, 16)  # (the baseline's eta 0 is decoupled PPO's)
 STEPS = 160
 REGIME = ["--config.learner.learning_rate=7.5e-5"]  # on top of the pinned grid's regime
 FIRST_SEED, SEEDS = 100, 8
 TARGET, BASELINE_MARGIN, GREEDY_MARGIN, MIN_GAIN, LEVEL = 1.5, 10.0, 1.5, 5.0, 0.95
 
 
-def _argv(arm: str, seed: int, workdir: str) -> list[str]:
+def _argv(arm: str, etas, seed: int, workdir: str, name: str, extra=()) -> list[str]:
   return ["--staleness-mode=pinned", "--steps", str(STEPS), "--arms", arm,
-          "--etas", *map(str, PLAN[arm]), "--first-seed", str(seed), "--seeds", "1",
-          "--final-eval", "500x16", "--name", NAME, "--workdir", workdir,
-          *(f"--override={o}" for o in REGIME)]
+          "--etas", *map(str, etas), "--first-seed", str(seed), "--seeds", "1",
+          "--final-eval", "500x16", "--name", name, "--workdir", workdir,
+          *(f"--override={o}" for o in REGIME), *(f"--arm-override={o}" for o in extra)]
 
 
-def run(workdir: str, out_dir: str, first_seed: int = FIRST_SEED, seeds: int = SEEDS) -> None:
-  """Every missing arm, seed by seed; the table is assembled after each (``staleness_ablation``
-  writes its own under the same name, which this replaces)."""
+def plan(workdir: str, seeds, recipe: str = SHIPPED, baseline: bool = True) -> list[tuple[str, list[str]]]:
+  """(what, staleness_ablation's argv) per seed: the recipe's four cells, then the baseline's
+  three. The baseline and decoupled PPO without the KL term run in WORKDIR, another recipe in
+  WORKDIR/ITS_NAME (the arms' names repeat across recipes)."""
+  name, extra = RECIPES[recipe]
+  where = lambda n: workdir if n == NAME else os.path.join(workdir, n)
+  out = []
+  for seed in seeds:
+    out.append((f"seed {seed}: {recipe} at eta {', '.join(map(str, RECIPE_ETAS))}",
+                _argv("decoupled_ppo", RECIPE_ETAS, seed, where(name), name, extra)))
+    if baseline:
+      out.append((f"seed {seed}: {BASELINE} at eta {', '.join(map(str, BASELINE_ETAS))}",
+                  _argv(BASELINE, BASELINE_ETAS, seed, where(NAME), NAME)))
+  return out
+
+
+def run(workdir: str, out_dir: str, seeds, recipe: str = SHIPPED, baseline: bool = True) -> None:
+  """Every missing arm of ``seeds``, seed by seed; the table is assembled after each
+  (``staleness_ablation`` writes its own under the records' name, which this replaces)."""
   from benchmarks import staleness_ablation  # pylint: disable=import-outside-toplevel
-  for seed in range(first_seed, first_seed + seeds):
-    for arm in PLAN:
-      print(f"[headline] seed {seed}: {arm} at eta {', '.join(map(str, PLAN[arm]))}", flush=True)
-      staleness_ablation.main([*_argv(arm, seed, workdir), "--out", out_dir])
-      assemble(out_dir)
+  for what, argv in plan(workdir, seeds, recipe, baseline):
+    print(f"[headline] {what}", flush=True)
+    staleness_ablation.main([*argv, "--out", out_dir])
+    assemble(out_dir)
 
 
 def _records(out_dir: str) -> list[dict]:
-  path = os.path.join(out_dir, f"{NAME}_arms")
-  if not os.path.isdir(path):
-    return []
-  return [read_json(os.path.join(path, f)) for f in sorted(os.listdir(path)) if f.endswith(".json")]
+  """Every record, its ``arm`` relabelled with its recipe (a recipe's records hold arm
+  ``decoupled_ppo``; the baseline's are in the first recipe's directory)."""
+  out = []
+  for label, (name, _) in RECIPES.items():
+    path = os.path.join(out_dir, f"{name}_arms")
+    for f in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+      if f.endswith(".json"):
+        r = read_json(os.path.join(path, f))
+        out.append(dict(r, arm=label) if r["arm"] == "decoupled_ppo" else r)
+  return out
 
 
 def t_interval(x, level: float = LEVEL) -> dict:
@@ -88,43 +116,29 @@ def _claim(holds: bool, fails: bool) -> str:
   return "holds" if holds else "fails" if fails else "open"
 
 
-def assemble(out_dir: str) -> dict:
-  """The cells, the gaps and the claims (points)."""
+def _cell(recs: list[dict], arm: str, eta: int) -> dict:
+  runs = sorted((r for r in recs if r["eta"] == eta and r["arm"] == arm), key=lambda r: r["seed"])
+  pts = lambda key="final": [100 * r[key] for r in runs if r.get(key) is not None]
+  greedy_change = [100 * (r["final_greedy"] - r["initial_final_greedy"]) for r in runs
+                   if r.get("initial_final_greedy") is not None]
+  return dict(arm=arm, eta=eta, seeds=[r["seed"] for r in runs], final=pts(), final_se=pts("final_se"),
+              greedy=pts("final_greedy"), start=pts("initial_final"),
+              start_greedy=pts("initial_final_greedy"), greedy_change=t_interval(greedy_change),
+              kl_behav=[r.get("kl_behav") for r in runs], kl_behav_prox=[r.get("kl_behav_prox") for r in runs],
+              code_commits=sorted({str(r.get("code_commit")) for r in runs}))
+
+
+def _claims(cells: dict, recipe: str) -> tuple[dict, dict, dict]:
+  """A recipe's gaps to its eta 0, its lead over the baseline and its four claims."""
   from benchmarks.staleness_factors import welch  # pylint: disable=import-outside-toplevel
-  recs = _records(out_dir)
-  cell = lambda arm, eta: sorted((r for r in recs if r["eta"] == eta and r["arm"] == (
-      RECIPE if eta == 0 else arm)), key=lambda r: r["seed"])
-  pts = lambda runs, key="final": [100 * r[key] for r in runs if r.get(key) is not None]
-  cells, rows = {}, []
-  for arm, etas in PLAN.items():
-    for eta in (0, *etas) if arm == BASELINE else etas:
-      runs = cell(arm, eta)
-      greedy_change = [100 * (r["final_greedy"] - r["initial_final_greedy"]) for r in runs
-                       if r.get("initial_final_greedy") is not None]
-      cells[f"{arm}_eta{eta}"] = c = dict(
-          arm=arm, eta=eta, seeds=[r["seed"] for r in runs], final=pts(runs),
-          final_se=pts(runs, "final_se"), greedy=pts(runs, "final_greedy"),
-          start=pts(runs, "initial_final"), start_greedy=pts(runs, "initial_final_greedy"),
-          greedy_change=t_interval(greedy_change), kl_behav=[r.get("kl_behav") for r in runs],
-          kl_behav_prox=[r.get("kl_behav_prox") for r in runs],
-          code_commits=sorted({str(r.get("code_commit")) for r in runs}),
-          shared_with=RECIPE if arm == BASELINE and eta == 0 else None)
-      fin = np.asarray(c["final"])
-      rows.append([arm + (" (= recipe)" if c["shared_with"] else ""), eta, len(runs),
-                   f"{fin.mean():.1f} +- {fin.std(ddof=1):.1f}" if fin.size > 1 else
-                   (f"{fin.mean():.1f}" if fin.size else "-"),
-                   f"{np.mean(c['final_se']):.2f}" if c["final_se"] else "-",
-                   f"{np.mean(c['greedy']):.1f}" if c["greedy"] else "-",
-                   _interval(c["greedy_change"]), ", ".join(c["code_commits"]) or "-"])
-  zero = cells[f"{RECIPE}_eta0"]
-  gaps = {f"{arm}_eta{eta}": welch(zero["final"], cells[f"{arm}_eta{eta}"]["final"], LEVEL)
-          for arm, etas in PLAN.items() for eta in etas if eta}
-  below = {eta: welch(cells[f"{RECIPE}_eta{eta}"]["final"], cells[f"{BASELINE}_eta{eta}"]["final"], LEVEL)
-           for eta in PLAN[BASELINE]}
+  zero = cells[f"{recipe}_eta0"]
+  gaps = {eta: welch(zero["final"], cells[f"{recipe}_eta{eta}"]["final"], LEVEL) for eta in RECIPE_ETAS if eta}
+  below = {eta: welch(cells[f"{recipe}_eta{eta}"]["final"], cells[f"{BASELINE}_eta{eta}"]["final"], LEVEL)
+           for eta in BASELINE_ETAS}
   gain = t_interval([f - s for f, s in zip(zero["final"], zero["start"])] if len(zero["start"]) == len(
       zero["final"]) else [])
-  g8, b8 = gaps[f"{RECIPE}_eta8"], below[8]
-  greedy = {eta: cells[f"{RECIPE}_eta{eta}"]["greedy_change"] for eta in (0, 8)}
+  g8, b8 = gaps[8], below[8]
+  greedy = {eta: cells[f"{recipe}_eta{eta}"]["greedy_change"] for eta in (0, 8)}
   claims = {
       "recipe_gap_at_eta8": dict(
           gap=g8, target=TARGET,
@@ -145,24 +159,52 @@ def assemble(out_dir: str) -> dict:
           verdict=_claim(gain["low"] is not None and gain["low"] >= MIN_GAIN,
                          gain["high"] is not None and gain["high"] < MIN_GAIN)),
   }
+  return gaps, below, claims
+
+
+def assemble(out_dir: str) -> dict:
+  """The cells, every recipe's gaps and claims (points)."""
+  recs = _records(out_dir)
+  cells, rows = {}, []
+  first = next(iter(RECIPES))
+  for arm, etas in [*((r, RECIPE_ETAS) for r in RECIPES), (BASELINE, (0, *BASELINE_ETAS))]:
+    for eta in etas:
+      shared = arm == BASELINE and eta == 0  # (the same update as decoupled PPO without the KL term)
+      c = cells[f"{arm}_eta{eta}"] = dict(_cell(recs, first if shared else arm, eta), arm=arm,
+                                          shared_with=first if shared else None)
+      fin = np.asarray(c["final"])
+      rows.append([arm + (f" (= {first})" if shared else ""), eta, len(c["seeds"]),
+                   f"{fin.mean():.1f} +- {fin.std(ddof=1):.1f}" if fin.size > 1 else
+                   (f"{fin.mean():.1f}" if fin.size else "-"),
+                   f"{np.mean(c['final_se']):.2f}" if c["final_se"] else "-",
+                   f"{np.mean(c['greedy']):.1f}" if c["greedy"] else "-",
+                   _interval(c["greedy_change"]), ", ".join(c["code_commits"]) or "-"])
+  gaps, below, claims = {}, {}, {}
+  for recipe in RECIPES:
+    gaps[recipe], below[recipe], claims[recipe] = _claims(cells, recipe)
   seeds_done = sorted({r["seed"] for r in recs})
   note = (f"Pinned staleness, {STEPS} versions, lr 7.5e-5, 2 updates per version, 256 trajectories per "
           f"version, seeds {FIRST_SEED}-{FIRST_SEED + SEEDS - 1} (recorded so far: "
-          f"{', '.join(map(str, seeds_done)) or 'none'}). Recipe: {RECIPE}; baseline: {BASELINE} (its eta-0 "
-          "cell is the recipe's: the same update there). Final pass@1: 500 held-out problems x 16 samples, "
-          "mean +- sd over seeds, points; SE: the runs' mean standard error over problems. Greedy change: "
-          "final greedy accuracy minus the starting weights' on the same 500 problems, mean [95% t "
-          "interval]. Claims (95%): recipe gap at eta 8 (eta 0 minus eta 8, Welch) upper end <= "
-          f"{TARGET}; baseline more than {BASELINE_MARGIN} below the recipe at eta 8 (lower end); greedy "
-          f"change mean >= 0 and lower end > -{GREEDY_MARGIN} at eta 0 and 8; and RL's gain over the "
-          f"warm start at eta 0 at least {MIN_GAIN}.\n\n" + "\n".join(
-              f"* **{k}**: {v['verdict']} ({_describe(k, v)})" for k, v in claims.items())
-          + "\n\nAt every eta (points, Welch 95%): the recipe's gap to its eta 0 "
-          + ", ".join(f"eta {e}: {_interval(gaps[f'{RECIPE}_eta{e}'], 'diff')}" for e in PLAN[RECIPE] if e)
-          + "; the recipe minus the baseline "
-          + ", ".join(f"eta {e}: {_interval(below[e], 'diff')}" for e in PLAN[BASELINE]) + ".")
-  config = dict(plan={a: list(e) for a, e in PLAN.items()}, steps=STEPS, regime=REGIME, final_eval="500x16",
-                staleness_mode="pinned", seeds=list(range(FIRST_SEED, FIRST_SEED + SEEDS)))
+          f"{', '.join(map(str, seeds_done)) or 'none'}). Recipes: decoupled PPO without and with the KL "
+          f"term towards the starting policy (`{SHIPPED}`: rl.kl_coef={KL_COEF}, k3; the shipped one); "
+          f"baseline: {BASELINE} (its eta-0 cell is {first}'s: the same update there). Final pass@1: 500 "
+          "held-out problems x 16 samples, mean +- sd over seeds, points; SE: the runs' mean standard error "
+          "over problems. Greedy change: final greedy accuracy minus the starting weights' on the same 500 "
+          "problems, mean [95% t interval]. Claims (95%), per recipe: its gap at eta 8 (eta 0 minus eta 8, "
+          f"Welch) upper end <= {TARGET}; the baseline more than {BASELINE_MARGIN} below it at eta 8 (lower "
+          f"end); greedy change mean >= 0 and lower end > -{GREEDY_MARGIN} at eta 0 and 8; and RL's gain over "
+          f"the warm start at eta 0 at least {MIN_GAIN}.\n\n" + "\n\n".join(
+              f"`{recipe}`:\n\n" + "\n".join(f"* **{k}**: {v['verdict']} ({_describe(k, v)})"
+                                            for k, v in claims[recipe].items())
+              + "\n\nAt every eta (points, Welch 95%): the gap to its eta 0: "
+              + ", ".join(f"eta {e}: {_interval(g, 'diff')}" for e, g in gaps[recipe].items())
+              + f"; minus the baseline " + ", ".join(f"eta {e}: {_interval(d, 'diff')}"
+                                                     for e, d in below[recipe].items()) + "."
+              for recipe in RECIPES))
+  config = dict(recipes={k: dict(records=n, overrides=o) for k, (n, o) in RECIPES.items()}, shipped=SHIPPED,
+                baseline=BASELINE, recipe_etas=list(RECIPE_ETAS), baseline_etas=list(BASELINE_ETAS),
+                steps=STEPS, regime=REGIME, final_eval="500x16", staleness_mode="pinned",
+                seeds=list(range(FIRST_SEED, FIRST_SEED + SEEDS)))
   result = dict(machine=machine(), config=config, seeds=seeds_done, cells=cells, gaps=gaps,
                 baseline_below=below, claims=claims, note=note)
   write_result(NAME, result, ["arm", "eta", "seeds", "final pass@1", "SE", "greedy", "greedy change",
@@ -192,12 +234,16 @@ def main(argv=None) -> int:
   p.add_argument("--first-seed", type=int, default=FIRST_SEED)
   p.add_argument("--seeds", type=int, default=SEEDS)
   p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+  p.add_argument("--recipe", choices=list(RECIPES), default=SHIPPED,
+                 help=f"which recipe's cells to run (default {SHIPPED}, the shipped one)")
+  p.add_argument("--no-baseline", action="store_true", help="run the recipe's cells alone")
   p.add_argument("--assemble-only", action="store_true")
   args = p.parse_args(argv)
   if not args.assemble_only:
     if not args.workdir:
       raise SystemExit("--workdir is required to run the arms")
-    run(args.workdir, args.out, args.first_seed, args.seeds)
+    run(args.workdir, args.out, range(args.first_seed, args.first_seed + args.seeds), args.recipe,
+        not args.no_baseline)
   assemble(args.out)
   return 0
 

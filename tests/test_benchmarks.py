@@ -515,11 +515,14 @@ def test_code_ab_alternates_the_arms_and_reports_head_over_base(tmp_path, monkey
 def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
   """Fake records of 3 seeds: the recipe loses 1 point at eta 8 (holds against 1.5 only if the
   interval is narrow), the baseline 20; greedy rises 1 point over each arm's own start. The claims
-  follow from hand-computed intervals, and a cell's eta-0 runs are shared with the baseline."""
+  follow from hand-computed intervals, and a cell's eta-0 runs are shared with the baseline. The
+  second recipe's records (arm decoupled_ppo in its own directory) are its cells, against the same
+  baseline."""
   from scipy import stats  # pylint: disable=import-outside-toplevel
   from benchmarks import staleness_headline as sh  # pylint: disable=import-outside-toplevel
-  d = tmp_path / "staleness_headline_arms"
+  d, dk = tmp_path / "staleness_headline_arms", tmp_path / "staleness_headline_kl_arms"
   d.mkdir()
+  dk.mkdir()
   finals = {("decoupled_ppo", 0): [0.44, 0.45, 0.46], ("decoupled_ppo", 8): [0.43, 0.44, 0.45],
             ("decoupled_ppo", 4): [0.44, 0.44, 0.44], ("decoupled_ppo", 16): [0.42, 0.43, 0.44],
             ("ppo_recompute", 4): [0.40, 0.41, 0.42], ("ppo_recompute", 8): [0.23, 0.24, 0.25],
@@ -527,27 +530,40 @@ def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
   for (arm, eta), values in finals.items():
     for i, final in enumerate(values):
       seed = 100 + i
-      (d / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(dict(
-          arm=arm, eta=eta, seed=seed, final=final, final_se=0.017, final_greedy=0.62 + 0.01 * i,
-          initial_final=0.30, initial_final_greedy=0.61 + 0.01 * i, kl_behav=0.001, kl_behav_prox=0.0,
-          code_commit="abc")))
+      record = dict(arm=arm, eta=eta, seed=seed, final=final, final_se=0.017, final_greedy=0.62 + 0.01 * i,
+                    initial_final=0.30, initial_final_greedy=0.61 + 0.01 * i, kl_behav=0.001,
+                    kl_behav_prox=0.0, code_commit="abc")
+      (d / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(record))
+      if arm == "decoupled_ppo":  # the KL recipe: 2 points lower at every eta, greedy as its start
+        (dk / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(dict(
+            record, final=final - 0.02, final_greedy=0.61 + 0.01 * i, code_commit="def")))
   assert sh.main(["--assemble-only", "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "staleness_headline.json").read_text())
   assert result["cells"]["ppo_recompute_eta0"]["final"] == pytest.approx([44.0, 45.0, 46.0])
   assert result["cells"]["ppo_recompute_eta0"]["shared_with"] == "decoupled_ppo"
-  gap = result["claims"]["recipe_gap_at_eta8"]["gap"]
+  claims = result["claims"]["decoupled_ppo"]
+  gap = claims["recipe_gap_at_eta8"]["gap"]
   half = stats.t.ppf(0.975, 4.0) * np.sqrt(1.0 / 3 + 1.0 / 3)  # (both cells: sd 1, equal: df 4)
   assert gap["diff"] == pytest.approx(1.0) and gap["high"] == pytest.approx(1.0 + half)
-  assert result["claims"]["recipe_gap_at_eta8"]["verdict"] == "open"  # (1 + 2.27 straddles 1.5)
-  below = result["claims"]["baseline_below_at_eta8"]
+  assert claims["recipe_gap_at_eta8"]["verdict"] == "open"  # (1 + 2.27 straddles 1.5)
+  below = claims["baseline_below_at_eta8"]
   assert below["difference"]["diff"] == pytest.approx(20.0) and below["verdict"] == "holds"
-  greedy = result["claims"]["greedy_not_below_start"]
+  greedy = claims["greedy_not_below_start"]
   assert greedy["change"]["0"]["mean"] == pytest.approx(1.0) and greedy["change"]["0"]["low"] == pytest.approx(1.0)
   assert greedy["verdict"] == "holds"  # (+1 on every seed: a zero-width interval above 0)
-  gain = result["claims"]["regime_gain_at_eta0"]
+  gain = claims["regime_gain_at_eta0"]
   assert gain["gain"]["mean"] == pytest.approx(15.0) and gain["verdict"] == "holds"
+  # the KL recipe: its own cells (shifted by 2), the same gap, 2 points less above the baseline
+  kl = result["claims"]["decoupled_ppo_kl"]
+  assert result["cells"]["decoupled_ppo_kl_eta8"]["final"] == pytest.approx([41.0, 42.0, 43.0])
+  assert result["cells"]["decoupled_ppo_kl_eta8"]["code_commits"] == ["def"]
+  assert kl["recipe_gap_at_eta8"]["gap"]["diff"] == pytest.approx(1.0)
+  assert kl["baseline_below_at_eta8"]["difference"]["diff"] == pytest.approx(18.0)
+  assert kl["greedy_not_below_start"]["change"]["8"]["mean"] == pytest.approx(0.0)
+  assert kl["greedy_not_below_start"]["verdict"] == "holds"  # (mean 0 on every seed: not below the start)
   md = (tmp_path / "staleness_headline.md").read_text()
-  assert "| ppo_recompute (= recipe) | 0 | 3 | 45.0 +- 1.0 |" in md and "**recipe_gap_at_eta8**: open" in md
+  assert "| ppo_recompute (= decoupled_ppo) | 0 | 3 | 45.0 +- 1.0 |" in md and "**recipe_gap_at_eta8**: open" in md
+  assert "| decoupled_ppo_kl | 8 | 3 | 42.0 +- 1.0 |" in md
   # a greedy fall fails the claim; the baseline within 10 points fails its
   for f in d.iterdir():
     r = json.loads(f.read_text())
@@ -556,5 +572,21 @@ def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
       r.update(final=r["final"] + 0.15)
     f.write_text(json.dumps(r))
   result = sh.assemble(str(tmp_path))
-  assert result["claims"]["greedy_not_below_start"]["verdict"] == "fails"
-  assert result["claims"]["baseline_below_at_eta8"]["verdict"] == "fails"
+  assert result["claims"]["decoupled_ppo"]["greedy_not_below_start"]["verdict"] == "fails"
+  assert result["claims"]["decoupled_ppo"]["baseline_below_at_eta8"]["verdict"] == "fails"
+
+
+def test_staleness_headline_plan_keeps_each_recipe_in_its_own_records_and_workdir():
+  """The KL recipe's arms run with its override into their own records and work directory; the
+  baseline's without it, beside decoupled PPO's; --no-baseline leaves the baseline out."""
+  from benchmarks import staleness_headline as sh  # pylint: disable=import-outside-toplevel
+  plan = sh.plan("/w", [100], "decoupled_ppo_kl")
+  (what_r, recipe), (what_b, base) = plan
+  assert what_r.startswith("seed 100: decoupled_ppo_kl") and what_b.startswith("seed 100: ppo_recompute")
+  flag = lambda argv, name: argv[argv.index(name) + 1]
+  assert flag(recipe, "--name") == "staleness_headline_kl" and flag(recipe, "--workdir") == "/w/staleness_headline_kl"
+  assert f"--arm-override=--config.rl.kl_coef={sh.KL_COEF}" in recipe
+  assert flag(base, "--name") == "staleness_headline" and flag(base, "--workdir") == "/w"
+  assert not any(a.startswith("--arm-override") for a in base) and flag(base, "--arms") == "ppo_recompute"
+  assert base[base.index("--etas") + 1:base.index("--etas") + 4] == ["4", "8", "16"]
+  assert len(sh.plan("/w", [100, 101], "decoupled_ppo", baseline=False)) == 2
