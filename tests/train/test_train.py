@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config.learner.warm_start_steps=2", "--config.data.num_train=300", "--config.data.num_test=20",
-        "--config.data.eval_problems=12", "--config.learner.batch_size=16", "--config.rl.group_size=4",
+        "--config.data.eval_problems=12", "--config.data.final_eval_problems=0", "--config.learner.batch_size=16", "--config.rl.group_size=4",
         "--config.rollout.num_slots=12", "--config.data.max_completion_len=24",
         "--config.learner.eval_every=2", "--config.checkpoint.every_steps=2",
         "--config.learner.token_budget=1024", "--config.learner.warm_up=False"]
@@ -393,7 +393,8 @@ def test_train_rejects_bad_config(tmp_path):
   assert "rl.eps_clip=0" in out.stderr
 
 
-TWIN = ["--config.data.num_train=300", "--config.data.num_test=20", "--config.learner.batch_size=8",
+TWIN = ["--config.data.num_train=300", "--config.data.num_test=20", "--config.data.final_eval_problems=0",
+        "--config.learner.batch_size=8",
         "--config.rl.group_size=4", "--config.rollout.num_slots=8", "--config.data.max_completion_len=24",
         "--config.checkpoint.every_steps=5", "--config.learner.token_budget=512",
         "--config.learner.warm_start_steps=0", "--config.learner.eval_every=0",
@@ -645,7 +646,8 @@ def test_a_long_run_holds_its_memory_steady(tmp_path):
   out = subprocess.run(
       [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/default.py",
        f"--workdir={tmp_path}", "--config.steps=300", "--config.data.num_train=300",
-       "--config.data.num_test=20", "--config.learner.batch_size=4", "--config.rl.group_size=2",
+       "--config.data.num_test=20", "--config.data.final_eval_problems=0", "--config.learner.batch_size=4",
+       "--config.rl.group_size=2",
        "--config.rollout.num_slots=6", "--config.data.max_completion_len=8",
        "--config.learner.token_budget=256", "--config.learner.eval_every=0",
        "--config.learner.warm_start_steps=0", "--config.checkpoint.every_steps=25"],
