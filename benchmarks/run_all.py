@@ -115,7 +115,8 @@ BENCHMARKS = {
         "kept arm directories)."),
     "staleness_headline": (
         "staleness_headline.py", ["--assemble-only"], ["--assemble-only"],
-        "The headline (docs/staleness.md, phase 2): the recipe (decoupled PPO) and the seeds' baseline "
+        "The headline (docs/staleness.md, phase 2): two recipes, decoupled PPO without and with the KL "
+        "term towards the starting policy (rl.kl_coef=0.3, the shipped one), and the seeds' baseline "
         "(ppo_recompute) at eta 0 / 4 / 8 / 16, pinned, 160 versions at lr 7.5e-5, seeds 100-107, final "
         "evaluation 500 x 16. Goal: the recipe within 1.5 points of its eta-0 accuracy at eta 8, the "
         "baseline more than 10 below it, greedy accuracy not below the starting weights'. The runs are "

@@ -4,18 +4,20 @@ exact staleness, and does the seeds' baseline collapse? Fresh seeds, one fixed p
   nice -n 19 .venv/bin/python benchmarks/staleness_headline.py --workdir DIR      # runs, resumes
   .venv/bin/python benchmarks/staleness_headline.py --assemble-only               # tabulates
 
-Cells (``PLAN``), pinned staleness (``rl.staleness_mode=pinned``: every batch is decoded by the version
-exactly eta behind the one it trains), in phase 1's regime (``REGIME``: lr 7.5e-5, 2 updates per
-version, 160 versions), seeds 100-107: the recipe (decoupled PPO) at eta 0, 4, 8 and 16, the baseline
-(``ppo_recompute``: PPO's ratio against the recomputed proximal policy, the behaviour policy ignored)
-at 4, 8 and 16; at eta 0 the two objectives are the same update, so they share the recipe's cell.
-Arms run one seed at a time (the recipe's four, then the baseline's three), so a sitting that stops
-leaves whole seeds; every arm's record is kept in benchmarks/results/staleness_headline_arms/ and a
-rerun runs only the missing ones (``staleness_ablation.py``'s records, checked against the grid and
-the training code's commit).
+Cells, pinned staleness (``rl.staleness_mode=pinned``: every batch is decoded by the version exactly
+eta behind the one it trains), in phase 1's regime (``REGIME``: lr 7.5e-5, 2 updates per version, 160
+versions), seeds 100-107: each recipe (``RECIPES``: decoupled PPO, and decoupled PPO with the KL term
+towards the starting policy, ``SHIPPED``) at eta 0, 4, 8 and 16, the baseline (``ppo_recompute``: PPO's
+ratio against the recomputed proximal policy, the behaviour policy ignored) at 4, 8 and 16; at eta 0
+the baseline and decoupled PPO without the term are the same update, so they share one cell. Arms run
+one seed at a time (a recipe's four, then the baseline's three), so a sitting that stops leaves whole
+seeds; every arm's record is kept in benchmarks/results/NAME_arms/ (the baseline's and the first
+recipe's in staleness_headline_arms/, the KL recipe's in staleness_headline_kl_arms/) and a rerun
+runs only the missing ones (``staleness_ablation.py``'s records, checked against the grid and the
+training code's commit).
 
 ``--assemble-only`` writes benchmarks/results/staleness_headline.{json,md}: every cell's final pass@1
-(500 problems x 16 samples) with its mean standard error, and the three claims, each at 95%:
+(500 problems x 16 samples) with its mean standard error, and per recipe three claims, each at 95%:
 
 * the recipe's gap (eta 0 minus eta 8, Welch interval) has its upper end at most ``TARGET`` (1.5);
 * the baseline is more than ``BASELINE_MARGIN`` (10) points below the recipe at eta 8 (lower end);
