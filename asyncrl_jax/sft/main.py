@@ -65,7 +65,7 @@ def main(argv=None) -> None:
   import os  # pylint: disable=import-outside-toplevel
   from absl import app, flags  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.rl.evaluation import eval_kind, evaluator_for, primary  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl.evaluation import eval_kind, evaluator_for, final_size, primary  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rl.rewards import reward_fn  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
 
@@ -76,8 +76,9 @@ def main(argv=None) -> None:
   schedule = flags.DEFINE_enum("schedule", "cosine", ["cosine", "constant"],
                                "Learning-rate schedule (constant: continue a warm start at 10% of "
                                "learner.warm_start_lr, its final rate).")
-  evaluate = flags.DEFINE_bool("evaluate", False, "Held-out accuracy before and after (as the main job "
-                               "measures it); written to WORKDIR/sft_summary.json.")
+  evaluate = flags.DEFINE_bool("evaluate", False, "Held-out accuracy before and after, as the main job "
+                               "evaluates its last version (data.final_eval_problems x final_eval_samples "
+                               "when set), with standard errors; written to WORKDIR/sft_summary.json.")
   rft = flags.DEFINE_bool("rft", False, "Rejection-sampling fine-tuning instead of demonstrations: "
                           "train on the model's own correct samples of the RL prompts (asyncrl_jax.sft.rejection), "
                           "at the constant rate of --schedule=constant.")
@@ -100,12 +101,13 @@ def main(argv=None) -> None:
                    init=config.model.hf_path or "random", mode="rft" if rft.value else "demonstrations")
     evaluator = None
     if evaluate.value:
+      problems, samples = final_size(config)  # (what a run's last version is evaluated on)
       evaluator = evaluator_for(
           config, model_config, mesh, tokenizer,
-          pipeline.read_split(b, builder_lib.held_out_split(b), config.data.eval_problems))
+          pipeline.read_split(b, builder_lib.held_out_split(b), problems), samples=samples)
       before = evaluator.evaluate(params, reward_fn(config.data.task))
-      summary.update(eval_metric=eval_kind(evaluator), initial_eval_accuracy=primary(before),
-                     initial_eval_greedy_accuracy=before["greedy"])
+      summary.update(eval_metric=eval_kind(evaluator), eval_problems=len(evaluator.prompt_ids),
+                     initial_eval_accuracy=primary(before), initial_eval_greedy_accuracy=before["greedy"])
     t = time.time()
     params, loss, steps, extra = _fine_tune(
         config, model_config, params, mesh, b, tokenizer, workdir.value, learning_rate=lr,
@@ -118,7 +120,9 @@ def main(argv=None) -> None:
     models.export_hf(model_config, params, out)
     if evaluator is not None:
       after = evaluator.evaluate(params, reward_fn(config.data.task))
-      summary.update(final_eval_accuracy=primary(after), final_eval_greedy_accuracy=after["greedy"])
+      summary.update(final_eval_accuracy=primary(after), final_eval_greedy_accuracy=after["greedy"],
+                     final_eval_accuracy_se=after["sampled_se"] if after["sampled"] is not None else
+                     after["greedy_se"], final_eval_greedy_accuracy_se=after["greedy_se"])
     with open(os.path.join(workdir.value, "sft_summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     print(f"[sft] {summary['seconds']:.0f}s, {summary['steps']} steps, final loss {loss:.3f}; exported "

@@ -14,7 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config.learner.warm_start_steps=2", "--config.data.num_train=300", "--config.data.num_test=20",
-        "--config.data.eval_problems=12", "--config.data.final_eval_problems=0", "--config.learner.batch_size=16", "--config.rl.group_size=4",
+        "--config.data.eval_problems=12", "--config.data.final_eval_problems=0",
+        "--config.learner.batch_size=16", "--config.rl.group_size=4",
         "--config.rollout.num_slots=12", "--config.data.max_completion_len=24",
         "--config.learner.eval_every=2", "--config.checkpoint.every_steps=2",
         "--config.learner.token_budget=1024", "--config.learner.warm_up=False"]
@@ -598,7 +599,7 @@ def test_pinned_runs_of_one_seed_train_identical_batches_with_two_decode_server_
 
 @pytest.mark.slow(17)
 def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
-  sft = [sys.executable, "-m", "asyncrl_jax.sft", f"--config={ROOT}/configs/default.py", *TINY[1:4]]
+  sft = [sys.executable, "-m", "asyncrl_jax.sft", f"--config={ROOT}/configs/default.py", *TINY[1:5]]
   out = subprocess.run(sft + [f"--workdir={tmp_path / 'a'}", "--config.learner.warm_start_steps=3"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300, env=_env())
   assert out.returncode == 0, out.stderr[-3000:]
@@ -607,7 +608,8 @@ def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
   ws = tmp_path / "a" / "warm_start"
   out = subprocess.run(sft + [f"--workdir={tmp_path / 'b'}", f"--config.model.hf_path={ws}",
                               "--config.learner.warm_start_steps=100000", "--schedule=constant",
-                              "--max_seconds=3", "--evaluate"],
+                              "--max_seconds=3", "--evaluate", "--config.data.final_eval_problems=16",
+                              "--config.data.final_eval_samples=2"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300, env=_env())
   assert out.returncode == 0, out.stderr[-3000:]
   second = json.loads((tmp_path / "b" / "sft_summary.json").read_text())
@@ -617,6 +619,9 @@ def test_sft_cli_warm_start_then_timed_supervised_continuation(tmp_path):
   for key in ("initial_eval_accuracy", "final_eval_accuracy", "initial_eval_greedy_accuracy",
               "final_eval_greedy_accuracy"):
     assert 0.0 <= second[key] <= 1.0, key
+  # evaluated as a run's last version is (16 problems x 2 samples, not every evaluation's 12 x 4)
+  assert second["eval_problems"] == 16 and second["eval_metric"].startswith("pass@1 (2 samples")
+  assert 0.0 <= second["final_eval_greedy_accuracy_se"] <= 0.5 and second["final_eval_accuracy_se"] is not None
   assert (tmp_path / "b" / "warm_start" / "model.safetensors").exists()
 
 
