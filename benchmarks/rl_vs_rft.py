@@ -14,8 +14,10 @@ terms only; prompts and held-out problems have 5-10 terms. From that one warm st
 * ``sft_short``: more supervised training on the short demonstrations, for the same wall time (what
   the demonstrations alone can do).
 
-Every arm is evaluated the same way (held-out pass@1, 4 samples at T=1, on 256 problems of 5-10
-terms). Writes benchmarks/results/rl_vs_rft.{json,md}; prints one JSON object (last line). A rerun with
+Every arm is evaluated the same way, as the config evaluates a run's last version (all 500 held-out
+problems of 5-10 terms, 4 samples at T=1; ``--override=--config.data.final_eval_samples=16`` for a
+pass@1 standard error near half a point), and the table gives each arm's SE; arms evaluated
+differently (an older workdir) are refused. Writes benchmarks/results/rl_vs_rft.{json,md}; prints one JSON object (last line). A rerun with
 the same --workdir reuses finished arms.
 """
 
@@ -78,7 +80,9 @@ def main(argv=None) -> int:
       raise SystemExit(f"{wd} holds a run of {s['steps']} versions, not {args.steps}: use another --workdir")
     budget = s["rl_seconds_this_run"]
     rows_by_arm["rl"].append(dict(seed=seed, seconds=budget, steps=s["steps"], final=s["final_eval_accuracy"],
-                                  final_greedy=s["final_eval_greedy_accuracy"]))
+                                  final_greedy=s["final_eval_greedy_accuracy"],
+                                  final_se=s.get("final_eval_accuracy_se"),
+                                  evaluation=f"{s.get('final_eval_metric')}, {s.get('final_eval_problems')} problems"))
     for arm, flags in (("rft", ["--rft"]), ("sft_short", ["--schedule=constant"])):
       cd = os.path.join(work, f"{arm}_seed{seed}")
       print(f"[rl_vs_rft] {arm} seed {seed}: {budget:.0f}s ({time.time() - t0:.0f}s so far)", flush=True)
@@ -89,13 +93,22 @@ def main(argv=None) -> int:
       c = read_json(os.path.join(cd, "sft_summary.json"))
       rows_by_arm[arm].append(dict(seed=seed, seconds=c["seconds"], steps=c["steps"],
                                    final=c["final_eval_accuracy"], final_greedy=c["final_eval_greedy_accuracy"],
+                                   final_se=c.get("final_eval_accuracy_se"),
+                                   evaluation=f"{c.get('eval_metric')}, {c.get('eval_problems')} problems",
                                    **({"rft": c["rft"]} if "rft" in c else {})))
-  header = ["arm", "seeds", "held-out pass@1 (5-10 terms)", "greedy", "seconds", "optimizer steps"]
-  rows = [["warm start (demonstrations of 2-4 terms)", 1, percent_cell([warm["final_eval_accuracy"]]),
+  header = ["arm", "seeds", "held-out pass@1 (5-10 terms)", "SE", "greedy", "seconds", "optimizer steps"]
+  se = lambda runs: (f"{100 * np.mean([r['final_se'] for r in runs]):.2f}"
+                     if runs and all(r.get("final_se") is not None for r in runs) else "-")
+  rows = [["warm start (demonstrations of 2-4 terms)", 1, percent_cell([warm["final_eval_accuracy"]]), "-",
            percent_cell([warm["final_eval_greedy_accuracy"]]), f"{warm['seconds']:.0f}", warm["steps"]]]
   for arm, runs in rows_by_arm.items():
-    rows.append([arm, len(runs), percent_cell([r["final"] for r in runs]), percent_cell([r["final_greedy"] for r in runs]),
+    rows.append([arm, len(runs), percent_cell([r["final"] for r in runs]), se(runs),
+                 percent_cell([r["final_greedy"] for r in runs]),
                  f"{np.mean([r['seconds'] for r in runs]):.0f}", f"{np.mean([r['steps'] for r in runs]):.0f}"])
+  evaluations = sorted({r["evaluation"] for runs in rows_by_arm.values() for r in runs})
+  if len(evaluations) > 1:
+    raise SystemExit(f"the arms were evaluated differently ({'; '.join(evaluations)}): rerun them in a fresh "
+                     "--workdir")
   rl, rft = np.mean([r["final"] for r in rows_by_arm["rl"]]), np.mean([r["final"] for r in rows_by_arm["rft"]])
   kept = [r["rft"] for r in rows_by_arm["rft"]]
   notes = (f"configs/long_chains.py: warm start on worked solutions of 2-4-term chains only; RL prompts and "
@@ -103,8 +116,8 @@ def main(argv=None) -> int:
            f"versions{' with ' + ' '.join(args.rl_override) if args.rl_override else ''}; `rft`: "
            "rejection-sampling fine-tuning on the model's own correct samples of the same prompts "
            "(`python -m asyncrl_jax.sft --rft`), `sft_short`: more training on the short demonstrations, "
-           "each for the RL arm's wall time (its RL phase and final evaluation). Held-out pass@1 in % (4 "
-           "samples at T=1, 256 problems). "
+           "each for the RL arm's wall time (its RL phase and final evaluation). Held-out pass@1 in % "
+           f"({evaluations[0]}, every arm; SE: the runs' mean standard error over problems). "
            f"RL {'matches or beats' if rl >= rft else 'stays below'} the rejection-sampling control: "
            f"{100 * rl:.1f} vs {100 * rft:.1f}. RFT kept {np.mean([k['kept'] for k in kept]):.0f} of "
            f"{np.mean([k['sampled'] for k in kept]):.0f} samples over "

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -590,3 +592,38 @@ def test_staleness_headline_plan_keeps_each_recipe_in_its_own_records_and_workdi
   assert not any(a.startswith("--arm-override") for a in base) and flag(base, "--arms") == "ppo_recompute"
   assert base[base.index("--etas") + 1:base.index("--etas") + 4] == ["4", "8", "16"]
   assert len(sh.plan("/w", [100, 101], "decoupled_ppo", baseline=False)) == 2
+
+
+def test_rl_vs_rft_tabulates_finished_arms_with_their_standard_errors(tmp_path):
+  """Finished arms in --workdir are read, not rerun: the table holds each arm's mean pass@1 and SE
+  (hand values), and arms evaluated differently are refused."""
+  script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "rl_vs_rft.py")
+  run = lambda: subprocess.run([sys.executable, script, "--steps", "5", "--seeds", "2", "--workdir", str(work),
+                                "--out", str(out)], capture_output=True, text=True, timeout=300)
+  work, out = tmp_path / "work", tmp_path / "out"
+  (work / "ws").mkdir(parents=True)
+  (work / "ws" / "sft_summary.json").write_text(json.dumps(dict(
+      final_eval_accuracy=0.025, final_eval_greedy_accuracy=0.023, seconds=33.0, steps=150)))
+  evaluation = dict(eval_metric="pass@1 (16 samples, T=1)", eval_problems=500)
+  for seed, (rl, rft, sft) in enumerate([(0.10, 0.11, 0.08), (0.12, 0.09, 0.10)]):
+    (work / f"rl_seed{seed}").mkdir()
+    (work / f"rl_seed{seed}" / "summary.json").write_text(json.dumps(dict(
+        steps=5, rl_seconds_this_run=100.0, final_eval_accuracy=rl, final_eval_greedy_accuracy=rl,
+        final_eval_accuracy_se=0.01 + 0.002 * seed, final_eval_metric="pass@1 (16 samples, T=1)",
+        final_eval_problems=500)))
+    for arm, final in (("rft", rft), ("sft_short", sft)):
+      (work / f"{arm}_seed{seed}").mkdir()
+      (work / f"{arm}_seed{seed}" / "sft_summary.json").write_text(json.dumps(dict(
+          seconds=100.0, steps=40, final_eval_accuracy=final, final_eval_greedy_accuracy=final,
+          final_eval_accuracy_se=0.02, rft=dict(kept=10, sampled=100, rounds=3), **evaluation)))
+  done = run()
+  assert done.returncode == 0, done.stderr[-2000:]
+  md = (out / "rl_vs_rft.md").read_text()
+  assert "| rl | 2 | 11.0 +- 1.4 | 1.10 |" in md, md
+  assert "| rft | 2 | 10.0 +- 1.4 | 2.00 |" in md and "pass@1 (16 samples, T=1), 500 problems" in md
+  assert "matches or beats" in md  # (11.0 against 10.0)
+  # an arm evaluated on 256 problems cannot stand beside them
+  summary = json.loads((work / "rft_seed1" / "sft_summary.json").read_text())
+  (work / "rft_seed1" / "sft_summary.json").write_text(json.dumps(dict(summary, eval_problems=256)))
+  done = run()
+  assert done.returncode != 0 and "evaluated differently" in done.stderr, done.stderr[-2000:]
