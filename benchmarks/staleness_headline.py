@@ -7,12 +7,13 @@ exact staleness, and does the seeds' baseline collapse? Fresh seeds, one fixed p
 Cells, pinned staleness (``rl.staleness_mode=pinned``: every batch is decoded by the version exactly
 eta behind the one it trains), in phase 1's regime (``REGIME``: lr 7.5e-5, 2 updates per version, 160
 versions), seeds 100-107: each recipe (``RECIPES``: decoupled PPO, and decoupled PPO with the KL term
-towards the starting policy, ``SHIPPED``) at eta 0, 4, 8 and 16, the baseline (``ppo_recompute``: PPO's
-ratio against the recomputed proximal policy, the behaviour policy ignored) at 4, 8 and 16; at eta 0
-the baseline and decoupled PPO without the term are the same update, so they share one cell. Arms run
-one seed at a time (a recipe's four, then the baseline's three), so a sitting that stops leaves whole
-seeds; every arm's record is kept in benchmarks/results/NAME_arms/ (the baseline's and the first
-recipe's in staleness_headline_arms/, the KL recipe's in staleness_headline_kl_arms/) and a rerun
+towards the starting policy, ``SHIPPED``) at eta 0, 4, 8 and 16, and its baseline (``ppo_recompute``:
+PPO's ratio against the recomputed proximal policy, the behaviour policy ignored; with the recipe's
+other settings, ``BASELINES``) at 4, 8 and 16; at eta 0 a baseline and its recipe are the same update,
+so they share one cell. Arms run one seed at a time (a recipe's four, then its baseline's three), so a
+sitting that stops leaves whole seeds; every arm's record is kept in benchmarks/results/NAME_arms/
+(decoupled PPO's and its baseline's in staleness_headline_arms/, the KL recipe's and its baseline's
+in staleness_headline_kl_arms/) and a rerun
 runs only the missing ones (``staleness_ablation.py``'s records, checked against the grid and the
 training code's commit).
 
@@ -47,10 +48,13 @@ KL_COEF = 0.3
 # The recipes, each against the one baseline: label -> (its records' name, overrides on top of
 # REGIME). Both are decoupled PPO; the second adds the KL term towards the starting policy
 # (rl.kl_coef, k3), which the greedy probes chose (docs/staleness.md, "During phase 2").
+# Each recipe's baseline is ppo_recompute with the recipe's other settings, in the recipe's records:
+# label -> the baseline's label.
 RECIPES = {"decoupled_ppo": (NAME, []),
            "decoupled_ppo_kl": (NAME + "_kl", [f"--config.rl.kl_coef={KL_COEF}"])}
+BASELINES = {"decoupled_ppo": BASELINE, "decoupled_ppo_kl": BASELINE + "_kl"}
 SHIPPED = "decoupled_ppo_kl"
-RECIPE_ETAS, BASELINE_ETAS = (0, 4, 8, 16), (4, 8, 16)  # (the baseline's eta 0 is decoupled PPO's)
+RECIPE_ETAS, BASELINE_ETAS = (0, 4, 8, 16), (4, 8, 16)  # (a baseline's eta 0 is its recipe's)
 STEPS = 160
 REGIME = ["--config.learner.learning_rate=7.5e-5"]  # on top of the pinned grid's regime
 FIRST_SEED, SEEDS = 100, 8
@@ -65,9 +69,9 @@ def _argv(arm: str, etas, seed: int, workdir: str, name: str, extra=()) -> list[
 
 
 def plan(workdir: str, seeds, recipe: str = SHIPPED, baseline: bool = True) -> list[tuple[str, list[str]]]:
-  """(what, staleness_ablation's argv) per seed: the recipe's four cells, then the baseline's
-  three. The baseline and decoupled PPO without the KL term run in WORKDIR, another recipe in
-  WORKDIR/ITS_NAME (the arms' names repeat across recipes)."""
+  """(what, staleness_ablation's argv) per seed: the recipe's four cells, then its baseline's
+  three, with the recipe's overrides. Decoupled PPO without the KL term runs in WORKDIR, another
+  recipe in WORKDIR/ITS_NAME (the arms' names repeat across recipes)."""
   name, extra = RECIPES[recipe]
   where = lambda n: workdir if n == NAME else os.path.join(workdir, n)
   out = []
@@ -75,8 +79,8 @@ def plan(workdir: str, seeds, recipe: str = SHIPPED, baseline: bool = True) -> l
     out.append((f"seed {seed}: {recipe} at eta {', '.join(map(str, RECIPE_ETAS))}",
                 _argv("decoupled_ppo", RECIPE_ETAS, seed, where(name), name, extra)))
     if baseline:
-      out.append((f"seed {seed}: {BASELINE} at eta {', '.join(map(str, BASELINE_ETAS))}",
-                  _argv(BASELINE, BASELINE_ETAS, seed, where(NAME), NAME)))
+      out.append((f"seed {seed}: {BASELINES[recipe]} at eta {', '.join(map(str, BASELINE_ETAS))}",
+                  _argv(BASELINE, BASELINE_ETAS, seed, where(name), name, extra)))
   return out
 
 
@@ -91,15 +95,15 @@ def run(workdir: str, out_dir: str, seeds, recipe: str = SHIPPED, baseline: bool
 
 
 def _records(out_dir: str) -> list[dict]:
-  """Every record, its ``arm`` relabelled with its recipe (a recipe's records hold arm
-  ``decoupled_ppo``; the baseline's are in the first recipe's directory)."""
+  """Every record, its ``arm`` relabelled with its recipe or that recipe's baseline (a recipe's
+  records hold arms ``decoupled_ppo`` and ``ppo_recompute``)."""
   out = []
   for label, (name, _) in RECIPES.items():
     path = os.path.join(out_dir, f"{name}_arms")
     for f in sorted(os.listdir(path)) if os.path.isdir(path) else []:
       if f.endswith(".json"):
         r = read_json(os.path.join(path, f))
-        out.append(dict(r, arm=label) if r["arm"] == "decoupled_ppo" else r)
+        out.append(dict(r, arm={"decoupled_ppo": label, BASELINE: BASELINES[label]}[r["arm"]]))
   return out
 
 
@@ -135,7 +139,7 @@ def _claims(cells: dict, recipe: str) -> tuple[dict, dict, dict]:
   from benchmarks.staleness_factors import welch  # pylint: disable=import-outside-toplevel
   zero = cells[f"{recipe}_eta0"]
   gaps = {eta: welch(zero["final"], cells[f"{recipe}_eta{eta}"]["final"], LEVEL) for eta in RECIPE_ETAS if eta}
-  below = {eta: welch(cells[f"{recipe}_eta{eta}"]["final"], cells[f"{BASELINE}_eta{eta}"]["final"], LEVEL)
+  below = {eta: welch(cells[f"{recipe}_eta{eta}"]["final"], cells[f"{BASELINES[recipe]}_eta{eta}"]["final"], LEVEL)
            for eta in BASELINE_ETAS}
   gain = t_interval([f - s for f, s in zip(zero["final"], zero["start"])] if len(zero["start"]) == len(
       zero["final"]) else [])
@@ -168,14 +172,15 @@ def assemble(out_dir: str) -> dict:
   """The cells, every recipe's gaps and claims (points)."""
   recs = _records(out_dir)
   cells, rows = {}, []
-  first = next(iter(RECIPES))
-  for arm, etas in [*((r, RECIPE_ETAS) for r in RECIPES), (BASELINE, (0, *BASELINE_ETAS))]:
+  parts = [(arm, etas, recipe) for recipe in RECIPES
+           for arm, etas in ((recipe, RECIPE_ETAS), (BASELINES[recipe], (0, *BASELINE_ETAS)))]
+  for arm, etas, recipe in parts:
     for eta in etas:
-      shared = arm == BASELINE and eta == 0  # (the same update as decoupled PPO without the KL term)
-      c = cells[f"{arm}_eta{eta}"] = dict(_cell(recs, first if shared else arm, eta), arm=arm,
-                                          shared_with=first if shared else None)
+      shared = arm != recipe and eta == 0  # (at eta 0 the baseline is its recipe's update)
+      c = cells[f"{arm}_eta{eta}"] = dict(_cell(recs, recipe if shared else arm, eta), arm=arm,
+                                          shared_with=recipe if shared else None)
       fin = np.asarray(c["final"])
-      rows.append([arm + (f" (= {first})" if shared else ""), eta, len(c["seeds"]),
+      rows.append([arm + (f" (= {recipe})" if shared else ""), eta, len(c["seeds"]),
                    f"{fin.mean():.1f} +- {fin.std(ddof=1):.1f}" if fin.size > 1 else
                    (f"{fin.mean():.1f}" if fin.size else "-"),
                    f"{np.mean(c['final_se']):.2f}" if c["final_se"] else "-",
@@ -189,7 +194,8 @@ def assemble(out_dir: str) -> dict:
           f"version, seeds {FIRST_SEED}-{FIRST_SEED + SEEDS - 1} (recorded so far: "
           f"{', '.join(map(str, seeds_done)) or 'none'}). Recipes: decoupled PPO without and with the KL "
           f"term towards the starting policy (`{SHIPPED}`: rl.kl_coef={KL_COEF}, k3; the shipped one); "
-          f"baseline: {BASELINE} (its eta-0 cell is {first}'s: the same update there). Final pass@1: 500 "
+          f"each against its baseline, {BASELINE} with the recipe's other settings (`{BASELINES[SHIPPED]}` "
+          "with the term; a baseline's eta-0 cell is its recipe's: the same update there). Final pass@1: 500 "
           "held-out problems x 16 samples, mean +- sd over seeds, points; SE: the runs' mean standard error "
           "over problems. Greedy change: final greedy accuracy minus the starting weights' on the same 500 "
           "problems, mean [95% t interval]. Claims (95%), per recipe: its gap at eta 8 (eta 0 minus eta 8, "
@@ -203,8 +209,8 @@ def assemble(out_dir: str) -> dict:
               + f"; minus the baseline " + ", ".join(f"eta {e}: {_interval(d, 'diff')}"
                                                      for e, d in below[recipe].items()) + "."
               for recipe in RECIPES))
-  config = dict(recipes={k: dict(records=n, overrides=o) for k, (n, o) in RECIPES.items()}, shipped=SHIPPED,
-                baseline=BASELINE, recipe_etas=list(RECIPE_ETAS), baseline_etas=list(BASELINE_ETAS),
+  config = dict(recipes={k: dict(records=n, overrides=o, baseline=BASELINES[k]) for k, (n, o) in RECIPES.items()},
+                shipped=SHIPPED, baseline=BASELINE, recipe_etas=list(RECIPE_ETAS), baseline_etas=list(BASELINE_ETAS),
                 steps=STEPS, regime=REGIME, final_eval="500x16", staleness_mode="pinned",
                 seeds=list(range(FIRST_SEED, FIRST_SEED + SEEDS)))
   result = dict(machine=machine(), config=config, seeds=seeds_done, cells=cells, gaps=gaps,

@@ -536,9 +536,9 @@ def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
                     initial_final=0.30, initial_final_greedy=0.61 + 0.01 * i, kl_behav=0.001,
                     kl_behav_prox=0.0, code_commit="abc")
       (d / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(record))
-      if arm == "decoupled_ppo":  # the KL recipe: 2 points lower at every eta, greedy as its start
-        (dk / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(dict(
-            record, final=final - 0.02, final_greedy=0.61 + 0.01 * i, code_commit="def")))
+      # the KL recipe and its baseline: 2 points lower at every eta, greedy as their start
+      (dk / f"{arm}_eta{eta}_seed{seed}.json").write_text(json.dumps(dict(
+          record, final=final - 0.02, final_greedy=0.61 + 0.01 * i, code_commit="def")))
   assert sh.main(["--assemble-only", "--out", str(tmp_path)]) == 0
   result = json.loads((tmp_path / "staleness_headline.json").read_text())
   assert result["cells"]["ppo_recompute_eta0"]["final"] == pytest.approx([44.0, 45.0, 46.0])
@@ -555,17 +555,21 @@ def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
   assert greedy["verdict"] == "holds"  # (+1 on every seed: a zero-width interval above 0)
   gain = claims["regime_gain_at_eta0"]
   assert gain["gain"]["mean"] == pytest.approx(15.0) and gain["verdict"] == "holds"
-  # the KL recipe: its own cells (shifted by 2), the same gap, 2 points less above the baseline
+  # the KL recipe: its own cells (shifted by 2) against its own baseline (shifted by 2): the same gap
+  # and the same lead; its baseline's eta 0 is its own
   kl = result["claims"]["decoupled_ppo_kl"]
   assert result["cells"]["decoupled_ppo_kl_eta8"]["final"] == pytest.approx([41.0, 42.0, 43.0])
+  assert result["cells"]["ppo_recompute_kl_eta8"]["final"] == pytest.approx([21.0, 22.0, 23.0])
+  assert result["cells"]["ppo_recompute_kl_eta0"]["final"] == pytest.approx([42.0, 43.0, 44.0])
+  assert result["cells"]["ppo_recompute_kl_eta0"]["shared_with"] == "decoupled_ppo_kl"
   assert result["cells"]["decoupled_ppo_kl_eta8"]["code_commits"] == ["def"]
   assert kl["recipe_gap_at_eta8"]["gap"]["diff"] == pytest.approx(1.0)
-  assert kl["baseline_below_at_eta8"]["difference"]["diff"] == pytest.approx(18.0)
+  assert kl["baseline_below_at_eta8"]["difference"]["diff"] == pytest.approx(20.0)
   assert kl["greedy_not_below_start"]["change"]["8"]["mean"] == pytest.approx(0.0)
   assert kl["greedy_not_below_start"]["verdict"] == "holds"  # (mean 0 on every seed: not below the start)
   md = (tmp_path / "staleness_headline.md").read_text()
   assert "| ppo_recompute (= decoupled_ppo) | 0 | 3 | 45.0 +- 1.0 |" in md and "**recipe_gap_at_eta8**: open" in md
-  assert "| decoupled_ppo_kl | 8 | 3 | 42.0 +- 1.0 |" in md
+  assert "| decoupled_ppo_kl | 8 | 3 | 42.0 +- 1.0 |" in md and "| ppo_recompute_kl (= decoupled_ppo_kl) | 0 | 3 |" in md
   # a greedy fall fails the claim; the baseline within 10 points fails its
   for f in d.iterdir():
     r = json.loads(f.read_text())
@@ -579,8 +583,8 @@ def test_staleness_headline_cells_gaps_and_claims_by_hand(tmp_path):
 
 
 def test_staleness_headline_plan_keeps_each_recipe_in_its_own_records_and_workdir():
-  """The KL recipe's arms run with its override into their own records and work directory; the
-  baseline's without it, beside decoupled PPO's; --no-baseline leaves the baseline out."""
+  """The KL recipe's arms and its baseline's run with its override into their own records and work
+  directory; decoupled PPO's and its baseline's without it; --no-baseline leaves the baseline out."""
   from benchmarks import staleness_headline as sh  # pylint: disable=import-outside-toplevel
   plan = sh.plan("/w", [100], "decoupled_ppo_kl")
   (what_r, recipe), (what_b, base) = plan
@@ -588,8 +592,11 @@ def test_staleness_headline_plan_keeps_each_recipe_in_its_own_records_and_workdi
   flag = lambda argv, name: argv[argv.index(name) + 1]
   assert flag(recipe, "--name") == "staleness_headline_kl" and flag(recipe, "--workdir") == "/w/staleness_headline_kl"
   assert f"--arm-override=--config.rl.kl_coef={sh.KL_COEF}" in recipe
-  assert flag(base, "--name") == "staleness_headline" and flag(base, "--workdir") == "/w"
-  assert not any(a.startswith("--arm-override") for a in base) and flag(base, "--arms") == "ppo_recompute"
+  assert what_b.startswith("seed 100: ppo_recompute_kl")
+  assert flag(base, "--name") == "staleness_headline_kl" and flag(base, "--workdir") == "/w/staleness_headline_kl"
+  assert f"--arm-override=--config.rl.kl_coef={sh.KL_COEF}" in base and flag(base, "--arms") == "ppo_recompute"
+  (_, plain), (_, plain_base) = sh.plan("/w", [100], "decoupled_ppo")
+  assert flag(plain_base, "--workdir") == "/w" and not any(a.startswith("--arm-override") for a in plain + plain_base)
   assert base[base.index("--etas") + 1:base.index("--etas") + 4] == ["4", "8", "16"]
   assert len(sh.plan("/w", [100, 101], "decoupled_ppo", baseline=False)) == 2
 
