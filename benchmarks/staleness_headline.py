@@ -45,11 +45,10 @@ from benchmarks.common import machine, read_json, write_result  # noqa: E402  py
 NAME = "staleness_headline"
 BASELINE = "ppo_recompute"
 KL_COEF = 0.3
-# The recipes, each against the one baseline: label -> (its records' name, overrides on top of
-# REGIME). Both are decoupled PPO; the second adds the KL term towards the starting policy
-# (rl.kl_coef, k3), which the greedy probes chose (docs/staleness.md, "During phase 2").
-# Each recipe's baseline is ppo_recompute with the recipe's other settings, in the recipe's records:
-# label -> the baseline's label.
+# The recipes: label -> (its records' name, overrides on top of REGIME). Both are decoupled PPO; the
+# second adds the KL term towards the starting policy (rl.kl_coef, k3), which the greedy probes chose
+# (docs/staleness.md, "During phase 2"). Each recipe's baseline is ppo_recompute with the recipe's
+# overrides, in the recipe's records (BASELINES: recipe label -> the baseline's label).
 RECIPES = {"decoupled_ppo": (NAME, []),
            "decoupled_ppo_kl": (NAME + "_kl", [f"--config.rl.kl_coef={KL_COEF}"])}
 BASELINES = {"decoupled_ppo": BASELINE, "decoupled_ppo_kl": BASELINE + "_kl"}
