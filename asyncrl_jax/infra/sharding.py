@@ -10,6 +10,8 @@ batch               (data, fsdp)       token / activation batch dimension
 embed               fsdp               hidden dimension of weights (FSDP: weights split)
 heads, kv_heads     tensor             attention heads (Megatron-style tensor parallel)
 mlp                 tensor             MLP hidden dimension
+moe_mlp             tensor             each expert's MLP hidden dimension
+expert              --                 the experts of a mixture-of-experts layer
 vocab               tensor             embedding rows / logits columns
 =================  =================  ================================================
 
@@ -40,6 +42,11 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    # mixture of experts (models.moe): each expert's MLP width over tensor like a dense MLP's; the
+    # expert axis and the router's expert columns replicated
+    ("expert", None),
+    ("expert_router", None),
+    ("moe_mlp", "tensor"),
 )
 
 

@@ -1,8 +1,18 @@
 """Hugging Face checkpoint directories (config.json + *.safetensors) <-> our params.
 
-Supported architectures: ``Qwen2ForCausalLM`` (model_type ``qwen2``) and ``LlamaForCausalLM``
-(``llama``) without rope scaling, sliding windows or MLP / output-projection biases. Anything else is
-refused with an error that names the unsupported field rather than loaded approximately.
+Supported architectures (``model_type``):
+
+* ``qwen2`` (``Qwen2ForCausalLM``): q/k/v bias;
+* ``llama`` (``LlamaForCausalLM``; Llama 2, 3, 3.1-3.3): rope scaling of type ``llama3``;
+* ``qwen3`` (``Qwen3ForCausalLM``): per-head q/k RMSNorm, no bias, rope scaling ``yarn``;
+* ``qwen3_moe`` (``Qwen3MoeForCausalLM``): Qwen3's attention, mixture-of-experts MLPs
+  (``num_experts`` or transformers 5's ``num_local_experts``, ``num_experts_per_tok``,
+  ``moe_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``).
+
+The RoPE settings are read from the hub's ``rope_theta`` + ``rope_scaling`` or transformers 5's
+``rope_parameters``. Anything else (other families such as Gemma 3 or DeepSeek-V3, sliding-window
+layers, rope types other than ``llama3`` and ``yarn``, MLP or output-projection biases) is refused with
+an error that names the field rather than loaded approximately.
 
 Weight layout (HF stores ``Linear`` weights as ``[out, in]``):
 
@@ -20,6 +30,10 @@ model.embed_tokens.weight [V, D]      embed [V, D]                     --
 ...post_attention_layernorm.weight    layer_i.mlp_norm.scale           --
 model.norm.weight                     final_norm.scale                 --
 lm_head.weight [V, D] (untied only)   lm_head [D, V]                   W.T
+...self_attn.{q,k}_norm.weight [H]    layer_i.attn.{q,k}_norm.scale    -- (Qwen3)
+...mlp.gate.weight [E, D]             layer_i.mlp.router [D, E]        W.T (MoE layers)
+...mlp.experts.{e}.{gate,up}_proj     layer_i.mlp.experts_{gate,up}    stacked W.T: [E, D, F]
+...mlp.experts.{e}.down_proj          layer_i.mlp.experts_down         stacked W.T: [E, F, D]
 ====================================  ===============================  ============================
 """
 
@@ -36,23 +50,81 @@ from jax.sharding import Mesh
 
 from asyncrl_jax.models import api, safetensors_io
 from asyncrl_jax.models import lora
-from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+from asyncrl_jax.models.config import ModelConfig, ModelConfigError, RopeScaling
 
-_SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+_SUPPORTED = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3_moe": "Qwen3MoeForCausalLM"}
+# the rope types each family's checkpoints use that we compute exactly (models.rope)
+_ROPE_TYPES = {"qwen2": ("default",), "llama": ("default", "llama3"), "qwen3": ("default", "yarn"),
+               "qwen3_moe": ("default", "yarn")}
+_ROPE_KEYS = {"default": (), "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor",
+                                        "high_freq_factor"),
+              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                       "attention_factor", "mscale", "mscale_all_dim", "truncate")}
 
 
 class CheckpointError(ValueError):
   """A checkpoint directory is missing files or holds something we cannot load exactly."""
 
 
-def _rope_theta(hf: dict, path: str) -> float:
-  params = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling")
-  rope_type = params.get("rope_type", "default")
-  if scaling or rope_type != "default":
-    raise CheckpointError(f"{path}/config.json: rope scaling ({scaling or params}) is not supported")
-  theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-  return float(theta)
+def _rope(hf: dict, path: str, model_type: str) -> tuple[float, RopeScaling]:
+  """``(rope_theta, RopeScaling)`` from the hub's ``rope_theta`` + ``rope_scaling`` or transformers
+  5's ``rope_parameters``; refuses a type or a key it would not compute exactly, by name."""
+  params = dict(hf.get("rope_parameters") or {})
+  if any(isinstance(v, dict) for v in params.values()):
+    raise CheckpointError(f"{path}/config.json: rope_parameters per layer type ({sorted(params)}) are not "
+                          "supported")
+  params.update(hf.get("rope_scaling") or {})
+  theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+  rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+  params.pop("type", None)
+  if params.pop("partial_rotary_factor", 1.0) != 1.0:
+    raise CheckpointError(f"{path}/config.json: partial_rotary_factor != 1 is not supported")
+  allowed = _ROPE_TYPES[model_type]
+  if rope_type not in allowed:
+    raise CheckpointError(f"{path}/config.json: rope scaling of type {rope_type!r} is not supported for "
+                          f"model_type={model_type!r}; supported: {list(allowed)}")
+  unknown = sorted(k for k in params if k not in _ROPE_KEYS[rope_type])
+  if unknown:
+    raise CheckpointError(f"{path}/config.json: rope scaling {rope_type!r} field(s) {unknown} are not "
+                          "supported")
+  if rope_type == "default":
+    return theta, RopeScaling()
+  fields = {k: v for k, v in params.items() if v is not None}
+  if rope_type == "yarn":
+    # as transformers: the pre-training context defaults to max_position_embeddings
+    fields.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if "factor" not in fields:
+      raise CheckpointError(f"{path}/config.json: rope scaling 'yarn' without a factor is not supported")
+  missing = [k for k in ("factor", "original_max_position_embeddings") + (
+      ("low_freq_factor", "high_freq_factor") if rope_type == "llama3" else ()) if fields.get(k) is None]
+  if missing:
+    raise CheckpointError(f"{path}/config.json: rope scaling {rope_type!r} is missing {missing}")
+  try:
+    scaling = RopeScaling(rope_type=rope_type, **{
+        k: (int(v) if k == "original_max_position_embeddings" else bool(v) if k == "truncate"
+            else float(v)) for k, v in fields.items()})
+    scaling.validate()
+  except (ModelConfigError, TypeError, ValueError) as e:
+    raise CheckpointError(f"{path}/config.json: rope scaling: {e}") from None
+  return theta, scaling
+
+
+def _moe_fields(hf: dict, path: str) -> dict:
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  required = {"num_experts": experts, "num_experts_per_tok": hf.get("num_experts_per_tok"),
+              "moe_intermediate_size": hf.get("moe_intermediate_size")}
+  missing = [k for k, v in required.items() if v is None]
+  if missing:
+    raise CheckpointError(f"{path}/config.json: model_type='qwen3_moe' is missing {missing}")
+  if hf.get("shared_expert_intermediate_size"):
+    raise CheckpointError(f"{path}/config.json: shared experts (shared_expert_intermediate_size) are not "
+                          "supported")
+  return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+          "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+          "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+          "decoder_sparse_step": int(hf.get("decoder_sparse_step", 1)),
+          "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ())}
 
 
 def config_from_hf(hf: dict, path: str = "<config>", *, max_seq_len: Optional[int] = None,
@@ -67,41 +139,82 @@ def config_from_hf(hf: dict, path: str = "<config>", *, max_seq_len: Optional[in
     raise CheckpointError(f"{path}/config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU)")
   if hf.get("use_sliding_window"):
     raise CheckpointError(f"{path}/config.json: use_sliding_window=true is not supported")
+  sliding = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+  if sliding:
+    raise CheckpointError(f"{path}/config.json: layer_types {sliding} (sliding-window layers) are not "
+                          "supported; only 'full_attention'")
   if hf.get("mlp_bias"):
     raise CheckpointError(f"{path}/config.json: mlp_bias=true is not supported")
-  if model_type == "llama" and hf.get("attention_bias"):
-    raise CheckpointError(f"{path}/config.json: llama attention_bias=true (o_proj bias) is not supported")
-  if hf.get("partial_rotary_factor", 1.0) != 1.0:
-    raise CheckpointError(f"{path}/config.json: partial_rotary_factor != 1 is not supported")
-  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads")
+  if model_type != "qwen2" and hf.get("attention_bias"):
+    raise CheckpointError(f"{path}/config.json: {model_type} attention_bias=true is not supported")
+  required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads") + (
+      ("intermediate_size",) if model_type != "qwen3_moe" else ())
   missing = [k for k in required if k not in hf]
   if missing:
     raise CheckpointError(f"{path}/config.json: missing required fields {missing}")
+  theta, scaling = _rope(hf, path, model_type)
+  moe = _moe_fields(hf, path) if model_type == "qwen3_moe" else {}
   try:
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
+        # a Qwen3-MoE checkpoint whose every layer is sparse may leave the dense width unset
+        intermediate_size=int(hf.get("intermediate_size") or moe.get("moe_intermediate_size")),
         num_layers=int(hf["num_hidden_layers"]),
         num_heads=int(hf["num_attention_heads"]),
         num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
         head_dim=int(hf.get("head_dim") or 0),
-        rope_theta=_rope_theta(hf, path),
+        rope_theta=theta,
+        rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_seq_len=int(max_seq_len or hf.get("max_position_embeddings", 2048)),
         dtype=dtype,
         param_dtype=param_dtype or dtype,
+        **moe,
     )
   except ModelConfigError as e:
     raise CheckpointError(f"{path}/config.json: {e}") from None
 
 
+def model_type_of(config: ModelConfig) -> str:
+  """The Hugging Face ``model_type`` a config exports as."""
+  if config.moe:
+    if not config.qk_norm or config.qkv_bias:
+      raise CheckpointError("a mixture-of-experts model exports as qwen3_moe, which needs "
+                            "model.qk_norm=True and model.qkv_bias=False")
+    return "qwen3_moe"
+  if config.qk_norm:
+    if config.qkv_bias:
+      raise CheckpointError("model.qk_norm=True with model.qkv_bias=True is no Hugging Face family")
+    return "qwen3"
+  return "qwen2" if config.qkv_bias else "llama"
+
+
+def _rope_to_hf(config: ModelConfig) -> dict:
+  s = config.rope_scaling
+  if s.rope_type == "default":
+    return {}
+  fields = {"rope_type": s.rope_type, "factor": s.factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings}
+  if s.rope_type == "llama3":
+    fields.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+  else:
+    fields.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate)
+    for name in ("attention_factor", "mscale", "mscale_all_dim"):
+      if getattr(s, name):
+        fields[name] = getattr(s, name)
+  return fields
+
+
 def config_to_hf(config: ModelConfig) -> dict:
-  """The config.json dict for a ModelConfig (qwen2 when q/k/v carry a bias, else llama)."""
-  model_type = "qwen2" if config.qkv_bias else "llama"
+  """The config.json dict for a ModelConfig (``model_type_of``: qwen3_moe, qwen3, qwen2 or llama),
+  with the RoPE settings both as the hub writes them (``rope_theta``, ``rope_scaling``) and as
+  transformers 5 does (``rope_parameters``)."""
+  model_type = model_type_of(config)
+  scaling = _rope_to_hf(config)
   out = {
       "architectures": [_SUPPORTED[model_type]],
       "model_type": model_type,
@@ -116,15 +229,23 @@ def config_to_hf(config: ModelConfig) -> dict:
       "max_position_embeddings": config.max_seq_len,
       "rms_norm_eps": config.rms_norm_eps,
       "rope_theta": config.rope_theta,
-      "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default"},
+      "rope_scaling": scaling or None,
+      "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default", **scaling},
       "tie_word_embeddings": config.tie_embeddings,
       "torch_dtype": config.param_dtype,
       "dtype": config.param_dtype,
   }
-  if model_type == "qwen2":
-    out["use_sliding_window"] = False
-  else:
+  if model_type == "llama":
     out.update(attention_bias=False, mlp_bias=False)
+  else:
+    out["use_sliding_window"] = False
+  if model_type in ("qwen3", "qwen3_moe"):
+    out["attention_bias"] = False
+  if model_type == "qwen3_moe":
+    out.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+               moe_intermediate_size=config.moe_intermediate_size,
+               norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
+               mlp_only_layers=list(config.mlp_only_layers))
   return out
 
 
@@ -136,9 +257,19 @@ def _expected_hf_shapes(c: ModelConfig) -> dict[str, tuple]:
     shapes.update({
         p + "self_attn.q_proj.weight": (n * h, d), p + "self_attn.k_proj.weight": (k * h, d),
         p + "self_attn.v_proj.weight": (k * h, d), p + "self_attn.o_proj.weight": (d, n * h),
-        p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-        p + "mlp.down_proj.weight": (d, f), p + "input_layernorm.weight": (d,),
-        p + "post_attention_layernorm.weight": (d,)})
+        p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+    if c.is_moe_layer(i):
+      e, fe = c.num_experts, c.moe_intermediate_size
+      shapes[p + "mlp.gate.weight"] = (e, d)
+      for j in range(e):
+        shapes.update({f"{p}mlp.experts.{j}.gate_proj.weight": (fe, d),
+                       f"{p}mlp.experts.{j}.up_proj.weight": (fe, d),
+                       f"{p}mlp.experts.{j}.down_proj.weight": (d, fe)})
+    else:
+      shapes.update({p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                     p + "mlp.down_proj.weight": (d, f)})
+    if c.qk_norm:
+      shapes.update({p + "self_attn.q_norm.weight": (h,), p + "self_attn.k_norm.weight": (h,)})
     if c.qkv_bias:
       shapes.update({p + "self_attn.q_proj.bias": (n * h,), p + "self_attn.k_proj.bias": (k * h,),
                      p + "self_attn.v_proj.bias": (k * h,)})
@@ -220,11 +351,21 @@ def hf_to_params(config: ModelConfig, tensors: dict[str, np.ndarray], path: str 
       attn.update(q_bias=get(p + "self_attn.q_proj.bias").reshape(n, h),
                   k_bias=get(p + "self_attn.k_proj.bias").reshape(k, h),
                   v_bias=get(p + "self_attn.v_proj.bias").reshape(k, h))
+    if config.qk_norm:
+      attn.update(q_norm={"scale": get(p + "self_attn.q_norm.weight")},
+                  k_norm={"scale": get(p + "self_attn.k_norm.weight")})
+    if config.is_moe_layer(i):
+      experts = lambda proj, _p=p: np.stack([get(f"{_p}mlp.experts.{j}.{proj}_proj.weight").T
+                                             for j in range(config.num_experts)])
+      mlp = {"router": get(p + "mlp.gate.weight").T, "experts_gate": experts("gate"),
+             "experts_up": experts("up"), "experts_down": experts("down")}
+    else:
+      mlp = {"gate": get(p + "mlp.gate_proj.weight").T, "up": get(p + "mlp.up_proj.weight").T,
+             "down": get(p + "mlp.down_proj.weight").T}
     params[f"layer_{i}"] = {
         "attn": attn,
         "attn_norm": {"scale": get(p + "input_layernorm.weight")},
-        "mlp": {"gate": get(p + "mlp.gate_proj.weight").T, "up": get(p + "mlp.up_proj.weight").T,
-                "down": get(p + "mlp.down_proj.weight").T},
+        "mlp": mlp,
         "mlp_norm": {"scale": get(p + "post_attention_layernorm.weight")},
     }
   if not config.tie_embeddings:
@@ -247,12 +388,21 @@ def params_to_hf(config: ModelConfig, params: dict[str, Any], dtype: Optional[st
         p + "self_attn.k_proj.weight": attn["k"].reshape(d, k * h).T,
         p + "self_attn.v_proj.weight": attn["v"].reshape(d, k * h).T,
         p + "self_attn.o_proj.weight": attn["o"].reshape(n * h, d).T,
-        p + "mlp.gate_proj.weight": layer["mlp"]["gate"].T,
-        p + "mlp.up_proj.weight": layer["mlp"]["up"].T,
-        p + "mlp.down_proj.weight": layer["mlp"]["down"].T,
         p + "input_layernorm.weight": layer["attn_norm"]["scale"],
         p + "post_attention_layernorm.weight": layer["mlp_norm"]["scale"],
     })
+    mlp = layer["mlp"]
+    if config.is_moe_layer(i):
+      out[p + "mlp.gate.weight"] = np.ascontiguousarray(mlp["router"].T)
+      for j in range(config.num_experts):
+        for proj in ("gate", "up", "down"):
+          out[f"{p}mlp.experts.{j}.{proj}_proj.weight"] = np.ascontiguousarray(mlp[f"experts_{proj}"][j].T)
+    else:
+      out.update({p + "mlp.gate_proj.weight": mlp["gate"].T, p + "mlp.up_proj.weight": mlp["up"].T,
+                  p + "mlp.down_proj.weight": mlp["down"].T})
+    if config.qk_norm:
+      out.update({p + "self_attn.q_norm.weight": attn["q_norm"]["scale"],
+                  p + "self_attn.k_norm.weight": attn["k_norm"]["scale"]})
     if config.qkv_bias:
       out.update({p + "self_attn.q_proj.bias": attn["q_bias"].reshape(n * h),
                   p + "self_attn.k_proj.bias": attn["k_bias"].reshape(k * h),
@@ -294,7 +444,8 @@ def load_hf(path: str, *, mesh: Optional[Mesh] = None, dtype: str = "float32",
 
 # our projection name -> the Hugging Face module it is (PEFT's target_modules)
 _HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+               "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+               "router": "mlp.gate"}
 
 
 def lora_to_peft(config: ModelConfig, params: dict[str, Any], dtype: Optional[str] = None

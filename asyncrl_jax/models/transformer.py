@@ -1,4 +1,4 @@
-"""Qwen2 / Llama-family decoder in Flax linen.
+"""The decoder of every supported family (Qwen2, Llama 2 / 3.x, Qwen3, Qwen3-MoE) in Flax linen.
 
 One module serves training and decoding:
 
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncrl_jax.models import attention as attention_lib
+from asyncrl_jax.models import layers, moe as moe_lib, rope as rope_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.forward import Forward
 
@@ -60,65 +61,12 @@ def split_kv(kv_bt2kh: jax.Array) -> tuple[jax.Array, jax.Array]:
   return kv_bt2kh[:, :, 0::2], kv_bt2kh[:, :, 1::2]
 
 
-def _dtype(name: str):
-  return jnp.dtype(name)
-
-
-def _param(module: nn.Module, name: str, init, shape: Sequence[int], axes: Sequence[Optional[str]],
-           cfg: ModelConfig):
-  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape),
-                      _dtype(cfg.param_dtype))
-
-
-def _adapter(module: nn.Module, name: str, x, in_shape: Sequence[int], in_axes: Sequence[Optional[str]],
-             out_shape: Sequence[int], out_axes: Sequence[Optional[str]], cfg: ModelConfig):
-  """The LoRA term of projection ``name`` for its input ``x`` ``[B, T, *in_shape]``:
-  ``(alpha / r) (x A) B`` with ``A`` ``[*in_shape, r]`` (``NAME_lora_a``, normal with variance 1 /
-  fan-in) and ``B`` ``[r, *out_shape]`` (``NAME_lora_b``, zeros: a new adapter changes nothing); None
-  when the projection has no adapter. Computed unmerged: two thin matmuls beside the frozen one, so
-  the gradient never forms a full-size weight. The rank axis is replicated; the others shard like
-  the projection's."""
-  if not cfg.lora or name not in cfg.lora_targets:
-    return None
-  r, fan_in = cfg.lora_rank, int(np.prod(in_shape))
-  init_a = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / np.sqrt(fan_in)
-  a = _param(module, f"{name}_lora_a", init_a, (*in_shape, r), (*in_axes, None), cfg)
-  b = _param(module, f"{name}_lora_b", nn.initializers.zeros, (r, *out_shape), (None, *out_axes), cfg)
-  ins, outs = "IJ"[:len(in_shape)], "OP"[:len(out_shape)]
-  low = jnp.einsum(f"BT{ins},{ins}R->BTR", x, a.astype(x.dtype))
-  return jnp.einsum(f"BTR,R{outs}->BT{outs}", low, b.astype(x.dtype)) * jnp.asarray(cfg.lora_scale, x.dtype)
-
-
-def _plus(y, term):
-  return y if term is None else y + term
-
-
-def _constrain(x, axes, mesh):
-  if mesh is None:
-    return x
-  return nn.with_logical_constraint(x, axes, mesh=mesh)
-
-
-class RMSNorm(nn.Module):
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(self, x):
-    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("norm",), self.cfg)
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
-    return (scale.astype(jnp.float32) * x32).astype(_dtype(self.cfg.dtype))
-
-
-def rope(x_btnh: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, half-split convention (as in Hugging Face Qwen2/Llama)."""
-  half = x_btnh.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2.0 / x_btnh.shape[-1]))
-  angles_bth = positions_bt.astype(jnp.float32)[..., None] * inv_freq
-  cos, sin = jnp.cos(angles_bth)[:, :, None, :], jnp.sin(angles_bth)[:, :, None, :]
-  x1, x2 = x_btnh[..., :half].astype(jnp.float32), x_btnh[..., half:].astype(jnp.float32)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_btnh.dtype)
+_dtype = layers.dtype_of
+_param = layers.param
+_adapter = layers.adapter
+_plus = layers.plus
+_constrain = layers.constrain
+RMSNorm = layers.RMSNorm
 
 
 class Attention(nn.Module):
@@ -151,8 +99,12 @@ class Attention(nn.Module):
       q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"), cfg).astype(dt)
       key = key + _param(self, "k_bias", zeros, (k, h), ("kv_heads", "head_dim"), cfg).astype(dt)
       val = val + _param(self, "v_bias", zeros, (k, h), ("kv_heads", "head_dim"), cfg).astype(dt)
-    q = rope(q, positions_bt, cfg.rope_theta)
-    key = rope(key, positions_bt, cfg.rope_theta)
+    if cfg.qk_norm:  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
+      q = RMSNorm(cfg, name="q_norm")(q)
+      key = RMSNorm(cfg, name="k_norm")(key)
+    inv_freq, attention_factor = rope_lib.frequencies(cfg)
+    q = rope_lib.apply(q, positions_bt, inv_freq, attention_factor)
+    key = rope_lib.apply(key, positions_bt, inv_freq, attention_factor)
 
     b, t = q.shape[:2]
     q = q.reshape(b, t, k, n // k, h)  # group query heads by the kv head they share
@@ -214,16 +166,26 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+  """One decoder layer; ``moe``: its MLP is a mixture of experts (``models.moe``), which takes the
+  layer's replayed experts ``routes_btk`` when given."""
+
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
   forward: Forward = Forward()
+  moe: bool = False
 
   @nn.compact
-  def __call__(self, x_btd, positions_bt, mask, cache=None, cache_rows_b=None):
+  def __call__(self, x_btd, positions_bt, mask, cache=None, cache_rows_b=None, routes_btk=None):
     attn, new_cache = Attention(self.cfg, self.mesh, self.forward, name="attn")(
         RMSNorm(self.cfg, name="attn_norm")(x_btd), positions_bt, mask, cache, cache_rows_b)
     x_btd = x_btd + attn
-    x_btd = x_btd + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x_btd))
+    h_btd = RMSNorm(self.cfg, name="mlp_norm")(x_btd)
+    if self.moe:
+      # the tokens the router statistics count: a training row's padding (segment 0) is not one
+      valid_bt = mask != 0 if mask.ndim == 2 else jnp.ones(x_btd.shape[:2], bool)
+      x_btd = x_btd + moe_lib.MoE(self.cfg, name="mlp")(h_btd, valid_bt, routes_btk)
+    else:
+      x_btd = x_btd + MLP(self.cfg, name="mlp")(h_btd)
     return x_btd, new_cache
 
 
@@ -251,8 +213,12 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_bt, positions_bt, segment_ids_bt=None, cache: Optional[KVCache] = None,
                logits_at_b: Optional[jax.Array] = None, cache_rows_b: Optional[jax.Array] = None,
-               hidden_only: bool = False):
+               hidden_only: bool = False, routes_btlk: Optional[jax.Array] = None):
     cfg = self.cfg
+    moe_index = {layer: j for j, layer in enumerate(cfg.moe_layers)}
+    if routes_btlk is not None and routes_btlk.shape[2:] != (len(moe_index), cfg.num_experts_per_tok):
+      raise ValueError(f"routes_btlk has shape {routes_btlk.shape}; this model replays [B, T, "
+                       f"{len(moe_index)} MoE layers, {cfg.num_experts_per_tok} experts]")
     embed = _param(self, "embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                    ("vocab", "embed"), cfg)
     x = jnp.take(embed, tokens_bt, axis=0).astype(_dtype(cfg.dtype))
@@ -268,14 +234,15 @@ class Transformer(nn.Module):
     block = nn.remat(Block, policy=self.forward.checkpoint_policy()) if remat else Block
     new_cache = []
     if self.forward.scan_layers and cache is None and not self.is_initializing():
-      x = self._scanned_blocks(x, positions_bt, mask)
+      x = self._scanned_blocks(x, positions_bt, mask, routes_btlk)
     else:
       for i in range(cfg.num_layers):
-        layer = block(cfg, self.mesh, self.forward, name=f"layer_{i}")
+        layer = block(cfg, self.mesh, self.forward, moe=i in moe_index, name=f"layer_{i}")
+        routes = None if routes_btlk is None or i not in moe_index else routes_btlk[:, :, moe_index[i]]
         if cache is None:
-          x, layer_cache = layer(x, positions_bt, mask)
+          x, layer_cache = layer(x, positions_bt, mask, None, None, routes)
         else:
-          x, layer_cache = layer(x, positions_bt, mask, cache[i], cache_rows_b)
+          x, layer_cache = layer(x, positions_bt, mask, cache[i], cache_rows_b, routes)
         new_cache.append(layer_cache)
     if logits_at_b is not None:
       x = jnp.take_along_axis(x, logits_at_b[:, None, None], axis=1)  # [B, 1, D]
@@ -292,20 +259,39 @@ class Transformer(nn.Module):
       return logits
     return logits, tuple(new_cache)
 
-  def _scanned_blocks(self, x, positions_bt, mask):
+  def _scanned_blocks(self, x, positions_bt, mask, routes_btlk=None):
     """The blocks as one ``lax.scan`` over their parameters stacked along a new leading axis (each
     step all-gathers one layer's FSDP shards), rematerialised per layer with ``remat``; the same
-    computation as the unrolled loop."""
+    computation as the unrolled loop. A mixture-of-experts model's routes and router statistics
+    leave stacked over the layers (``scanned_routes`` [L, B, T, k], ``scanned_aux``) in the
+    ``"moe"`` collection."""
+    cfg = self.cfg
+    moe = bool(cfg.moe_layers)
+    if moe and len(cfg.moe_layers) != cfg.num_layers:
+      raise ValueError("learner.scan_layers=True needs identical layers; this model mixes dense and "
+                       f"mixture-of-experts layers (model.mlp_only_layers={list(cfg.mlp_only_layers)}, "
+                       f"decoder_sparse_step={cfg.decoder_sparse_step})")
     params = self.variables["params"]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs),
-                           *[params[f"layer_{i}"] for i in range(self.cfg.num_layers)])
-    block = Block(self.cfg, self.mesh, self.forward, parent=None)
+                           *[params[f"layer_{i}"] for i in range(cfg.num_layers)])
+    block = Block(cfg, self.mesh, self.forward, moe=moe, parent=None)
+    collect = moe and self.is_mutable_collection("moe")
 
-    def step(x, layer_params):
-      y, _ = block.apply({"params": layer_params}, x, positions_bt, mask)
-      return y, None
+    def step(x, layer):
+      layer_params, routes_btk = layer
+      if not collect:
+        y, _ = block.apply({"params": layer_params}, x, positions_bt, mask, routes_btk=routes_btk)
+        return y, None
+      (y, _), state = block.apply({"params": layer_params}, x, positions_bt, mask,
+                                  routes_btk=routes_btk, mutable=["moe"])
+      out = state["moe"]["mlp"]
+      return y, (out["routes"][0], out["aux"][0])
 
     if self.forward.rematerialises:
       step = jax.checkpoint(step, policy=self.forward.checkpoint_policy())
-    x, _ = jax.lax.scan(step, x, stacked)
+    routes = None if routes_btlk is None else jnp.moveaxis(routes_btlk, 2, 0)
+    x, outs = jax.lax.scan(step, x, (stacked, routes))
+    if collect:
+      self.sow("moe", "scanned_routes", outs[0])
+      self.sow("moe", "scanned_aux", outs[1])
     return x
