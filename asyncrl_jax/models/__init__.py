@@ -1,13 +1,15 @@
-"""The policy model: a Qwen2/Llama-family decoder, its KV cache, and Hugging Face import/export."""
+"""The policy model: one decoder for the Qwen2, Llama 2 / 3.x, Qwen3 and Qwen3-MoE families, its KV
+cache, and Hugging Face import/export."""
 
 import jax
 
 from asyncrl_jax.models.api import (abstract_params, apply_decode, apply_hidden, apply_logits,
                                     cache_layout, cache_length, count_params, decode, init_cache,
-                                    init_params, logits, param_shardings, serving_dtypes,
+                                    init_params, logits, logits_and_routes, moe_outputs,
+                                    param_shardings, serving_dtypes,
                                     serving_params)
 from asyncrl_jax.models import lora
-from asyncrl_jax.models.config import ModelConfig, ModelConfigError, lora_fields
+from asyncrl_jax.models.config import ModelConfig, ModelConfigError, RopeScaling, lora_fields, moe_fields
 from asyncrl_jax.models.forward import (ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES, Forward,
                                         ForwardError)
 from asyncrl_jax.models.hf import (CheckpointError, config_from_hf, config_to_hf, export_hf,
@@ -40,9 +42,10 @@ def from_config(config, mesh):
 
 __all__ = [
     "ATTENTION_KINDS", "DECODE_KINDS", "REMAT_POLICIES", "Forward", "ForwardError", "ModelConfig", "ModelConfigError",
-    "CheckpointError", "KVCache", "abstract_params", "apply_decode", "cache_layout", "cache_length",
+    "CheckpointError", "KVCache", "RopeScaling", "moe_fields", "abstract_params", "apply_decode", "cache_layout", "cache_length",
     "apply_hidden", "apply_logits", "config_from_hf", "config_of", "config_to_hf", "count_params",
     "decode", "export_hf", "export_peft", "from_config",
-    "init_cache", "init_params", "load_hf", "logits", "param_shardings", "serving_dtypes",
+    "init_cache", "init_params", "load_hf", "logits", "logits_and_routes", "moe_outputs",
+    "param_shardings", "serving_dtypes",
     "serving_params",
 ]

@@ -178,6 +178,52 @@ def logits(config: ModelConfig, params: Params, tokens, *, positions=None, segme
   return _jitted_logits(config, mesh)(params, tokens, positions, segment_ids)
 
 
+def moe_outputs(config: ModelConfig, state: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """What a mixture-of-experts model's layers sowed into the ``"moe"`` collection (an apply with
+  ``mutable=["moe"]``; unrolled or scanned layers alike), as ``(routes [B, T, L_moe, k] int16, the
+  load-balancing loss averaged over the MoE layers, load [L_moe, E])``."""
+  moe = state.get("moe", {})
+  if "scanned_routes" in moe:
+    routes_lbtk = moe["scanned_routes"][0]
+    loss_l, load_le = moe["scanned_aux"][0]
+    return jnp.moveaxis(routes_lbtk, 0, 2), jnp.mean(loss_l), load_le
+  layers = [moe[f"layer_{i}"]["mlp"] for i in config.moe_layers]
+  routes = jnp.stack([layer["routes"][0] for layer in layers], axis=2)
+  losses = jnp.stack([layer["aux"][0][0] for layer in layers])
+  return routes, jnp.mean(losses), jnp.stack([layer["aux"][0][1] for layer in layers])
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_logits_and_routes(config: ModelConfig, mesh: Optional[Mesh], forward: Forward):
+  model = _module(config, mesh, forward)
+
+  def fn(params, tokens_bt, positions_bt, segment_ids_bt, routes_btlk):
+    with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
+      out, state = model.apply({"params": params}, tokens_bt, positions_bt, segment_ids_bt,
+                               routes_btlk=routes_btlk, mutable=["moe"])
+    return (out, *moe_outputs(config, state))
+
+  return jax.jit(fn)
+
+
+def logits_and_routes(config: ModelConfig, params: Params, tokens, *, positions=None, segment_ids=None,
+                      routes=None, mesh: Optional[Mesh] = None, forward: Forward = Forward()):
+  """A mixture-of-experts model's ``logits``, with the experts each token was routed to: ``(logits
+  [B, T, V], routes [B, T, L_moe, k] int16, load-balancing loss, load [L_moe, E])``. ``routes``
+  (``[B, T, L_moe, k]``) replays those experts instead of the router's top k (routing replay)."""
+  if not config.moe:
+    raise ValueError("logits_and_routes needs a mixture-of-experts model (model.num_experts > 0)")
+  _check_tokens(config, tokens)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  positions = default_positions(tokens) if positions is None else jnp.asarray(positions, jnp.int32)
+  segment_ids = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
+  if routes is not None:
+    routes = jnp.asarray(routes)
+    if routes.shape[:2] != tokens.shape:
+      raise ValueError(f"routes has shape {routes.shape}; expected the tokens' {tokens.shape} first")
+  return _jitted_logits_and_routes(config, mesh, forward)(params, tokens, positions, segment_ids, routes)
+
+
 def init_cache(config: ModelConfig, batch: int, length: int, dtype=None, *,
                layout: str = "split") -> KVCache:
   """An empty KV cache of ``length`` positions per row, per layer: with ``layout="split"`` a pair

@@ -1,0 +1,178 @@
+"""The mixture-of-experts layer: routing by hand, the grouped path against the dense reference, routing
+replay, the router statistics, scanned layers, KV-cache decoding and sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncrl_jax import models
+from asyncrl_jax.infra import sharding
+from asyncrl_jax.models import moe
+from tests.fixtures.helpers import sharp_params
+
+CFG = models.ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_seq_len=64, rope_theta=100.0, qkv_bias=False,
+                         qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return sharp_params(CFG, 0, scale=3.0)
+
+
+def _tokens(shape, seed=0):
+  return np.random.default_rng(seed).integers(3, CFG.vocab_size, size=shape).astype(np.int32)
+
+
+def test_route_by_hand():
+  logits = np.log(np.array([[0.1, 0.5, 0.15, 0.25]], np.float32))
+  experts, weights, probs = moe.route(jnp.asarray(logits), 2, norm_topk_prob=False)
+  np.testing.assert_array_equal(experts, [[1, 3]])
+  np.testing.assert_allclose(weights, [[0.5, 0.25]], rtol=1e-6)
+  np.testing.assert_allclose(probs, [[0.1, 0.5, 0.15, 0.25]], rtol=1e-6)
+  _, weights, _ = moe.route(jnp.asarray(logits), 2, norm_topk_prob=True)
+  np.testing.assert_allclose(weights, [[2 / 3, 1 / 3]], rtol=1e-6)
+  # replayed experts: the router's own probabilities at those experts, renormalised alike
+  experts, weights, _ = moe.route(jnp.asarray(logits), 2, norm_topk_prob=True,
+                                  routes_nk=jnp.asarray([[0, 2]], jnp.int16))
+  np.testing.assert_array_equal(experts, [[0, 2]])
+  np.testing.assert_allclose(weights, [[0.4, 0.6]], rtol=1e-6)
+
+
+def test_load_balancing_loss_by_hand():
+  e = 4
+  uniform = jnp.full((8, e), 1.0 / e)
+  experts = jnp.asarray([[0, 1], [2, 3]] * 4)
+  loss, load = moe.load_balancing_loss(uniform, experts, jnp.ones(8))
+  assert float(loss) == pytest.approx(1.0)  # balanced routing: the minimum
+  np.testing.assert_allclose(load, [0.25] * 4)
+  collapsed = jnp.tile(jnp.asarray([[1.0, 0, 0, 0]]), (8, 1))
+  loss, load = moe.load_balancing_loss(collapsed, jnp.asarray([[0, 1]] * 8), jnp.ones(8))
+  assert float(loss) == pytest.approx(e * 0.5 * 1.0)  # f_0 = 1/2, P_0 = 1
+  # padding (valid 0) is not counted
+  loss, load = moe.load_balancing_loss(collapsed, jnp.asarray([[0, 1]] * 8), jnp.asarray([1.0] + [0.0] * 7))
+  np.testing.assert_allclose(load, [0.5, 0.5, 0, 0])
+
+
+def test_grouped_experts_equal_the_dense_reference_values_and_gradients():
+  rng = np.random.default_rng(0)
+  n, d, f, e, k = 24, 8, 6, 5, 2
+  x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+  experts = jnp.asarray(np.stack([rng.choice(4, size=k, replace=False) for _ in range(n)]))  # expert 4 idle
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)), jnp.float32)
+  w = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+  grouped = moe.experts_grouped(x, experts, weights, *w)
+  dense = moe.experts_dense(x, experts, weights, *w)
+  assert float(jnp.abs(dense).max()) > 1.0
+  np.testing.assert_allclose(grouped, dense, atol=1e-5, rtol=1e-5)
+  # a token by hand: its two experts' SwiGLU outputs, weighted
+  i = 3
+  by_hand = sum(weights[i, j] * ((jax.nn.silu(x[i] @ w[0][ex]) * (x[i] @ w[1][ex])) @ w[2][ex])
+                for j, ex in enumerate(np.asarray(experts[i])))
+  np.testing.assert_allclose(grouped[i], by_hand, atol=1e-5, rtol=1e-5)
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(a[0], experts, a[1], *a[2:])))
+  g_grouped = jax.grad(loss(moe.experts_grouped), argnums=(0, 1, 2, 3, 4))(x, weights, *w)
+  g_dense = jax.grad(loss(moe.experts_dense), argnums=(0, 1, 2, 3, 4))(x, weights, *w)
+  for a, b in zip(g_grouped, g_dense):
+    np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+  assert float(jnp.abs(g_grouped[2][4]).max()) == 0.0  # the idle expert gets no gradient
+
+
+def test_the_model_on_both_expert_paths_agrees(params):
+  tokens = _tokens((2, 12))
+  ragged = models.logits(CFG, params, tokens)
+  dense = models.logits(CFG.replace(moe_matmul="dense"), params, tokens)
+  np.testing.assert_allclose(ragged, dense, atol=1e-4, rtol=1e-5)
+
+
+def test_routing_replay_uses_the_recorded_experts(params):
+  tokens = _tokens((2, 12))
+  logits, routes, aux, load = models.logits_and_routes(CFG, params, tokens)
+  assert routes.dtype == jnp.int16 and routes.shape == (2, 12, 2, 2)
+  np.testing.assert_allclose(logits, models.logits(CFG, params, tokens), atol=1e-6)
+  assert load.shape == (2, 8) and np.allclose(np.sum(load, -1), 1.0) and float(aux) >= 1.0 - 1e-6
+  # replaying the model's own routes changes nothing
+  replayed, again, _, _ = models.logits_and_routes(CFG, params, tokens, routes=routes)
+  np.testing.assert_allclose(replayed, logits, atol=1e-6)
+  np.testing.assert_array_equal(again, routes)
+  # other routes (each token's second choice and the next expert): the learner's experts are the
+  # replayed ones, and the logits move (the control)
+  other = np.asarray(routes).copy()
+  other[..., 0] = (other[..., 1] + 1) % 8
+  other[..., 0] = np.where(other[..., 0] == other[..., 1], (other[..., 0] + 1) % 8, other[..., 0])
+  moved, used, _, _ = models.logits_and_routes(CFG, params, tokens, routes=other)
+  np.testing.assert_array_equal(used, other)
+  assert float(jnp.abs(moved - logits).max()) > 1e-2
+
+
+def test_the_router_trains_under_replay(params):
+  tokens = _tokens((2, 12))
+  _, routes, _, _ = models.logits_and_routes(CFG, params, tokens)
+
+  def loss(p):
+    return jnp.mean(models.logits_and_routes(CFG, p, tokens, routes=routes)[0] ** 2)
+
+  grads = jax.grad(loss)(params)
+  assert float(jnp.abs(grads["layer_0"]["mlp"]["router"]).max()) > 0.0
+
+
+def test_scanned_layers_equal_the_unrolled_loop(params):
+  tokens = _tokens((2, 12))
+  scanned = models.Forward(scan_layers=True, remat="full")
+  want = models.logits_and_routes(CFG, params, tokens)
+  got = models.logits_and_routes(CFG, params, tokens, forward=scanned)
+  for a, b in zip(want, got):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+  replayed = models.logits_and_routes(CFG, params, tokens, routes=want[1], forward=scanned)
+  np.testing.assert_allclose(replayed[0], want[0], atol=1e-5)
+
+
+def test_scanning_mixed_layers_is_refused(params):
+  mixed = CFG.replace(mlp_only_layers=(0,))
+  p = models.init_params(mixed, jax.random.key(0))
+  with pytest.raises(ValueError, match="mixes dense and mixture-of-experts layers"):
+    models.logits_and_routes(mixed, p, _tokens((1, 4)), forward=models.Forward(scan_layers=True))
+
+
+def test_padding_is_not_counted_in_the_router_statistics(params):
+  tokens = _tokens((1, 12))
+  segments = np.ones((1, 12), np.int32)
+  _, _, _, load = models.logits_and_routes(CFG, params, tokens[:, :6])
+  segments[:, 6:] = 0
+  _, _, _, padded = models.logits_and_routes(CFG, params, tokens, segment_ids=segments)
+  np.testing.assert_allclose(padded, load, atol=1e-6)
+
+
+def test_prefill_then_decode_steps_match_the_full_forward(params):
+  tokens = _tokens((3, 14))
+  full = np.asarray(models.logits(CFG, params, tokens))
+  cache = models.init_cache(CFG, 3, 32)
+  out, cache = models.decode(CFG, params, tokens[:, :5], np.tile(np.arange(5), (3, 1)), cache)
+  steps = [np.asarray(out)]
+  for t in range(5, 14):
+    out, cache = models.decode(CFG, params, tokens[:, t:t + 1], np.full((3, 1), t), cache)
+    steps.append(np.asarray(out))
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4, rtol=1e-5)
+
+
+def test_sharded_over_eight_devices_equals_one(params):
+  mesh = sharding.make_mesh(jax.devices()[:8], dict(data=1, fsdp=4, tensor=2))
+  placed = jax.device_put(params, models.param_shardings(CFG, mesh))
+  spec = placed["layer_0"]["mlp"]["experts_gate"].sharding.spec
+  assert tuple(spec) == (None, "fsdp", "tensor")  # experts' width over tensor, hidden over fsdp
+  tokens = _tokens((4, 12))
+  np.testing.assert_allclose(models.logits(CFG, placed, tokens, mesh=mesh),
+                             models.logits(CFG, params, tokens), atol=1e-4, rtol=1e-5)
+
+
+def test_moe_config_errors_name_the_field():
+  with pytest.raises(models.ModelConfigError, match="num_experts_per_tok=9 exceeds"):
+    CFG.replace(num_experts_per_tok=9)
+  with pytest.raises(models.ModelConfigError, match="moe_matmul='megablocks'"):
+    CFG.replace(moe_matmul="megablocks")
+  with pytest.raises(models.ModelConfigError, match=r"mlp_only_layers=\[5\]"):
+    CFG.replace(mlp_only_layers=(5,))
+  with pytest.raises(models.ModelConfigError, match="every layer of this model is a mixture of experts"):
+    CFG.replace(lora_rank=4)  # the default targets include the dense MLP's projections
+  assert CFG.replace(lora_rank=4, lora_targets=("q", "v", "router")).lora
