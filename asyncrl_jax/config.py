@@ -295,6 +295,9 @@ def _validate_rl(config) -> None:
   _number(config, "rl.eps_low", lambda v: 0 < v < 1, "a number in (0, 1): the DIS interval starts at "
           "1 - eps_low > 0")
   _number(config, "rl.eps_high", lambda v: v > 0, "a number > 0")
+  _number(config, "rl.gspo_eps_low", lambda v: 0 < v < 1, "a number in (0, 1): GSPO's clip starts at "
+          "1 - gspo_eps_low > 0")
+  _number(config, "rl.gspo_eps_high", lambda v: v > 0, "a number > 0")
   _number(config, "rl.behav_weight_cap", lambda v: v > 1, "a number > 1 (inf: no cap)", allow_inf=True)
   _number(config, "rl.behav_weight_floor", lambda v: 0 <= v < 1, "a number in [0, 1) (0: no floor)")
   _number(config, "rl.behav_weight_clip", lambda v: v > 0, "a number > 0 (inf: no truncation)",

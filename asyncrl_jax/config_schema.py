@@ -20,7 +20,7 @@ from __future__ import annotations
 import ml_collections
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
-LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
+LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis", "gspo")
 KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.kl_estimator (rl.losses.reference_kl)
 STALENESS_MODES = ("bounded", "pinned")
 ADVANTAGES = ("group", "value")
@@ -195,7 +195,9 @@ def _rl_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       # ppo: PPO on the behaviour ratio; ppo_recompute: PPO with the old log-probs recomputed under the
       # weights before the update (ignores the behaviour policy: the seeds' naive baseline);
-      # decoupled_ppo: AReaL; dis: SAO's masked importance sampling
+      # decoupled_ppo: AReaL; dis: SAO's masked importance sampling; gspo: Qwen's sequence-level ratio
+      # and clip, trust region around the prox policy and each sequence weighted by its geometric-mean
+      # pi_prox / pi_behav (under the behav_weight guards), so plain GSPO at eta 0
       loss="decoupled_ppo", max_staleness=2, eps_clip=0.2, eps_low=0.3, eps_high=5.0,
       # bounded: tokens are at most max_staleness versions old (AReaL's bound; how old they are depends
       # on the roles' speeds); pinned: every token trained at version v was sampled by version
@@ -204,15 +206,18 @@ def _rl_section() -> ml_collections.ConfigDict:
       staleness_mode="bounded",
       # DIS masks only the tokens whose drift agrees with their advantage (rl.losses.dis_loss)
       dis_sign_aware=False,
+      # GSPO's clip of the sequence ratio, (1 - gspo_eps_low, 1 + gspo_eps_high): the paper's 3e-4, 4e-4
+      gspo_eps_low=3e-4, gspo_eps_high=4e-4,
       # data shaping (DAPO; controller): drop groups whose rewards are all equal and fill the batch
       # from the next groups; give completions cut by the length budget loss weight 0; a soft
       # penalty on the reward over the last overlong_penalty_len tokens of the budget (0: none)
       filter_uniform_groups=False, overlong_filter=False, overlong_penalty_len=0,
       correction=_correction_section(),
-      # decoupled PPO's behaviour weight w = pi_prox / pi_behav: tokens above the cap or below the floor
-      # are dropped (inf / 0: none); kept tokens weigh min(w, clip) (inf: no truncation). Truncation at
-      # 1, no cap: in the eta 8 probe the cap alone (AReaL's 5) removed the stale tokens that correct the
-      # policy's current mistakes and an unbounded w let a few tokens steer the update (docs/decisions/0004).
+      # decoupled PPO's behaviour weight w = pi_prox / pi_behav (GSPO's: its geometric mean over the
+      # sequence): tokens (GSPO: sequences) above the cap or below the floor are dropped (inf / 0:
+      # none); kept ones weigh min(w, clip) (inf: no truncation). Truncation at 1, no cap: in the eta 8
+      # probe the cap alone (AReaL's 5) removed the stale tokens that correct the policy's current
+      # mistakes and an unbounded w let a few tokens steer the update (docs/decisions/0004).
       behav_weight_cap=float("inf"), behav_weight_floor=0.0, behav_weight_clip=1.0,
       # a penalty of kl_coef times the policy's KL divergence from a reference per policy token, the
       # reference being the policy

@@ -77,6 +77,18 @@ def test_guards_parse_from_the_command_line_and_inf_turns_them_off():
   assert (off.behav_weight_cap, off.behav_weight_clip) == (5.0, None)
 
 
+def test_gspo_is_selectable_from_the_command_line_with_the_papers_clip():
+  out = _run_cli("--config.rl.loss=gspo", "--config.rl.gspo_eps_high=5e-4")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "rl.loss: gspo" in out.stdout and "rl.gspo_eps_high: 0.0005" in out.stdout
+  from asyncrl_jax.rl.objective import LossSettings  # pylint: disable=import-outside-toplevel
+  cfg = _load(os.path.join(ROOT, "configs", "default.py"))
+  cfg.rl.loss = "gspo"
+  s = LossSettings.from_config(config_lib.validate(cfg))
+  assert (s.loss, s.gspo_eps_low, s.gspo_eps_high, s.behav_weight_clip) == ("gspo", 3e-4, 4e-4, 1.0)
+  assert s.needs_prox  # the sequence ratio is taken against the prox policy
+
+
 def test_real_model_config_has_qwen2_5_1_5b_shape():
   model = config_lib.model_config(_load(os.path.join(ROOT, "configs", "qwen2_5_1_5b.py")))
   assert isinstance(model, ModelConfig)
@@ -84,11 +96,14 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
 
 
 @pytest.mark.parametrize("field,value,pattern", [
-    ("rl.loss", "grpo", r"rl.loss='grpo' is not allowed: must be one of \('ppo', 'ppo_recompute', 'decoupled_ppo', 'dis'\)"),
+    ("rl.loss", "grpo", r"rl.loss='grpo' is not allowed: must be one of \('ppo', 'ppo_recompute', 'decoupled_ppo', 'dis', 'gspo'\)"),
     ("rl.max_staleness", -1, r"rl.max_staleness=-1 is not allowed"),
     ("rl.eps_clip", 1.5, r"rl.eps_clip=1.5 is not allowed"),
     ("rl.eps_low", 1.0, r"rl.eps_low=1.0 is not allowed"),
     ("rl.eps_high", 0.0, r"rl.eps_high=0.0 is not allowed"),
+    ("rl.gspo_eps_low", 1.0, r"rl.gspo_eps_low=1.0 is not allowed: a number in \(0, 1\)"),
+    ("rl.gspo_eps_low", 0.0, r"rl.gspo_eps_low=0.0 is not allowed"),
+    ("rl.gspo_eps_high", -1e-4, r"rl.gspo_eps_high=-0.0001 is not allowed: a number > 0"),
     ("rl.advantage", "critic", r"rl.advantage='critic' is not allowed: must be one of \('group', 'value'\)"),
     ("rl.value_updates", 0, r"rl.value_updates=0 is not allowed: an integer >= 1"),
     ("rl.value_learning_rate", 0.0, r"rl.value_learning_rate=0.0 is not allowed: a number > 0"),

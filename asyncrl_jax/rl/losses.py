@@ -2,7 +2,8 @@
 
 Objectives (``rl.loss``): PPO on the behaviour ratio (``ppo``), standard PPO with the old log-probs
 recomputed before the update (``ppo_recompute``: the seeds' naive baseline, which ignores the
-behaviour policy), decoupled PPO (AReaL), DIS (SAO; optionally sign-aware). Corrections
+behaviour policy), decoupled PPO (AReaL), DIS (SAO; optionally sign-aware), GSPO (Qwen; a
+sequence-level ratio and clip, corrected for staleness as decoupled PPO is). Corrections
 (``Corrections``, all off by default): truncated importance sampling (TIS), IcePop's two-sided token
 mask, a sequence-level geometric-mean mask, and PPO's dual clip.
 
@@ -16,7 +17,8 @@ Aggregation: every loss is the (weighted) token mean over the global batch,
 where ``c_t`` is the optional per-token ``loss_weight`` (1 by default; sequence-mean aggregation sets
 ``c_t = (T / N) / n_i`` on the tokens of sequence ``i``, see ``batching.weight_sequences_equally``).
 Every ``L_t`` is linear in ``A_t`` for ``c_t > 0``, so weighting the loss is the same as weighting the
-advantages, but advantages stay advantages.
+advantages, but advantages stay advantages (GSPO's ``L_t`` reads its sequence's mean advantage: there
+the equivalence holds for weights constant along each sequence, as sequence-mean's are).
 
 and tokens dropped by a cap or by the DIS interval stay in the normalizer, so dropping never inflates
 the remaining tokens' gradient. Pass ``normalizer`` explicitly when one global batch is split into
@@ -84,12 +86,48 @@ def _k3(mask, log_ratio):
   return _mean(mask, jnp.expm1(log_ratio) - log_ratio)
 
 
-def _clipped_surrogate(ratio, advantages, eps_clip, dual_clip=None):
-  """PPO's ``-min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` per token, and where a clip is active
-  (no gradient flows through the token). ``dual_clip`` (``c > 1``): for ``A < 0`` the objective is
-  also bounded below by ``c * A``, i.e. the loss is at most ``-c * A`` (``dual_clip_surrogate``)."""
+def _per_sequence(x, mask, segment_ids):
+  """Per token, the mean of ``x`` over the policy tokens of its sequence, and how many there are:
+  ``[B, T] -> ([B, T], [B, T])``, both 0 where ``mask`` is 0. Packed rows hold several sequences
+  (``segment_ids``, 0 = padding); a row's sequences are its own. Differentiable in ``x``; padding
+  content never reaches the mean or its gradient."""
+  mask = jnp.asarray(mask, jnp.float32)
+  x = _masked(mask, x)
+  segment_ids = jnp.asarray(segment_ids)
+  width = segment_ids.shape[1]
+
+  def row(x_t, m_t, seg_t):
+    total = jax.ops.segment_sum(x_t, seg_t, num_segments=width + 1)
+    count = jax.ops.segment_sum(m_t, seg_t, num_segments=width + 1)
+    return (total / jnp.maximum(count, 1.0))[seg_t], count[seg_t]
+
+  mean, count = jax.vmap(row)(x, mask, segment_ids)
+  return _masked(mask, mean), _masked(mask, count)
+
+
+def _behaviour_weight(log_w, mask, cap, floor, clip):
+  """``exp(log_w)`` with decoupled PPO's guards: 0 above ``cap`` or below ``floor`` (the dropped
+  policy tokens, returned as a bool), then truncated to ``min(w, clip)``; ``None`` turns a guard off."""
+  weight = jnp.exp(log_w)
+  dropped = jnp.zeros_like(mask, dtype=bool)
+  if cap is not None:
+    dropped |= weight > cap
+  if floor is not None:
+    dropped |= weight < floor
+  dropped &= mask > 0
+  weight = jnp.where(dropped, 0.0, weight)
+  if clip is not None:
+    weight = jnp.minimum(weight, clip)
+  return weight, dropped
+
+
+def _clipped_surrogate(ratio, advantages, eps_low, eps_high, dual_clip=None):
+  """PPO's ``-min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` elementwise, and where a clip is
+  active (no gradient flows through the element). ``dual_clip`` (``c > 1``): for ``A < 0`` the
+  objective is also bounded below by ``c * A``, i.e. the loss is at most ``-c * A``
+  (``dual_clip_surrogate``)."""
   unclipped = ratio * advantages
-  clipped = jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_clip) * advantages
+  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
   objective = jnp.minimum(unclipped, clipped)
   active = clipped < unclipped
   if dual_clip is not None:
@@ -150,7 +188,7 @@ def naive_ppo_loss(logp, old_logp, advantages, mask, *, eps_clip: float = 0.2, d
   mask = mask.astype(jnp.float32)
   log_ratio = _safe_log_ratio(mask, logp, jax.lax.stop_gradient(old_logp))
   ratio = jnp.exp(log_ratio)
-  per_token, clipped = _clipped_surrogate(ratio, advantages, eps_clip, dual_clip)
+  per_token, clipped = _clipped_surrogate(ratio, advantages, eps_clip, eps_clip, dual_clip)
   loss = _weighted_sum(mask, loss_weight, per_token) / _normalizer(mask, normalizer)
   metrics = _common_metrics(mask, ratio, log_ratio, entropy)
   clipped = (clipped & (mask > 0)).astype(jnp.float32)
@@ -193,18 +231,10 @@ def decoupled_ppo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_cli
   prox_logp = jax.lax.stop_gradient(prox_logp)
   behav_logp = jax.lax.stop_gradient(behav_logp)
   log_w = _safe_log_ratio(mask, prox_logp, behav_logp)
-  weight = jnp.exp(log_w)
-  dropped = jnp.zeros_like(mask, dtype=bool)
-  if behav_weight_cap is not None:
-    dropped |= weight > behav_weight_cap
-  if behav_weight_floor is not None:
-    dropped |= weight < behav_weight_floor
-  dropped &= mask > 0
-  weight = jnp.where(dropped, 0.0, weight)
-  if behav_weight_clip is not None:
-    weight = jnp.minimum(weight, behav_weight_clip)
+  weight, dropped = _behaviour_weight(log_w, mask, behav_weight_cap, behav_weight_floor,
+                                      behav_weight_clip)
   log_u = _safe_log_ratio(mask, logp, prox_logp)
-  per_token, clipped = _clipped_surrogate(jnp.exp(log_u), advantages, eps_clip, dual_clip)
+  per_token, clipped = _clipped_surrogate(jnp.exp(log_u), advantages, eps_clip, eps_clip, dual_clip)
   loss = _weighted_sum(mask, loss_weight, weight * per_token) / _normalizer(mask, normalizer)
   log_ratio_behav = _safe_log_ratio(mask, logp, behav_logp)
   metrics = _common_metrics(mask, weight, log_ratio_behav, entropy)
@@ -258,6 +288,88 @@ def dis_loss(logp, behav_logp, advantages, mask, *, eps_low: float, eps_high: fl
   return loss, metrics
 
 
+def gspo_loss(logp, prox_logp, behav_logp, advantages, mask, *, eps_low: float = 3e-4,
+              eps_high: float = 4e-4, segment_ids=None, behav_weight_cap: Optional[float] = None,
+              behav_weight_floor: Optional[float] = None,
+              behav_weight_clip: Optional[float] = None, dual_clip=None, normalizer=None,
+              entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
+  """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", the Qwen team's objective for
+  stable mixture-of-experts RL): one length-normalised ratio and one clip per sequence, with
+  decoupled PPO's staleness correction lifted to the sequence.
+
+  For sequence ``i`` with policy tokens ``t`` (``mask``), ``n_i = |y_i|`` of them::
+
+      s_i = exp((1 / n_i) sum_t (logp_t - prox_logp_t))     geometric mean of pi_theta / pi_prox
+      w_i = exp((1 / n_i) sum_t (prox_logp_t - behav_logp_t))   no gradient; decoupled PPO's guards
+      A_i = (1 / n_i) sum_t A_t                               the sequence's advantage
+      L_i = -w_i * min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i)
+
+  Staleness: the tokens were sampled by ``pi_behav``, up to eta versions old. As in decoupled PPO
+  (AReaL) the trust region is around ``pi_prox`` (the weights before this update, recomputed by the
+  learner: GSPO's ``pi_old``) and the sequence is importance-weighted back to ``pi_behav`` by its
+  geometric-mean weight ``w_i`` (length-normalised like ``s_i``: the exact sequence weight, the
+  product of the token weights, explodes or vanishes with length), which ``behav_weight_cap`` /
+  ``floor`` drop (the whole sequence) and ``behav_weight_clip`` truncates, as decoupled PPO treats
+  its token weight. With ``prox_logp == behav_logp`` (eta 0) ``w_i = 1`` and this is plain GSPO.
+
+  ``A_i`` is the mean of the per-token advantages over the sequence's policy tokens: group (GRPO)
+  advantages are constant along a completion, so this is that constant; per-token (value / GAE)
+  advantages are averaged. The paper's gradient is the sequence form's gradient,
+  ``grad s_i = s_i * mean_t grad logp_t``, which differentiating ``s_i`` gives (its "GSPO-token"
+  variant with a stop-gradient is the same gradient when every token shares ``A_i``).
+
+  Aggregation: ``L_i`` is given to each of the sequence's policy tokens and aggregated as every
+  loss here is (module docstring), ``sum_t mask_t c_t L_{i(t)} / N``, so micro-batches sum to the
+  global loss. With ``rl.aggregation='sequence_mean'`` (``c_t = (T / S) / n_i`` over ``S``
+  sequences) that is the paper's ``-(1 / S) sum_i min(...)`` exactly; with ``token_mean``
+  (``c = 1``) each sequence weighs by its length ``n_i``.
+
+  Metrics as ``decoupled_ppo_loss`` (``clipped`` / ``dropped``: the policy tokens of clipped /
+  dropped sequences; ``iw_mean``: token mean of ``w_i``), and per sequence: ``seq_ratio_mean``
+  (mean ``s_i``), ``seq_clipped_frac``, ``seq_dropped_frac``, ``seq_iw_mean`` (mean ``w_i``).
+
+  Args:
+    logp: [B, T] log pi_theta, differentiable.
+    prox_logp: [B, T] log-probs under the weights before this update (GSPO's pi_old).
+    behav_logp: [B, T] log-probs recorded when each token was sampled.
+    advantages, mask, normalizer, entropy, loss_weight: as in ``naive_ppo_loss``.
+    eps_low, eps_high: the sequence ratio's clip ``(1 - eps_low, 1 + eps_high)``; the paper's 3e-4
+      and 4e-4 (a sequence ratio is a geometric mean: it moves far less than a token's).
+    segment_ids: [B, T] int, which sequence of its row each token belongs to (0 = padding), for
+      packed rows; None: each row is one sequence.
+    behav_weight_cap, behav_weight_floor, behav_weight_clip: the guards on ``w_i`` (as in
+      ``decoupled_ppo_loss``, per sequence).
+    dual_clip: optional dual-clip bound ``c > 1`` on ``s_i`` for negative ``A_i``.
+  """
+  sg = jax.lax.stop_gradient
+  mask = mask.astype(jnp.float32)
+  segment_ids = jnp.ones(mask.shape, jnp.int32) if segment_ids is None else segment_ids
+  prox_logp, behav_logp = sg(prox_logp), sg(behav_logp)
+  log_u = _safe_log_ratio(mask, logp, prox_logp)
+  log_s, count = _per_sequence(log_u, mask, segment_ids)  # a mean of values <= MAX_LOG_RATIO
+  ratio = jnp.exp(log_s)
+  adv_seq, _ = _per_sequence(sg(advantages), mask, segment_ids)
+  log_w_token = _safe_log_ratio(mask, prox_logp, behav_logp)
+  log_w, _ = _per_sequence(log_w_token, mask, segment_ids)
+  weight, dropped = _behaviour_weight(log_w, mask, behav_weight_cap, behav_weight_floor,
+                                      behav_weight_clip)
+  per_token, clipped = _clipped_surrogate(ratio, adv_seq, eps_low, eps_high, dual_clip)
+  loss = _weighted_sum(mask, loss_weight, weight * per_token) / _normalizer(mask, normalizer)
+  metrics = _common_metrics(mask, weight, _safe_log_ratio(mask, logp, behav_logp), entropy)
+  clipped = (clipped & ~dropped & (mask > 0)).astype(jnp.float32)
+  dropped = dropped.astype(jnp.float32)
+  # each sequence's policy tokens share weight 1, so these sums are over sequences
+  per_seq = _masked(mask, 1.0 / jnp.maximum(count, 1.0))
+  sequences = jnp.maximum(jnp.sum(per_seq), 1.0)
+  seq_mean = lambda x: jnp.sum(per_seq * sg(x)) / sequences
+  metrics.update(clipped_frac=_mean(mask, clipped), clipped=clipped,
+                 dropped_frac=_mean(mask, dropped), dropped=dropped,
+                 kl_prox=_k3(mask, sg(log_u)), kl_behav_prox=_k3(mask, log_w_token),
+                 seq_ratio_mean=seq_mean(ratio), seq_clipped_frac=seq_mean(clipped),
+                 seq_dropped_frac=seq_mean(dropped), seq_iw_mean=seq_mean(weight))
+  return loss, metrics
+
+
 # ---------------------------------------------------------------------------------- corrections
 
 
@@ -266,8 +378,9 @@ class Corrections:
   """Off-policy corrections that compose with any objective (config ``rl.correction``; all off by
   default). Each reads the importance ratio ``ratio``: ``"current"`` is ``pi_theta / pi_behav`` (the
   drift since sampling, under the weights being trained), ``"prox"`` is ``pi_prox / pi_behav`` (under
-  the weights before the update: needs the prox pass, so only with ``ppo_recompute`` and
-  ``decoupled_ppo``). Both are constants here (no gradient flows through a correction).
+  the weights before the update: needs the prox pass, which ``ppo_recompute``, ``decoupled_ppo``
+  and ``gspo`` run, and the others then run for it). Both are constants here (no gradient flows
+  through a correction).
 
   * ``tis_cap``: truncated importance sampling, every token's loss times ``min(ratio, cap)``; only
     with ``ppo_recompute`` (the others have the importance ratio in their objective already:
@@ -275,7 +388,8 @@ class Corrections:
   * ``icepop``: ``(low, high)``, a token whose ratio is outside ``[low, high]`` gets weight 0.
   * ``seq_mask``: ``(low, high)``, a whole sequence gets weight 0 when the geometric mean of its
     tokens' ratios is outside ``[low, high]``.
-  * ``dual_clip``: ``c > 1``, PPO's dual clip (PPO-family objectives only).
+  * ``dual_clip``: ``c > 1``, PPO's dual clip (PPO-family objectives only; GSPO's on its sequence
+    ratio).
 
   Tokens given weight 0 stay in the normaliser, as every dropped token here does.
   """
@@ -329,17 +443,8 @@ def sequence_log_ratio(log_ratio, mask, segment_ids):
   """Per token, the mean of ``log_ratio`` over the policy tokens of its sequence: the log of the
   sequence's geometric-mean ratio (GSPO's length-normalised sequence ratio). Packed rows hold several
   sequences (``segment_ids``, 0 = padding); a row's sequences are its own. [B, T] -> [B, T], 0 where
-  ``mask`` is 0."""
-  mask = jnp.asarray(mask, jnp.float32)
-  log_ratio = _masked(mask, jax.lax.stop_gradient(log_ratio))
-  width = segment_ids.shape[1]
-
-  def row(lr, m, seg):
-    total = jax.ops.segment_sum(lr, seg, num_segments=width + 1)
-    count = jax.ops.segment_sum(m, seg, num_segments=width + 1)
-    return (total / jnp.maximum(count, 1.0))[seg]
-
-  return _masked(mask, jax.vmap(row)(log_ratio, mask, jnp.asarray(segment_ids)))
+  ``mask`` is 0. No gradient (``gspo_loss`` takes the differentiable one)."""
+  return _per_sequence(jax.lax.stop_gradient(log_ratio), mask, segment_ids)[0]
 
 
 def sequence_mask_keep(log_ratio, mask, segment_ids, low: float, high: float):
@@ -361,8 +466,8 @@ def correction_weights(corrections: Corrections, *, logp, prox_logp, behav_logp,
     return weight, zeroed
   if corrections.ratio == "prox":
     if prox_logp is None:
-      raise ValueError("rl.correction.ratio='prox' needs the prox log-probs (rl.loss ppo_recompute or "
-                       "decoupled_ppo)")
+      raise ValueError("rl.correction.ratio='prox' needs the prox log-probs (rl.loss ppo_recompute, "
+                       "decoupled_ppo or gspo)")
     num = prox_logp
   else:
     num = logp
@@ -377,7 +482,7 @@ def correction_weights(corrections: Corrections, *, logp, prox_logp, behav_logp,
   return jnp.where(zeroed, 0.0, weight), zeroed
 
 
-LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis")
+LOSSES = ("ppo", "ppo_recompute", "decoupled_ppo", "dis", "gspo")
 LossFn = Callable[..., tuple[jax.Array, Metrics]]
 
 
@@ -385,15 +490,19 @@ def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps
                 eps_low: float, eps_high: float, behav_weight_cap: Optional[float] = None,
                 behav_weight_floor: Optional[float] = None,
                 behav_weight_clip: Optional[float] = None, dis_sign_aware: bool = False,
+                gspo_eps_low: float = 3e-4, gspo_eps_high: float = 4e-4,
                 corrections: Corrections = Corrections(), segment_ids=None, normalizer=None,
                 entropy=None, loss_weight=None) -> tuple[jax.Array, Metrics]:
   """Dispatches on ``rl.loss`` (a Python string, so no traced branching), then ``corrections``.
 
   ``ppo`` uses ``behav_logp`` as pi_old; ``ppo_recompute`` uses ``prox_logp`` (the weights before the
-  update: the behaviour policy is ignored); ``decoupled_ppo`` needs both; ``dis`` ignores
-  ``prox_logp``. The corrections' weights multiply each token's loss (as ``loss_weight`` does), and
-  the tokens they zero join the objective's ``dropped``. ``segment_ids`` ([B, T]) is needed by the
-  sequence mask only.
+  update: the behaviour policy is ignored); ``decoupled_ppo`` and ``gspo`` need both; ``dis`` ignores
+  ``prox_logp``. ``eps_low`` / ``eps_high`` are DIS's interval, ``gspo_eps_low`` / ``gspo_eps_high``
+  GSPO's sequence clip; the ``behav_weight_*`` guards act on decoupled PPO's token weight and on
+  GSPO's sequence weight. The corrections' weights multiply each token's loss (as ``loss_weight``
+  does; under GSPO, each token's share of its sequence's loss), and the tokens they zero join the
+  objective's ``dropped``. ``segment_ids`` ([B, T]) is needed by GSPO (None: one sequence per row)
+  and the sequence mask.
   """
   if corrections.dual_clip is not None and name == "dis":
     raise ValueError("rl.correction.dual_clip bounds PPO's clipped objective; rl.loss='dis' has none")
@@ -430,6 +539,14 @@ def policy_loss(name: str, *, logp, behav_logp, prox_logp, advantages, mask, eps
   elif name == "dis":
     loss, metrics = dis_loss(logp, behav_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high,
                              sign_aware=dis_sign_aware, **common)
+  elif name == "gspo":
+    if prox_logp is None:
+      raise ValueError("gspo needs prox_logp (the prox log-prob pass)")
+    loss, metrics = gspo_loss(logp, prox_logp, behav_logp, advantages, mask, eps_low=gspo_eps_low,
+                              eps_high=gspo_eps_high, segment_ids=segment_ids,
+                              behav_weight_cap=behav_weight_cap, behav_weight_floor=behav_weight_floor,
+                              behav_weight_clip=behav_weight_clip, dual_clip=corrections.dual_clip,
+                              **common)
   else:
     raise ValueError(f"rl.loss={name!r}: must be one of {LOSSES}")
   if corrections.reads_ratio:
@@ -468,6 +585,6 @@ def reference_kl(logp, ref_logp, mask, *, coef: float, estimator: str = "k3", no
 
 
 def needs_prox(name: str, corrections: Corrections = Corrections()) -> bool:
-  """Whether the loss needs the prox log-probs (``decoupled_ppo``, ``ppo_recompute``, or a
+  """Whether the loss needs the prox log-probs (``decoupled_ppo``, ``ppo_recompute``, ``gspo``, or a
   correction that reads ``pi_prox / pi_behav``)."""
-  return name in ("decoupled_ppo", "ppo_recompute") or corrections.needs_prox
+  return name in ("decoupled_ppo", "ppo_recompute", "gspo") or corrections.needs_prox

@@ -37,6 +37,8 @@ class LossSettings:
   behav_weight_floor: Optional[float] = None
   behav_weight_clip: Optional[float] = None
   dis_sign_aware: bool = False
+  gspo_eps_low: float = 3e-4
+  gspo_eps_high: float = 4e-4
   corrections: losses.Corrections = losses.Corrections()
   # the distribution the behaviour log-probs were recorded in (SamplingSettings.recorded)
   temperature: float = 1.0
@@ -65,6 +67,8 @@ class LossSettings:
                behav_weight_floor=config.rl.behav_weight_floor or None,
                behav_weight_clip=_finite_or_none(config.rl.behav_weight_clip),
                dis_sign_aware=bool(config.rl.dis_sign_aware),
+               gspo_eps_low=float(config.rl.gspo_eps_low),
+               gspo_eps_high=float(config.rl.gspo_eps_high),
                corrections=corrections_from_config(config),
                temperature=temperature, top_k=top_k, top_p=top_p,
                vocab_chunk=int(config.learner.vocab_chunk),
@@ -110,7 +114,7 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
   """Loss of one micro-batch, normalised by the *global* policy-token count ``normalizer``.
 
   Summing this over the micro-batches of a global batch (and their gradients) gives exactly the token
-  mean over the global batch. ``prox_logp`` ([R, L], or None unless the loss is decoupled PPO) comes
+  mean over the global batch. ``prox_logp`` ([R, L], or None unless the loss needs it) comes
   from ``compute_logprobs`` under the weights before the update. ``prox_is_current=True`` says that
   ``params`` *are* those weights (the first optimizer update of a version): the prox log-probs are then
   this forward pass's own, held constant, and no separate prox pass is needed (``prox_logp`` must be
@@ -138,6 +142,7 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
       eps_low=settings.eps_low, eps_high=settings.eps_high,
       behav_weight_cap=settings.behav_weight_cap, behav_weight_floor=settings.behav_weight_floor,
       behav_weight_clip=settings.behav_weight_clip, dis_sign_aware=settings.dis_sign_aware,
+      gspo_eps_low=settings.gspo_eps_low, gspo_eps_high=settings.gspo_eps_high,
       corrections=settings.corrections, segment_ids=batch.segment_ids,
       normalizer=normalizer, loss_weight=batch.loss_weight,
       entropy=jax.lax.stop_gradient(entropy))

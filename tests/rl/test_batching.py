@@ -98,7 +98,7 @@ def test_prox_logprobs_equal_log_softmax_of_full_forward(params):
 
 
 @pytest.mark.slow(41)
-@pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo", "dis"])
+@pytest.mark.parametrize("loss", ["ppo", "decoupled_ppo", "dis", "gspo"])
 def test_packed_micro_batches_equal_padded_batch(params, loss):
   rng = np.random.default_rng(3)
   lengths = np.minimum(rng.lognormal(2.5, 0.8, size=12).astype(int) + 2, 60)
@@ -110,8 +110,9 @@ def test_packed_micro_batches_equal_padded_batch(params, loss):
   seqs = [s._replace(behav_logp=np.where(
       s.mask > 0, behav[i, :len(s.tokens)] + rng.normal(0, 0.2, len(s.tokens)), 0).astype(np.float32))
           for i, s in enumerate(seqs)]
+  # (GSPO's clip widened from the paper's 3e-4 so that some sequences keep their gradient)
   settings = LossSettings(loss=loss, eps_clip=0.2, eps_low=0.3, eps_high=0.5, behav_weight_cap=2.0,
-                          temperature=1.0)
+                          gspo_eps_low=0.02, gspo_eps_high=0.03, temperature=1.0)
   # Perturbed params stand in for the "before the update" weights of the prox pass.
   prox_params = jax.tree.map(lambda x: x * 0.97, params)
 

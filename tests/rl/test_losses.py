@@ -257,7 +257,7 @@ def test_no_nan_or_inf_when_ratios_overflow_or_padding_is_garbage():
   adv = jnp.array([[-1.0, 1.0, 2.0, jnp.nan], [1.0, -3.0, 1.0, 5.0]], jnp.float32)
   mask = jnp.array([[1, 1, 1, 0], [1, 1, 1, 0]], jnp.float32)
   adv = jnp.where(mask > 0, adv, jnp.nan)  # padding advantages are garbage too
-  for name in ("ppo", "decoupled_ppo", "dis"):
+  for name in ("ppo", "decoupled_ppo", "dis", "gspo"):
     fn = lambda lp: losses.policy_loss(name, logp=lp, behav_logp=behav, prox_logp=behav - 1.0,
                                        advantages=adv, mask=mask, eps_clip=0.2, eps_low=0.3,
                                        eps_high=5.0, behav_weight_cap=None)
@@ -315,3 +315,272 @@ def test_reference_kl_against_numpy_values_and_gradients(estimator):
 def test_reference_kl_refuses_an_unknown_estimator():
   with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
     losses.reference_kl(jnp.zeros(2), jnp.zeros(2), jnp.ones(2), coef=1.0, estimator="k4")
+
+
+# ----------------------------------------------------------------------------- GSPO
+
+
+def np_gspo(logp, prox, behav, adv, mask, seg, eps_low, eps_high, *, weight=None, cap=None,
+            floor=None, clip=None, dual=None, length_normalised=True):
+  """GSPO with decoupled PPO's staleness correction, one sequence at a time in float64.
+
+  For sequence i (policy tokens t, n_i of them): s_i = exp(mean_t (logp - prox)), w_i = exp(mean_t
+  (prox - behav)) under the guards, A_i = mean_t A_t, L_i = -w_i min(s_i A_i, clip(s_i) A_i).
+  Returns (loss, dloss/dlogp, per-sequence records) with loss = sum_i C_i L_i / T, C_i the sequence's
+  summed token weights (n_i when ``weight`` is None), T the policy-token count.
+  ``length_normalised=False`` (the negative control) takes the product of the token ratios instead.
+  """
+  c = np.ones_like(mask) if weight is None else weight
+  total = max(mask.sum(), 1.0)
+  loss, grad, records = 0.0, np.zeros_like(logp), []
+  for r in range(seg.shape[0]):
+    for sid in sorted(set(seg[r].tolist()) - {0}):
+      t = (seg[r] == sid) & (mask[r] > 0)
+      if not t.any():
+        continue
+      n = t.sum()
+      log_s = (logp[r, t] - prox[r, t]).sum() / (n if length_normalised else 1)
+      s = np.exp(log_s)
+      w = np.exp(np.mean(prox[r, t] - behav[r, t]))
+      dropped = (cap is not None and w > cap) or (floor is not None and w < floor)
+      if dropped:
+        w = 0.0
+      if clip is not None:
+        w = min(w, clip)
+      a = np.mean(adv[r, t])
+      unclipped, clipped = s * a, np.clip(s, 1 - eps_low, 1 + eps_high) * a
+      objective, active = min(unclipped, clipped), clipped < unclipped
+      if dual is not None and a < 0 and objective < dual * a:
+        objective, active = dual * a, True
+      weight_i = c[r, t].sum()
+      loss += -w * objective * weight_i / total
+      if not active:  # d s_i / d logp_t = s_i / n_i on each policy token of the sequence
+        grad[r, t] = -w * a * s / (n if length_normalised else 1) * weight_i / total
+      records.append(dict(s=s, w=w, a=a, objective=objective, clipped=active, dropped=dropped, n=n))
+  return loss, grad, records
+
+
+# rows packed with sequences of different lengths, padding (0) at the ends of two rows
+GSPO_SEGMENTS = np.array([[1] * 5 + [2] * 7 + [3] * 2 + [0] * 2,
+                          [1] * 16,
+                          [1] * 3 + [2] * 4 + [3] * 6 + [0] * 3,
+                          [1] * 9 + [2] * 7])
+
+
+def _gspo_inputs(seed, *, tiny=1e-4, spread=0.3, stale=0.5, varying_adv=False):
+  """Packed rows (``GSPO_SEGMENTS``) with a prompt (mask 0) at each sequence's start, one sequence
+  without any policy token, and NaN wherever the mask is 0. Every other sequence moved by ``tiny``
+  per token (its ratio inside the paper's clip), the rest by ``spread`` (outside it); behaviour
+  ``stale`` away from prox. Advantages constant along each sequence (group advantages) unless
+  ``varying_adv``."""
+  rng = np.random.default_rng(seed)
+  seg = GSPO_SEGMENTS
+  shape = seg.shape
+  mask = np.zeros(shape)
+  scale = np.zeros(shape)
+  adv = np.zeros(shape)
+  k = 0
+  for r in range(shape[0]):
+    for sid in sorted(set(seg[r].tolist()) - {0}):
+      where = np.flatnonzero(seg[r] == sid)
+      prompt = rng.integers(1, max(len(where) - 1, 2))
+      mask[r, where[prompt:]] = rng.uniform(size=len(where) - prompt) < 0.9
+      mask[r, where[-1]] = 1.0
+      scale[r, where] = tiny if k % 2 else spread
+      adv[r, where] = rng.normal(0, 1)
+      k += 1
+  mask[2, seg[2] == 1] = 0.0  # a sequence of prompt only: no policy token, counted nowhere
+  if varying_adv:
+    adv = adv + rng.normal(0, 0.5, shape)
+  prox = np.log(rng.uniform(0.05, 0.95, shape))
+  logp = prox + scale * rng.normal(0, 1, shape)
+  behav = prox - rng.normal(0, stale, shape)
+  # what the float32 loss sees, so the reference's clip decisions are the same ones
+  logp, prox, behav, adv = (np.float32(x).astype(np.float64) for x in (logp, prox, behav, adv))
+  return logp, prox, behav, adv, mask, seg
+
+
+def _garbage(x, mask):
+  """NaN on every position the loss must ignore (prompts, padding)."""
+  return np.where(mask > 0, x, np.nan)
+
+
+def _sequence_mean_weights(mask, seg):
+  """rl.aggregation='sequence_mean''s c_t = (T / S) / n_i (batching.weight_sequences_equally)."""
+  counts = {(r, s): ((seg[r] == s) & (mask[r] > 0)).sum() for r in range(seg.shape[0])
+            for s in set(seg[r].tolist()) - {0}}
+  live = [n for n in counts.values() if n > 0]
+  per_sequence = sum(live) / len(live)
+  out = np.ones_like(mask)
+  for (r, s), n in counts.items():
+    if n:
+      out[r, seg[r] == s] = per_sequence / n
+  return out
+
+
+def _gspo(logp, prox, behav, adv, mask, seg, **kw):
+  """gspo_loss's value, gradient w.r.t. logp, and metrics, on garbage-padded float32 inputs."""
+  p, b, a, m = _f32(_garbage(prox, mask), _garbage(behav, mask), _garbage(adv, mask), mask)
+  if kw.get("loss_weight") is not None:
+    kw["loss_weight"] = jnp.asarray(kw["loss_weight"], jnp.float32)
+  fn = lambda lp: losses.gspo_loss(lp, p, b, a, m, segment_ids=jnp.asarray(seg, jnp.int32), **kw)
+  (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(
+      jnp.asarray(_garbage(logp, mask), jnp.float32))
+  return float(loss), np.asarray(grad), metrics
+
+
+def test_gspo_hand_computed():
+  # One row, two packed sequences, no staleness. Sequence 1: token log-ratios 0.1, -0.1 -> s = 1,
+  # A = 1. Sequence 2: 0.3, 0.5, 0.4 -> s = e^0.4 = 1.49, clipped to 1.2, A = 2.
+  seg = np.array([[1, 1, 2, 2, 2]])
+  behav = np.log(np.full((1, 5), 0.3))
+  logp = behav + np.array([[0.1, -0.1, 0.3, 0.5, 0.4]])
+  adv, mask = np.array([[1.0, 1.0, 2.0, 2.0, 2.0]]), np.ones((1, 5))
+  loss, grad, m = _gspo(logp, behav, behav, adv, mask, seg, eps_low=0.2, eps_high=0.2)
+  # token mean: (2 * -(1 * 1) + 3 * -(1.2 * 2)) / 5 = -1.84
+  assert loss == pytest.approx(-1.84, rel=1e-6)
+  # sequence 1's tokens: 2 tokens * (-A * s / n_i) / T = -1 * 1 / 5 each; sequence 2 is clipped
+  np.testing.assert_allclose(grad, [[-0.2, -0.2, 0.0, 0.0, 0.0]], rtol=1e-5, atol=1e-7)
+  assert float(m["seq_clipped_frac"]) == 0.5 and float(m["clipped_frac"]) == pytest.approx(0.6)
+  assert float(m["seq_ratio_mean"]) == pytest.approx((1.0 + math.exp(0.4)) / 2, rel=1e-5)
+  assert float(m["seq_iw_mean"]) == 1.0
+  # sequence mean (the paper's -mean_i): (-1 - 2.4) / 2
+  loss, _, _ = _gspo(logp, behav, behav, adv, mask, seg, eps_low=0.2, eps_high=0.2,
+                     loss_weight=_sequence_mean_weights(mask, seg))
+  assert loss == pytest.approx(-1.7, rel=1e-6)
+  # a stale behaviour policy: w = exp(mean(prox - behav)) = e^0.1 on sequence 1, e^-0.2 on sequence 2
+  prox = behav + np.array([[0.0, 0.2, -0.2, -0.2, -0.2]])
+  loss, _, m = _gspo(prox + (logp - behav), prox, behav, adv, mask, seg, eps_low=0.2, eps_high=0.2)
+  assert loss == pytest.approx((2 * -math.exp(0.1) + 3 * -2.4 * math.exp(-0.2)) / 5, rel=1e-5)
+  assert float(m["seq_iw_mean"]) == pytest.approx((math.exp(0.1) + math.exp(-0.2)) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed,guards,dual,sequence_mean,varying_adv", [
+    (0, {}, None, False, False),
+    (1, {}, None, True, False),
+    (2, dict(behav_weight_clip=1.0), None, True, False),  # the shipped truncation
+    (3, dict(behav_weight_cap=1.15, behav_weight_floor=0.85), None, False, False),
+    (6, {}, 1.1, False, True),  # per-token advantages, and the dual clip bounds some sequences
+])
+def test_gspo_matches_numpy_on_packed_and_padded_rows(seed, guards, dual, sequence_mean, varying_adv):
+  """Value and gradient at the paper's clip (3e-4, 4e-4) against the loop above, with NaN on every
+  prompt and padding position; the inputs clip some sequences and not others, for both signs."""
+  logp, prox, behav, adv, mask, seg = _gspo_inputs(seed, varying_adv=varying_adv)
+  weight = _sequence_mean_weights(mask, seg) if sequence_mean else None
+  loss, grad, m = _gspo(logp, prox, behav, adv, mask, seg, eps_low=3e-4, eps_high=4e-4,
+                        loss_weight=weight, dual_clip=dual, **guards)
+  ref, ref_grad, records = np_gspo(
+      logp, prox, behav, adv, mask, seg, 3e-4, 4e-4, weight=weight, dual=dual,
+      cap=guards.get("behav_weight_cap"), floor=guards.get("behav_weight_floor"),
+      clip=guards.get("behav_weight_clip"))
+  assert loss == pytest.approx(ref, rel=1e-5, abs=1e-7)
+  np.testing.assert_allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
+  clipped = [x["clipped"] for x in records]
+  assert any(clipped) and not all(clipped)  # the clip decides, both ways
+  assert {np.sign(x["a"]) for x in records if not x["clipped"]} == {-1.0, 1.0}
+  counted = [x["clipped"] and not x["dropped"] for x in records]  # (a dropped sequence is not clipped)
+  assert float(m["seq_clipped_frac"]) == pytest.approx(np.mean(counted), abs=1e-6)
+  assert float(m["seq_dropped_frac"]) == pytest.approx(np.mean([x["dropped"] for x in records]), abs=1e-6)
+  assert float(m["seq_ratio_mean"]) == pytest.approx(np.mean([x["s"] for x in records]), rel=1e-5)
+  if sequence_mean:  # the paper's form: -(1/S) sum_i w_i min(s_i A_i, clip(s_i) A_i)
+    assert loss == pytest.approx(-np.mean([x["w"] * x["objective"] for x in records]), rel=1e-5)
+  if "behav_weight_cap" in guards:
+    assert 0 < float(m["seq_dropped_frac"]) < 1  # the guards dropped some sequences, not all
+  if dual is not None:
+    assert any(x["a"] < 0 and x["objective"] == dual * x["a"] for x in records)  # the bound acted
+  assert np.all(grad[mask == 0] == 0.0)
+
+
+def test_gspo_reference_gradient_matches_finite_differences():
+  """The reference's analytic gradient, which the loss's is held to, is the derivative of its value."""
+  logp, prox, behav, adv, mask, seg = _gspo_inputs(5, varying_adv=True)
+  weight = _sequence_mean_weights(mask, seg)
+  args = (prox, behav, adv, mask, seg, 3e-4, 4e-4)
+  _, grad, records = np_gspo(logp, *args, weight=weight, clip=1.0)
+  assert any(not x["clipped"] for x in records)
+  h = 1e-7
+  for r, t in zip(*np.nonzero(mask)):
+    up, down = logp.copy(), logp.copy()
+    up[r, t] += h
+    down[r, t] -= h
+    fd = (np_gspo(up, *args, weight=weight, clip=1.0)[0] - np_gspo(down, *args, weight=weight,
+                                                                    clip=1.0)[0]) / (2 * h)
+    assert fd == pytest.approx(grad[r, t], rel=1e-4, abs=1e-8), (r, t)
+
+
+def test_gspo_packed_equals_one_sequence_per_row():
+  """The same sequences packed several to a row (segment_ids) or one to a row (padded): the same loss
+  and the same gradient on each token; reading a packed row as one sequence is different."""
+  logp, prox, behav, adv, mask, seg = _gspo_inputs(6, tiny=0.02, spread=0.1)
+  kw = dict(eps_low=0.03, eps_high=0.04, behav_weight_clip=1.0)
+  loss, grad, _ = _gspo(logp, prox, behav, adv, mask, seg, **kw)
+  spans = [(r, np.flatnonzero(seg[r] == s)) for r in range(seg.shape[0])
+           for s in sorted(set(seg[r].tolist()) - {0})]
+  width = max(len(where) for _, where in spans)
+  rows = [np.zeros((len(spans), width)) for _ in range(5)]
+  for i, (r, where) in enumerate(spans):
+    for out, x in zip(rows, (logp, prox, behav, adv, mask)):
+      out[i, :len(where)] = x[r, where]
+  padded_seg = (np.arange(width)[None, :] < np.array([len(w) for _, w in spans])[:, None]).astype(int)
+  one_loss, one_grad, _ = _gspo(*rows, padded_seg, **kw)
+  assert loss == pytest.approx(one_loss, rel=1e-6)
+  for i, (r, where) in enumerate(spans):
+    np.testing.assert_allclose(grad[r, where], one_grad[i, :len(where)], rtol=1e-5, atol=1e-8)
+  assert abs(loss) > 1e-3
+  whole_rows, _, _ = _gspo(logp, prox, behav, adv, mask, (seg > 0).astype(int), **kw)
+  assert whole_rows != pytest.approx(loss, rel=1e-3)  # (control: the segment ids matter)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_at_staleness_zero_is_plain_gspo(seed):
+  """pi_prox == pi_behav: every w_i = 1, so the loss is plain GSPO (the reference with no weight), and
+  the guards on w change nothing, bit for bit; with a stale behaviour policy the weight matters."""
+  logp, prox, _, adv, mask, seg = _gspo_inputs(seed)
+  plain = _gspo(logp, prox, prox, adv, mask, seg)
+  ref, ref_grad, records = np_gspo(logp, prox, prox, adv, mask, seg, 3e-4, 4e-4)
+  assert all(x["w"] == 1.0 for x in records)
+  assert plain[0] == pytest.approx(ref, rel=1e-5, abs=1e-7)
+  np.testing.assert_allclose(plain[1], ref_grad, rtol=1e-4, atol=1e-7)
+  guarded = _gspo(logp, prox, prox, adv, mask, seg, behav_weight_cap=5.0, behav_weight_floor=0.2,
+                  behav_weight_clip=1.0)
+  assert guarded[0] == plain[0]
+  np.testing.assert_array_equal(guarded[1], plain[1])
+  assert float(plain[2]["seq_iw_mean"]) == 1.0 and float(plain[2]["kl_behav_prox"]) == 0.0
+  _, prox_s, behav_s, _, _, _ = _gspo_inputs(seed, stale=0.5)
+  stale = _gspo(logp, prox, prox + (behav_s - prox_s), adv, mask, seg)
+  assert stale[0] != pytest.approx(plain[0], rel=1e-3)  # (control: the behaviour weight enters)
+
+
+def test_gspo_negative_controls_token_products_and_token_ratios_differ():
+  """The loss is the length-normalised sequence form: the product of the token ratios (no 1 / n_i),
+  and decoupled PPO's token-level ratio with the same clip, give other values."""
+  logp, prox, behav, adv, mask, seg = _gspo_inputs(7, tiny=0.01, spread=0.05)
+  kw = dict(eps_low=0.2, eps_high=0.28)
+  loss, grad, _ = _gspo(logp, prox, behav, adv, mask, seg, **kw)
+  ref, ref_grad, _ = np_gspo(logp, prox, behav, adv, mask, seg, 0.2, 0.28)
+  product, product_grad, _ = np_gspo(logp, prox, behav, adv, mask, seg, 0.2, 0.28,
+                                     length_normalised=False)
+  assert loss == pytest.approx(ref, rel=1e-5)
+  assert loss != pytest.approx(product, rel=1e-2)
+  assert np.max(np.abs(grad - product_grad)) > 1e-3
+  token, _ = np_decoupled(logp, prox, behav, adv, mask, 0.2)
+  assert loss != pytest.approx(token, rel=1e-2)
+
+
+def test_gspo_through_policy_loss():
+  """rl.loss='gspo' dispatches with GSPO's own clip and the segment ids, and needs the prox pass."""
+  logp, prox, behav, adv, mask, seg = _gspo_inputs(8)
+  lp, pr, be, ad, ma = _f32(logp, prox, behav, adv, mask)
+  seg_j = jnp.asarray(seg, jnp.int32)
+  got, m = losses.policy_loss("gspo", logp=lp, behav_logp=be, prox_logp=pr, advantages=ad, mask=ma,
+                              eps_clip=0.2, eps_low=0.3, eps_high=5.0, behav_weight_clip=1.0,
+                              gspo_eps_low=1e-3, gspo_eps_high=2e-3, segment_ids=seg_j)
+  want, _ = losses.gspo_loss(lp, pr, be, ad, ma, eps_low=1e-3, eps_high=2e-3, segment_ids=seg_j,
+                             behav_weight_clip=1.0)
+  assert float(got) == float(want)
+  assert set(m) >= {"clipped", "dropped", "clipped_frac", "dropped_frac", "iw_mean", "kl_behav",
+                    "kl_prox", "kl_behav_prox", "seq_ratio_mean", "seq_clipped_frac", "seq_iw_mean"}
+  assert losses.needs_prox("gspo") and "gspo" in losses.LOSSES
+  with pytest.raises(ValueError, match="gspo needs prox_logp"):
+    losses.policy_loss("gspo", logp=lp, behav_logp=be, prox_logp=None, advantages=ad, mask=ma,
+                       eps_clip=0.2, eps_low=0.3, eps_high=5.0)
