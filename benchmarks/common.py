@@ -37,11 +37,24 @@ def machine() -> dict:
       "num_devices": len(jax.devices()),
       "cpu_count": os.cpu_count(),
       "processor": platform.processor() or platform.machine(),
+      "cpu": _cpu_model(),
       "python": platform.python_version(),
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
       "commit": _commit(),
   }
+
+
+def _cpu_model() -> str:
+  """The CPU's model name (Linux ``/proc/cpuinfo``), else the processor ``platform`` names."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
 
 
 def _commit() -> str:

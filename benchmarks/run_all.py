@@ -48,6 +48,11 @@ BENCHMARKS = {
     "int8_rollout": ("int8_rollout.py", ["--quick"], [],
                      "No seed figure: int8 decode servers against the serving dtype, by the TPU compile "
                      "(bytes, step time, tokens/s per server) and on CPU."),
+    "moe_layer": ("moe_layer.py", ["--quick"], [],
+                  "No seed figure: the MoE layer's grouped expert path (`ragged_dot`) against the dense "
+                  "reference on CPU, same run, values checked against each other. A change to "
+                  "`models/moe.py` reruns it: slower per token than here, on the same machine, is a "
+                  "regression (about 3 minutes on 2 cores)."),
     "twin_lora": ("twin.py", ["--quick", "--shapes", "1x1", "2x2", "--lora", "8"],
                   ["--shapes", "1x1", "2x2", "--lora", "8"],
                   "No seed figure: full-weight and LoRA RL side by side on the twin; the bytes a decode "

@@ -112,6 +112,36 @@ def test_straggler_benchmark_writes_its_result(tmp_path, capsys):
   assert (tmp_path / "straggler.png").stat().st_size > 1000
 
 
+def test_moe_layer_quick_checks_grouped_against_dense_and_times_both(tmp_path, capfd, monkeypatch):
+  """The quick run (one cell): both paths' forward and forward + backward timed, their values checked
+  against each other, the nominal FLOP ratio E / k; a grouped path that pairs the routing weights with
+  the wrong experts stops the run, naming the cell (negative control). No wall-clock time asserted."""
+  from asyncrl_jax.models import moe  # pylint: disable=import-outside-toplevel
+  from benchmarks import moe_layer  # pylint: disable=import-outside-toplevel
+  assert moe_layer.main(["--quick", "--out", str(tmp_path)]) == 0
+  last = json.loads(capfd.readouterr().out.strip().splitlines()[-1])  # (capfd: the module arms faulthandler)
+  assert set(last) == {"64,16,4"}
+  result = json.loads((tmp_path / "moe_layer.json").read_text())
+  assert result["config"]["cells"] == [[64, 16, 4]] and result["config"]["repeats"] == 2
+  assert {"cpu", "cpu_count", "jax", "commit"} <= set(result["machine"])
+  for cell in result["cells"]:
+    assert cell["nominal_flop_ratio"] == cell["experts"] / cell["top_k"]
+    assert set(cell["check"]) == {"y", "grad_x", "grad_logits", "grad_gate", "grad_up", "grad_down"}
+    assert cell["max_rel_diff"] <= 1e-4 and cell["check"]["y"]["ref_max_abs"] > 0.1  # (not all zeros)
+    for kind in ("fwd", "fwd+bwd"):
+      assert set(cell[kind]["us_per_token"]) == {"dense", "grouped"}
+      assert [len(cell[kind]["runs_seconds"][p]) for p in ("dense", "grouped")] == [2, 2]
+  md = (tmp_path / "moe_layer.md").read_text()
+  assert "| N | E | k | fwd us/token dense |" in md and "| 64 | 16 | 4 |" in md and "cpu_count=" in md
+
+  def swapped(x_nd, experts_nk, weights_nk, *kernels):
+    return moe.experts_grouped(x_nd, experts_nk, weights_nk[:, ::-1], *kernels)
+
+  monkeypatch.setitem(moe_layer.PATHS, "grouped", swapped)
+  with pytest.raises(AssertionError, match="N=16 E=4 k=2: grouped and dense y differ"):
+    moe_layer.main(["--cells", "16,4,2", "--repeats", "1", "--out", str(tmp_path / "broken")])
+
+
 @pytest.mark.slow(23)
 def test_gpu_script_runs_end_to_end_at_a_tiny_size(tmp_path):
   """The accelerator script (never run in CI on an accelerator) still works: same steps, tiny sizes."""

@@ -8,16 +8,18 @@ experts ``e`` chosen. Every token reaches its k experts: no capacity, nothing dr
 Two ways to run the experts (``ModelConfig.moe_matmul``), one result:
 
 * ``"ragged"``: the ``N k`` (token, expert) pairs sorted by expert and each expert's matmuls run on
-  its contiguous group with ``jax.lax.ragged_dot`` (CPU and TPU): ``N k`` rows of work;
+  its contiguous group with ``jax.lax.ragged_dot``: ``N k`` rows of work where it lowers to a
+  grouped matmul (TPU, GPU). XLA's CPU lowering instead masks every routing slot against every
+  expert, ``N k E`` rows: on the CPU it is slower than "dense" (``benchmarks/moe_layer.py``);
 * ``"dense"``: the reference: every expert on every token, the outputs combined with the routing
-  weights (zero off the chosen k): ``N E`` rows of work, for tests and the benchmark.
+  weights (zero off the chosen k): ``N E`` rows of work; the faster path on the CPU twin.
 
 Routing replay: given ``routes_btk`` (the experts a decode server chose for each token, recorded with
 the trajectory), the layer uses those experts instead of its own top k; the weights are still its own
 router's probabilities at those experts (renormalised alike), so the router keeps its gradient. The
 chosen experts leave through the ``"moe"`` collection (``routes``), beside the layer's router
-statistics (``aux``: the load-balancing loss and the per-expert load) when the caller asks for them
-(``mutable=["moe"]``).
+statistics (``aux``: the load-balancing loss, the per-expert load, and the router's own top k, which
+differs from ``routes`` where replay overrode it) when the caller asks for them (``mutable=["moe"]``).
 
 Parameters (logical axes for ``infra.sharding``): ``router`` [D, E] (``embed``, ``expert_router``),
 ``experts_gate`` / ``experts_up`` [E, D, F] (``expert``, ``embed``, ``moe_mlp``), ``experts_down``
@@ -113,7 +115,8 @@ EXPERT_PATHS = {"ragged": experts_grouped, "dense": experts_dense}
 
 class MoE(nn.Module):
   """``MoE(cfg)(x_btd, valid_bt, routes_btk=None) -> [B, T, D]``; sows ``routes`` ([B, T, k]
-  int16) and ``aux`` ((load-balancing loss, load [E])) into the ``"moe"`` collection."""
+  int16) and ``aux`` ((load-balancing loss, load [E], own top k [B, T, k] int16)) into the ``"moe"``
+  collection."""
 
   cfg: ModelConfig
 
@@ -142,5 +145,16 @@ class MoE(nn.Module):
     if self.is_mutable_collection("moe"):
       loss, load_e = load_balancing_loss(probs_ne, experts_nk, valid_bt.reshape(-1))
       self.sow("moe", "routes", experts_nk.reshape(b, t, k).astype(ROUTE_DTYPE))
-      self.sow("moe", "aux", (loss, load_e))
+      # the router's own top k, which replay overrides (for the routing mismatch it measures)
+      own = experts_nk if routes_btk is None else jax.lax.top_k(probs_ne, k)[1]
+      self.sow("moe", "aux", (loss, load_e, own.reshape(b, t, k).astype(ROUTE_DTYPE)))
     return y_nd.reshape(b, t, d)
+
+
+def route_mismatch(a_btlk: jax.Array, b_btlk: jax.Array, valid_bt: jax.Array) -> jax.Array:
+  """The fraction of (valid token, MoE layer) pairs whose two expert sets differ (order ignored):
+  how often the learner's router would route a token elsewhere than the decode server did."""
+  a, b = jnp.sort(a_btlk.astype(jnp.int32), axis=-1), jnp.sort(b_btlk.astype(jnp.int32), axis=-1)
+  differ = jnp.any(a != b, axis=-1).astype(jnp.float32)  # [B, T, L]
+  valid = valid_bt.astype(jnp.float32)[..., None] * jnp.ones_like(differ)
+  return jnp.sum(differ * valid) / jnp.maximum(jnp.sum(valid), 1.0)
