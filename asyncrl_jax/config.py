@@ -20,7 +20,7 @@ from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, KL_ESTI
                                        LOSSES, STALENESS_MODES, TASKS, ConfigError, base_config)
 from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
-from asyncrl_jax.models.config import ModelConfig, ModelConfigError
+from asyncrl_jax.models.config import MOE_MATMULS, ModelConfig, ModelConfigError
 from asyncrl_jax.models.forward import ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES
 from asyncrl_jax.models.quant import WEIGHT_DTYPES
 
@@ -132,6 +132,17 @@ def _validate_model(config) -> None:
       raise ConfigError(str(e)) from None
   _one_of(config, "model.dtype", DTYPES)
   _one_of(config, "model.param_dtype", DTYPES)
+  moe = config.model.moe
+  _check(isinstance(moe.aux_loss_coef, (int, float)) and moe.aux_loss_coef >= 0, "model.moe.aux_loss_coef",
+         moe.aux_loss_coef, ">= 0")
+  _one_of(config, "model.moe.matmul", MOE_MATMULS)
+  _check(isinstance(config.rollout.record_routes, bool), "rollout.record_routes",
+         config.rollout.record_routes, "True or False")
+  _check(isinstance(config.rl.replay_routes, bool), "rl.replay_routes", config.rl.replay_routes,
+         "True or False")
+  if config.rollout.record_routes and not config.model.hf_path:
+    _check(moe.num_experts > 0, "rollout.record_routes", True,
+           "False for a dense model (routes exist only with model.moe.num_experts > 0)")
 
 
 def _validate_data(config) -> None:

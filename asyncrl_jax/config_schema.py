@@ -36,15 +36,35 @@ class ConfigError(ValueError):
 def _model_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       hf_path="",  # when set, architecture and weights come from this HF directory
-      # a Qwen2/Llama-family decoder (the built-in default: 2 layers, d=128); head_dim 0 =
-      # hidden_size / num_heads
+      # the decoder (the built-in default: 2 layers, d=128, Qwen2-style); head_dim 0 = hidden_size /
+      # num_heads; qk_norm: Qwen3's RMSNorm on each query and key head before RoPE
       vocab_size=17, hidden_size=128, intermediate_size=512, num_layers=2, num_heads=4,
-      num_kv_heads=2, head_dim=0, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True,
+      num_kv_heads=2, head_dim=0, rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=True, qk_norm=False,
+      # RoPE frequency scaling as the hub writes it (models.rope): rope_type "default" (none),
+      # "llama3" (factor, original_max_position_embeddings, low_freq_factor, high_freq_factor) or
+      # "yarn" (factor, original_max_position_embeddings, beta_fast, beta_slow, and an attention
+      # factor on cos / sin: attention_factor, else from factor, mscale, mscale_all_dim)
+      rope_scaling=ml_collections.ConfigDict(dict(
+          rope_type="default", factor=1.0, original_max_position_embeddings=0, low_freq_factor=1.0,
+          high_freq_factor=4.0, beta_fast=32.0, beta_slow=1.0, attention_factor=0.0, mscale=0.0,
+          mscale_all_dim=0.0, truncate=True)),
+      # mixture of experts (models.moe; Qwen3-MoE): num_experts > 0 makes the MLP of every
+      # decoder_sparse_step-th layer, except mlp_only_layers (comma-separated indices), top_k of
+      # num_experts experts of width intermediate_size, dropless; norm_topk_prob renormalises the
+      # k routing weights. matmul: "ragged" (grouped by expert with jax.lax.ragged_dot) or "dense"
+      # (every expert on every token: the reference); with hf_path only matmul and aux_loss_coef
+      # apply. aux_loss_coef: the router's load-balancing loss (E sum_e f_e P_e, averaged over the
+      # MoE layers) added to the learner's loss times this (0: logged, not trained)
+      moe=ml_collections.ConfigDict(dict(
+          num_experts=0, top_k=0, intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1,
+          mlp_only_layers="", matmul="ragged", aux_loss_coef=0.0)),
       # dtype: activations and matmuls (decode servers also hold the weights in it, norm scales
       # excepted); param_dtype: the learner's stored weights and optimizer state
       tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",
       # LoRA: rank > 0 adds adapters (scale alpha / rank) to the targets, comma-separated of
-      # q,k,v,o,gate,up,down; the learner then trains only the adapters (the base stays frozen)
+      # q,k,v,o,gate,up,down,router (a mixture of experts: the attention projections and optionally
+      # the router; experts carry none); the learner then trains only the adapters (the base stays
+      # frozen)
       lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="q,k,v,o,gate,up,down")),
   ))
 
@@ -138,6 +158,10 @@ def _rollout_section() -> ml_collections.ConfigDict:
       # weights arrive and dequantizes as a step reads them; the recorded behaviour log-probs are the
       # int8 model's (models.quant)
       weight_dtype="",
+      # a mixture-of-experts policy: record, per token and MoE layer, the experts the server chose;
+      # they travel with the trajectory (int16) and the learner computes the proximal and current
+      # policies with those experts (routing replay, R3; the gate weights still from its own router)
+      record_routes=False,
   ))
 
 
@@ -208,6 +232,10 @@ def _rl_section() -> ml_collections.ConfigDict:
       dis_sign_aware=False,
       # GSPO's clip of the sequence ratio, (1 - gspo_eps_low, 1 + gspo_eps_high): the paper's 3e-4, 4e-4
       gspo_eps_low=3e-4, gspo_eps_high=4e-4,
+      # with rollout.record_routes: the learner's forward passes (prox, current, reference) use the
+      # decode servers' recorded experts (routing replay); False records them only to measure the
+      # routing mismatch (metrics.jsonl: moe_route_mismatch)
+      replay_routes=True,
       # data shaping (DAPO; controller): drop groups whose rewards are all equal and fill the batch
       # from the next groups; give completions cut by the length budget loss weight 0; a soft
       # penalty on the reward over the last overlong_penalty_len tokens of the budget (0: none)

@@ -5,6 +5,8 @@ log-probs for (``sampling_mismatch``: otherwise the run stops with ``SamplingMis
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from asyncrl_jax.rl.trajectory import RolloutRequest, Trajectory, Turn
@@ -27,10 +29,11 @@ def sampling_mismatch(t: Trajectory, sampling: dict) -> str:
   return ""
 
 
-def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int
-                     ) -> str:
+def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int, newest_version: int,
+                     routes: Optional[tuple[int, int, int]] = None) -> str:
   """Why ``t`` (returned for ``request``) cannot be trained, or "" if it can. Failed and aborted
-  trajectories are not checked here (they carry no usable tokens)."""
+  trajectories are not checked here (they carry no usable tokens). ``routes``: ``(MoE layers, k,
+  experts)`` when the run replays recorded routes (each token needs k distinct experts per layer)."""
   n = len(t.completion_tokens)
   # an episode's environment may render the prompt itself (an agent program's first request, with
   # its system message and tools): the request's prompt is then a placeholder
@@ -66,7 +69,24 @@ def check_trajectory(t: Trajectory, request: RolloutRequest, *, vocab_size: int,
     return "versions that decrease along the sequence (or are negative)"
   if versions.max() > newest_version:
     return f"a token of version {int(versions.max())}, newer than the learner's {newest_version}"
+  if routes is not None:
+    problem = _check_routes(t, *routes)
+    if problem:
+      return problem
   return _check_turns(t, request)
+
+
+def _check_routes(t: Trajectory, layers: int, k: int, experts: int) -> str:
+  if t.routes is None:
+    return "no routes, but the run replays them (rollout.record_routes=True)"
+  r = np.asarray(t.routes)
+  if r.shape[1:] != (layers, k):
+    return f"routes of shape {list(r.shape)}, not [tokens, {layers} MoE layers, {k} experts]"
+  if r.size and (r.min() < 0 or r.max() >= experts):
+    return f"a routed expert outside [0, {experts})"
+  if r.size and k > 1 and np.any(np.diff(np.sort(r, axis=-1), axis=-1) == 0):
+    return "a token routed twice to one expert in a layer"
+  return ""
 
 
 def _check_turns(t: Trajectory, request: RolloutRequest) -> str:

@@ -104,7 +104,8 @@ class Controller:
                max_prompt_len: Optional[int] = None, sampling: Optional[dict] = None,
                min_new_tokens: int = 0, lengths: Optional[LengthWorkload] = None, seed: int = 0,
                filter_uniform_groups: bool = False, overlong_filter: bool = False,
-               overlong_penalty_len: int = 0, episode: Optional[dict] = None):
+               overlong_penalty_len: int = 0, episode: Optional[dict] = None,
+               routes: Optional[tuple[int, int, int]] = None):
     if advantage not in ("group", "value"):
       raise ValueError(f"advantage={advantage!r} must be 'group' or 'value'")
     if batch_size % group_size:
@@ -145,6 +146,9 @@ class Controller:
     # every rollout a multi-turn episode of this spec (``envs.episode_template``; None: one completion
     # each): the environment scores it, per turn, on the decode server
     self.episode = episode
+    # (MoE layers, k, experts) when trajectories must carry their routes (rollout.record_routes),
+    # which the batches then hold for the learner (routing replay); None: routes are not kept
+    self.routes = routes
     self._groups: dict[int, _Group] = {}
     self._seen: set[str] = set()
     # prompt-stream state at each admitted group not yet trained (a batch may start at any of them)
@@ -189,7 +193,7 @@ class Controller:
                filter_uniform_groups=config.rl.filter_uniform_groups,
                overlong_filter=config.rl.overlong_filter,
                overlong_penalty_len=config.rl.overlong_penalty_len,
-               episode=envs.episode_template(config))
+               episode=envs.episode_template(config), routes=_route_check(config))
 
   # ------------------------------------------------------------------ admission
 
@@ -333,7 +337,7 @@ class Controller:
     if t.finish_reason == "error":
       return ("malformed" if t.error.startswith("malformed") else "failed"), t.error
     problem = check_trajectory(t, request, vocab_size=self.tokenizer.vocab_size,
-                               newest_version=self.newest_version())
+                               newest_version=self.newest_version(), routes=self.routes)
     return ("malformed", problem) if problem else ("", "")
 
   def _on_reward(self, t: Trajectory, reward: float) -> None:
@@ -480,7 +484,8 @@ class Controller:
                                               versions=t.versions, advantage=float(a),
                                               token_reward=token_reward,
                                               min_new_tokens=g.requests[rid].min_new_tokens,
-                                              weight=0.0 if cut else 1.0, action_mask=t.action_mask))
+                                              weight=0.0 if cut else 1.0, action_mask=t.action_mask,
+                                              routes=t.routes if self.routes else None))
     max_seen = max(staleness, default=0)
     return TrainingBatch(version=version, sequences=sequences, trajectories=trajectories,
                          rewards=rewards,
@@ -495,3 +500,10 @@ class Controller:
     self._rewards.close()
 
 
+def _route_check(config) -> Optional[tuple[int, int, int]]:
+  """(MoE layers, k, experts) of the policy when the run records routes, else None."""
+  if not config.rollout.get("record_routes"):
+    return None
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  m = models.config_of(config)
+  return len(m.moe_layers), m.num_experts_per_tok, m.num_experts

@@ -51,22 +51,30 @@ def pack_sequences(sequences: Sequence[SequenceData]) -> dict:
   if optional:
     floats.append(cat(lambda s: s.loss_weight if s.loss_weight is not None else np.ones(len(s.tokens))))
     floats.append(cat(lambda s: s.eos_banned if s.eos_banned is not None else np.zeros(len(s.tokens))))
-  return {"lengths": np.asarray([len(s.tokens) for s in sequences], np.int32),
-          "tokens": cat(lambda s: s.tokens).astype(np.int32),
-          "versions": cat(lambda s: s.versions).astype(np.int32),
-          "floats": np.stack(floats).astype(np.float32)}
+  out = {"lengths": np.asarray([len(s.tokens) for s in sequences], np.int32),
+         "tokens": cat(lambda s: s.tokens).astype(np.int32),
+         "versions": cat(lambda s: s.versions).astype(np.int32),
+         "floats": np.stack(floats).astype(np.float32)}
+  if sequences and sequences[0].routes is not None:  # [tokens, L_moe * k] (int32: broadcast as is)
+    out["routes"] = np.concatenate([np.asarray(s.routes).reshape(len(s.tokens), -1)
+                                    for s in sequences]).astype(np.int32)
+  return out
 
 
-def unpack_sequences(arrays: dict) -> list[SequenceData]:
+def unpack_sequences(arrays: dict, route_shape: Optional[tuple] = None) -> list[SequenceData]:
+  """``pack_sequences``' inverse; ``route_shape`` (L_moe, k): the routes' per-token shape."""
   bounds = np.cumsum(np.r_[0, np.asarray(arrays["lengths"])])
   floats = np.asarray(arrays["floats"])
+  routes = arrays.get("routes")
   out = []
   for a, b in zip(bounds[:-1], bounds[1:]):
     out.append(SequenceData(tokens=np.asarray(arrays["tokens"][a:b]), mask=floats[0, a:b],
                             behav_logp=floats[1, a:b], advantages=floats[2, a:b],
                             versions=np.asarray(arrays["versions"][a:b]),
                             loss_weight=floats[3, a:b] if len(floats) > 3 else None,
-                            eos_banned=floats[4, a:b] if len(floats) > 4 else None))
+                            eos_banned=floats[4, a:b] if len(floats) > 4 else None,
+                            routes=None if routes is None else
+                            np.asarray(routes[a:b]).reshape(b - a, *route_shape).astype(np.int16)))
   return out
 
 
@@ -206,7 +214,11 @@ class LearnerGroup:
         faults.at("train", version)
         like = {"lengths": np.zeros(a, np.int32), "tokens": np.zeros(b, np.int32),
                 "versions": np.zeros(b, np.int32), "floats": np.zeros((c, b), np.float32)}
-        self.learner.train(unpack_sequences(multihost_utils.broadcast_one_to_all(like)), version=version)
+        route_shape = self.learner.settings.route_shape  # (the same config in every process)
+        if route_shape is not None and a:
+          like["routes"] = np.zeros((b, int(np.prod(route_shape))), np.int32)
+        self.learner.train(unpack_sequences(multihost_utils.broadcast_one_to_all(like), route_shape),
+                           version=version)
       elif op == OFFER:
         like = {"data": np.zeros(3 * a, np.uint32)}
         data = np.asarray(multihost_utils.broadcast_one_to_all(like)["data"], np.uint32) if a else None

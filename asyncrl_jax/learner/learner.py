@@ -127,7 +127,8 @@ class Learner:
     loss = functools.partial(micro_batch_loss, model=model_config, settings=self.settings, mesh=mesh)
     self.updater = update_lib.Updater(
         model_config, params, mesh, self.optimizer, token_budget=config.learner.token_budget,
-        opt_state=opt_state, adapters_only=model_config.lora, losses={
+        opt_state=opt_state, adapters_only=model_config.lora, route_shape=self.settings.route_shape,
+        losses={
             # the version's first update: its own forward pass gives the prox log-probs; ``aux``
             # holds the reference's log-probs ("ref", with rl.kl_coef) and, for later updates, the
             # prox pass's ("prox")
@@ -210,7 +211,8 @@ class Learner:
                           top_p=self.settings.top_p, mesh=self.mesh,
                           vocab_chunk=self.settings.vocab_chunk,
                           forward=self.settings.forward.replace(remat="none"),
-                          eos_banned_bt=batch.eos_banned, eos_ban_ids=self.settings.eos_ban_ids)
+                          eos_banned_bt=batch.eos_banned, eos_ban_ids=self.settings.eos_ban_ids,
+                          routes_btlk=batch.routes if self.settings.replay_routes else None)
 
   def warm_up(self, longest: int) -> int:
     """Compiles every micro-batch shape that sequences of up to ``longest`` tokens can be packed
@@ -222,7 +224,8 @@ class Learner:
     later = self.settings.needs_prox and self.minibatches > 1
     for width in shapes:
       seq = batching.make_sequence(np.zeros(width - 1, np.int32), np.zeros(1, np.int32),
-                                   logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32))
+                                   logprobs=np.zeros(1, np.float32), versions=np.zeros(1, np.int32),
+                                   routes=self.placeholder_routes(width))
       mbs, normalizer = self.updater.place([seq])
       ref = [self._prox(self.reference_params(), b) for b in mbs] if self.settings.kl_coef else None
       _, health = self.updater.update(mbs, normalizer, loss="first", aux=self._aux(None, ref), proceed=skip)
@@ -237,6 +240,14 @@ class Learner:
         jax.block_until_ready(value_health)
       jax.block_until_ready(health)
     return len(shapes)
+
+  def placeholder_routes(self, n: int) -> Optional[np.ndarray]:
+    """Routes for ``n`` tokens that route each to experts 0..k-1 (a warm-up sequence's), when the
+    run's batches carry recorded routes; else None."""
+    if self.settings.route_shape is None:
+      return None
+    layers, k = self.settings.route_shape
+    return np.broadcast_to(np.arange(k, dtype=batching.ROUTE_DTYPE), (n, layers, k)).copy()
 
   def programs(self, row_len: int) -> list:
     """``(name, jitted function, arguments)`` of every program a version runs, on full micro-batches

@@ -140,8 +140,10 @@ class Updater:
   """
 
   def __init__(self, model_config: ModelConfig, params, mesh: Mesh, optimizer, losses: dict, *,
-               token_budget: int, opt_state=None, param_shardings=None, adapters_only: bool = False):
+               token_budget: int, opt_state=None, param_shardings=None, adapters_only: bool = False,
+               route_shape: Optional[tuple] = None):
     self.model_config, self.mesh, self.optimizer = model_config, mesh, optimizer
+    self.route_shape = route_shape  # (L_moe, k) when micro-batches carry recorded routes
     self.token_budget = token_budget
     self.param_shardings = (models.param_shardings(model_config, mesh) if param_shardings is None
                             else param_shardings)
@@ -228,8 +230,10 @@ class Updater:
     rows = max(1, self.token_budget // row_len)
     rows = -(-rows // self.rows_multiple) * self.rows_multiple
     host = batching.layout_rows([], [[]], 1, row_len)
-    return batching.TokenBatch(*(jax.ShapeDtypeStruct((rows, row_len), x.dtype,
-                                                      sharding=self.batch_sharding) for x in host))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)
+    routes = (None if self.route_shape is None else
+              spec((rows, row_len, *self.route_shape), batching.ROUTE_DTYPE))
+    return batching.TokenBatch(*(spec((rows, row_len), x.dtype) for x in host[:-1]), routes=routes)
 
   def programs(self, batch, aux: Optional[dict] = None) -> list:
     """``(name, jitted function, arguments)`` of every program one ``update`` runs on micro-batches
@@ -270,7 +274,8 @@ class Updater:
     mine = [mb_rows[r] if r < len(mb_rows) else [] for r in local]
     host = batching.layout_rows(sequences, mine, len(local), row_len)
     return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x, shape), host)
+        lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x, shape + x.shape[2:]),
+        host)
 
   def update(self, micro_batches: Sequence, normalizer, *, loss: str,
              aux: Optional[Sequence] = None, proceed=None) -> tuple[list, dict]:

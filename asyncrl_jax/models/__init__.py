@@ -23,8 +23,15 @@ def config_of(config) -> ModelConfig:
   if config.model.hf_path:
     return config_from_hf(read_hf_config(config.model.hf_path), config.model.hf_path,
                           dtype=config.model.dtype, param_dtype=config.model.param_dtype).replace(
-                              **lora_fields(config.model.get("lora")))
+                              **lora_fields(config.model.get("lora")), **_how(config))
   return ModelConfig.from_mapping(config.model.to_dict())
+
+
+def _how(config) -> dict:
+  """The fields of an experiment's ``model`` section that apply to a checkpoint's architecture too:
+  how it runs, not what it computes."""
+  moe = config.model.get("moe")
+  return {"moe_matmul": moe.matmul} if moe is not None else {}
 
 
 def from_config(config, mesh):
@@ -34,7 +41,7 @@ def from_config(config, mesh):
   if config.model.hf_path:
     base_config, base = load_hf(config.model.hf_path, mesh=mesh, dtype=config.model.dtype,
                                 param_dtype=config.model.param_dtype)
-    model_config = base_config.replace(**lora_fields(config.model.get("lora")))
+    model_config = base_config.replace(**lora_fields(config.model.get("lora")), **_how(config))
     return model_config, lora.add_adapters(model_config, base, jax.random.key(config.seed), mesh)
   model_config = ModelConfig.from_mapping(config.model.to_dict())
   return model_config, init_params(model_config, jax.random.key(config.seed), mesh=mesh)

@@ -12,7 +12,7 @@ Jitted functions are cached per (config, mesh), so repeated calls with the same 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -119,23 +119,35 @@ def _jitted_logits(config: ModelConfig, mesh: Optional[Mesh]):
   return jax.jit(fn)
 
 
-def apply_logits(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
-                 mesh: Optional[Mesh] = None, *, forward: Forward = Forward()) -> jax.Array:
-  """Traceable forward (use inside other jitted functions, e.g. a loss); ``forward`` changes how,
-  not what, it computes (``models.forward``)."""
+def _apply(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh, forward, routes_btlk,
+           with_moe, **kwargs):
+  module = _module(config, mesh, forward)
+  args = ({"params": params}, tokens_bt, positions_bt, segment_ids_bt)
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, forward).apply({"params": params}, tokens_bt, positions_bt,
-                                                segment_ids_bt)
+    if not with_moe:
+      return module.apply(*args, routes_btlk=routes_btlk, **kwargs)
+    out, state = module.apply(*args, routes_btlk=routes_btlk, mutable=["moe"], **kwargs)
+  return out, moe_outputs(config, state)
+
+
+def apply_logits(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
+                 mesh: Optional[Mesh] = None, *, forward: Forward = Forward(), routes_btlk=None,
+                 with_moe: bool = False):
+  """Traceable forward (use inside other jitted functions, e.g. a loss); ``forward`` changes how,
+  not what, it computes (``models.forward``). A mixture-of-experts model: ``routes_btlk`` replays
+  those experts; ``with_moe`` returns ``(logits, MoEOutputs)``."""
+  return _apply(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh, forward, routes_btlk,
+                with_moe)
 
 
 def apply_hidden(config: ModelConfig, params: Params, tokens_bt, positions_bt, segment_ids_bt,
-                 mesh: Optional[Mesh] = None, *,
-                 forward: Forward = Forward()) -> tuple[jax.Array, jax.Array]:
+                 mesh: Optional[Mesh] = None, *, forward: Forward = Forward(), routes_btlk=None,
+                 with_moe: bool = False):
   """Traceable forward up to the output projection: (final hidden states ``[B, T, D]``, head ``[D,
-  V]``); ``hidden @ head`` are the logits. For a log-softmax computed a vocabulary chunk at a time."""
-  with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, forward).apply(
-        {"params": params}, tokens_bt, positions_bt, segment_ids_bt, hidden_only=True)
+  V]``); ``hidden @ head`` are the logits. For a log-softmax computed a vocabulary chunk at a time.
+  ``routes_btlk`` / ``with_moe`` as ``apply_logits`` (``((hidden, head), MoEOutputs)``)."""
+  return _apply(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh, forward, routes_btlk,
+                with_moe, hidden_only=True)
 
 
 def _check_tokens(config: ModelConfig, tokens, name: str = "tokens") -> None:
@@ -178,19 +190,27 @@ def logits(config: ModelConfig, params: Params, tokens, *, positions=None, segme
   return _jitted_logits(config, mesh)(params, tokens, positions, segment_ids)
 
 
-def moe_outputs(config: ModelConfig, state: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+class MoEOutputs(NamedTuple):
+  """What a mixture-of-experts forward pass reports besides its output."""
+  routes: jax.Array  # [B, T, L_moe, k] int16: the experts used (the replayed ones under replay)
+  aux_loss: jax.Array  # the load-balancing loss, averaged over the MoE layers
+  load: jax.Array  # [L_moe, E]: the fraction of routing slots each expert took
+  own_routes: jax.Array  # [B, T, L_moe, k] int16: the router's own top k (= routes without replay)
+
+
+def moe_outputs(config: ModelConfig, state: dict) -> MoEOutputs:
   """What a mixture-of-experts model's layers sowed into the ``"moe"`` collection (an apply with
-  ``mutable=["moe"]``; unrolled or scanned layers alike), as ``(routes [B, T, L_moe, k] int16, the
-  load-balancing loss averaged over the MoE layers, load [L_moe, E])``."""
+  ``mutable=["moe"]``; unrolled or scanned layers alike)."""
   moe = state.get("moe", {})
   if "scanned_routes" in moe:
-    routes_lbtk = moe["scanned_routes"][0]
-    loss_l, load_le = moe["scanned_aux"][0]
-    return jnp.moveaxis(routes_lbtk, 0, 2), jnp.mean(loss_l), load_le
+    loss_l, load_le, own_lbtk = moe["scanned_aux"][0]
+    return MoEOutputs(jnp.moveaxis(moe["scanned_routes"][0], 0, 2), jnp.mean(loss_l), load_le,
+                      jnp.moveaxis(own_lbtk, 0, 2))
   layers = [moe[f"layer_{i}"]["mlp"] for i in config.moe_layers]
-  routes = jnp.stack([layer["routes"][0] for layer in layers], axis=2)
-  losses = jnp.stack([layer["aux"][0][0] for layer in layers])
-  return routes, jnp.mean(losses), jnp.stack([layer["aux"][0][1] for layer in layers])
+  return MoEOutputs(routes=jnp.stack([layer["routes"][0] for layer in layers], axis=2),
+                    aux_loss=jnp.mean(jnp.stack([layer["aux"][0][0] for layer in layers])),
+                    load=jnp.stack([layer["aux"][0][1] for layer in layers]),
+                    own_routes=jnp.stack([layer["aux"][0][2] for layer in layers], axis=2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,7 +221,7 @@ def _jitted_logits_and_routes(config: ModelConfig, mesh: Optional[Mesh], forward
     with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
       out, state = model.apply({"params": params}, tokens_bt, positions_bt, segment_ids_bt,
                                routes_btlk=routes_btlk, mutable=["moe"])
-    return (out, *moe_outputs(config, state))
+    return (out, *moe_outputs(config, state)[:3])
 
   return jax.jit(fn)
 
@@ -255,20 +275,26 @@ def cache_length(cache: KVCache) -> int:
 
 def apply_decode(config: ModelConfig, params: Params, tokens_bt, positions_bt, cache: KVCache,
                  mesh: Optional[Mesh] = None, *, logits_at_b=None, cache_rows_b=None,
-                 attention_chunk: int = 0, decode: str = "xla") -> tuple[jax.Array, KVCache]:
+                 attention_chunk: int = 0, decode: str = "xla", with_routes: bool = False):
   """Traceable cached forward: writes keys/values at ``positions_bt``; returns (logits [B,T,V], cache),
   or (logits [B,1,V] at ``logits_at_b`` only, cache) when a position per row is given (a prefill).
 
   ``cache_rows_b``: the rows are prefills from position 0 written into these cache rows (a cache with
   more rows than the batch, e.g. the decode slots); ids out of range are dropped (padding rows).
   ``attention_chunk``: such a prefill attends that many queries at a time. ``decode``: how a decode
-  step (one token per row) attends to the cache (``Forward.decode``).
+  step (one token per row) attends to the cache (``Forward.decode``). ``with_routes`` (a
+  mixture-of-experts model): also return the experts each token was routed to, ``(logits, cache,
+  routes [B, T, L_moe, k] int16)``.
   """
   if quant.is_quantized(params):  # int8 serving weights (``models.quant``): dequantized as read
     params = quant.dequantize(params, jnp.dtype(config.dtype))
+  module = _module(config, mesh, Forward(attention_chunk=attention_chunk, decode=decode))
+  args = ({"params": params}, tokens_bt, positions_bt, None, cache, logits_at_b, cache_rows_b)
   with nn.logical_axis_rules(sharding_lib.LOGICAL_RULES):
-    return _module(config, mesh, Forward(attention_chunk=attention_chunk, decode=decode)).apply(
-        {"params": params}, tokens_bt, positions_bt, None, cache, logits_at_b, cache_rows_b)
+    if not with_routes:
+      return module.apply(*args)
+    (logits, new_cache), state = module.apply(*args, mutable=["moe"])
+  return logits, new_cache, moe_outputs(config, state).routes
 
 
 @functools.lru_cache(maxsize=None)

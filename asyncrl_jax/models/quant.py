@@ -1,7 +1,8 @@
 """int8 weights for decode servers (``rollout.weight_dtype="int8"``).
 
 Each projection kernel (``q``, ``k``, ``v``, ``o``, ``gate``, ``up``, ``down`` and an untied
-``lm_head``) is stored as symmetric int8 per output channel: ``W ~ int8 * scale`` with ``scale`` (one
+``lm_head``, and a mixture of experts' kernels per expert) is stored as symmetric int8 per output
+channel: ``W ~ int8 * scale`` with ``scale`` (one
 bfloat16 per output channel) = max |W| over the kernel's input axes / 127. The embedding table, norms,
 biases and LoRA adapters keep their serving dtype (the table is gathered a row per token; the rest are
 small). A decode step dequantizes each kernel in its program (``dequantize``, an element-wise product
@@ -28,6 +29,9 @@ WEIGHT_DTYPES = ("", "int8")  # "": the serving dtypes (``models.serving_dtypes`
 SCALE_DTYPE = jnp.bfloat16
 # kernel name -> how many leading axes are its input (contracted) axes
 INPUT_AXES = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1, "lm_head": 1}
+# a mixture of experts' kernels [E, in, out]: quantized per expert and output channel (the input axis
+# 1 reduced, its scale kept as [E, 1, out] so that it broadcasts); the router stays as served
+EXPERT_KERNELS = ("experts_gate", "experts_up", "experts_down")
 
 
 def check_weight_dtype(weight_dtype: str) -> str:
@@ -38,7 +42,7 @@ def check_weight_dtype(weight_dtype: str) -> str:
 
 
 def _quantized(path: tuple) -> bool:
-  return str(path[-1]) in INPUT_AXES
+  return str(path[-1]) in INPUT_AXES or str(path[-1]) in EXPERT_KERNELS
 
 
 def _key(path: tuple) -> str:
@@ -61,13 +65,25 @@ def quantize_kernel(w: jax.Array, input_axes: int) -> tuple[jax.Array, jax.Array
   return q, scale
 
 
+def quantize_experts(w_eio: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``quantize_kernel`` for a mixture of experts' kernel ``[E, in, out]``: per expert and output
+  channel, the scale ``[E, 1, out]``."""
+  w32 = jnp.asarray(w_eio, jnp.float32)
+  amax = jnp.max(jnp.abs(w32), axis=1, keepdims=True)
+  scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(SCALE_DTYPE)
+  q = jnp.clip(jnp.round(w32 / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
+  return q, scale
+
+
 def quantize(params: Any) -> dict:
   """Plain parameters -> ``{"weights", "scales"}`` (traceable: jit it with ``shardings``' result as
   its out_shardings to keep every array where its original lives)."""
   flat = traverse_util.flatten_dict(params)
   weights, scales = {}, {}
   for path, w in flat.items():
-    if _quantized(path):
+    if str(path[-1]) in EXPERT_KERNELS:
+      weights[path], scales[_key(path)] = quantize_experts(w)
+    elif _quantized(path):
       weights[path], scales[_key(path)] = quantize_kernel(w, INPUT_AXES[str(path[-1])])
     else:
       weights[path] = w
@@ -95,8 +111,11 @@ def shardings(param_shardings: Any, abstract: Any) -> dict:
   for path, s in flat_s.items():
     if not _quantized(path):
       continue
-    n_in = INPUT_AXES[str(path[-1])]
     spec = tuple(s.spec) + (None,) * (len(flat_a[path].shape) - len(tuple(s.spec)))
+    if str(path[-1]) in EXPERT_KERNELS:
+      scales[_key(path)] = NamedSharding(s.mesh, PartitionSpec(spec[0], None, spec[2]))
+      continue
+    n_in = INPUT_AXES[str(path[-1])]
     scales[_key(path)] = NamedSharding(s.mesh, PartitionSpec(*spec[n_in:]))
   return {"weights": param_shardings, "scales": scales}
 

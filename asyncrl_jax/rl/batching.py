@@ -105,6 +105,9 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int, *, row_len: Op
   return MicroBatchPlan(mbs, per_mb, row_len)
 
 
+ROUTE_DTYPE = np.int16  # a mixture-of-experts policy's recorded experts (``models.moe.ROUTE_DTYPE``)
+
+
 class SequenceData(NamedTuple):
   """One trajectory as the learner sees it; every field has one entry per token."""
   tokens: np.ndarray  # int32 [n]: prompt + completion
@@ -115,11 +118,14 @@ class SequenceData(NamedTuple):
   loss_weight: Optional[np.ndarray] = None  # float32 [n]: per-token weight of the loss; None: 1
   # float32 [n]: 1 where the token was sampled with the stop tokens banned (a minimum length); None: 0
   eos_banned: Optional[np.ndarray] = None
+  # int16 [n, L_moe, k]: the experts the decode server routed each token to (routing replay); None:
+  # not recorded
+  routes: Optional[np.ndarray] = None
 
 
 def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage: float = 0.0,
                   token_reward=None, min_new_tokens: int = 0,
-                  weight: float = 1.0, action_mask=None) -> SequenceData:
+                  weight: float = 1.0, action_mask=None, routes=None) -> SequenceData:
   """Prompt + completion as one ``SequenceData``: the completion tokens are the policy tokens.
 
   ``logprobs`` / ``versions`` (one per completion token) default to 0 / -1 (supervised data);
@@ -131,7 +137,8 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
   (``eos_banned``; None when 0). ``weight``: the loss weight of every token (``loss_weight``; None
   when 1), e.g. 0 for a completion the overlong filter excludes. ``action_mask`` (one per completion
   token; None: all 1): completion tokens the policy did not sample (an environment's observation)
-  are context, like the prompt: mask 0, so no loss, no advantage and no count.
+  are context, like the prompt: mask 0, so no loss, no advantage and no count. ``routes``
+  (``[p + c, L_moe, k]``, prompt and completion): a mixture-of-experts policy's recorded experts.
   """
   p, c = len(prompt), len(completion)
   actions = np.ones(c) if action_mask is None else np.asarray(action_mask, np.float32)
@@ -157,7 +164,8 @@ def make_sequence(prompt, completion, *, logprobs=None, versions=None, advantage
       versions=np.r_[np.full(p, -1), np.full(c, -1) if versions is None else versions].astype(np.int32),
       loss_weight=None if weight == 1.0 else np.full(p + c, weight, np.float32),
       eos_banned=(np.r_[np.zeros(p), np.arange(c) < min_new_tokens].astype(np.float32)
-                  if min_new_tokens else None))
+                  if min_new_tokens else None),
+      routes=None if routes is None else np.asarray(routes, ROUTE_DTYPE))
 
 
 def episode_token_rewards(turns: list, n: int, extra: float = 0.0) -> np.ndarray:
@@ -182,7 +190,7 @@ def with_staleness(seq: SequenceData, version: int) -> SequenceData:
 
 
 class TokenBatch(NamedTuple):
-  """Packed arrays, all ``[R, L]``; segment id 0 marks padding."""
+  """Packed arrays, all ``[R, L]`` (``routes`` ``[R, L, L_moe, k]``); segment id 0 marks padding."""
   tokens: np.ndarray
   positions: np.ndarray
   segment_ids: np.ndarray
@@ -192,6 +200,8 @@ class TokenBatch(NamedTuple):
   versions: np.ndarray  # the sampling policy's version; the learner places staleness (with_staleness)
   loss_weight: np.ndarray  # 1 unless the aggregation weighs tokens (see weight_sequences_equally)
   eos_banned: np.ndarray  # 1 where the stop tokens were banned when the token was sampled
+  # int16: the recorded experts per token and MoE layer (padding: experts 0..k-1); None: not recorded
+  routes: Optional[np.ndarray] = None
 
 
 def _check_sequence(i: int, s: SequenceData) -> int:
@@ -216,7 +226,7 @@ def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]]
                    segment_ids=np.zeros(shape, np.int32), mask=np.zeros(shape, np.float32),
                    behav_logp=np.zeros(shape, np.float32), advantages=np.zeros(shape, np.float32),
                    versions=np.full(shape, -1, np.int32), loss_weight=np.zeros(shape, np.float32),
-                   eos_banned=np.zeros(shape, np.float32))
+                   eos_banned=np.zeros(shape, np.float32), routes=_empty_routes(sequences, rows, shape))
   for r, row in enumerate(rows):
     start = 0
     for seg, i in enumerate(row, start=1):
@@ -234,8 +244,28 @@ def layout_rows(sequences: Sequence[SequenceData], rows: Sequence[Sequence[int]]
       out.versions[r, sl] = s.versions
       out.loss_weight[r, sl] = 1.0 if s.loss_weight is None else s.loss_weight
       out.eos_banned[r, sl] = 0.0 if s.eos_banned is None else s.eos_banned
+      if out.routes is not None:
+        out.routes[r, sl] = s.routes
       start += n
   return out
+
+
+def _empty_routes(sequences, rows, shape) -> Optional[np.ndarray]:
+  """The routes array of a micro-batch whose sequences carry routes (all of them, of one shape),
+  each token routed to experts 0..k-1 until filled; None when none carries routes."""
+  members = [sequences[i] for row in rows for i in row]
+  have = [s.routes is not None for s in members]
+  if not any(have):
+    return None
+  if not all(have):
+    raise PackingError(f"{have.count(False)} of {len(have)} sequences of a micro-batch have no routes; "
+                       "routing replay needs every sequence's")
+  per_token = {tuple(np.shape(s.routes)[1:]) for s in members}
+  if len(per_token) != 1 or len(next(iter(per_token))) != 2:
+    raise PackingError(f"sequences of a micro-batch carry routes of shapes {sorted(per_token)} per token; "
+                       "expected one [L_moe, k]")
+  layers, k = next(iter(per_token))
+  return np.broadcast_to(np.arange(k, dtype=ROUTE_DTYPE), (*shape, layers, k)).copy()
 
 
 def layout(sequences: Sequence[SequenceData], plan: MicroBatchPlan) -> list[TokenBatch]:
@@ -268,9 +298,15 @@ def pad_rows(batch: TokenBatch, multiple: int) -> TokenBatch:
   extra = -rows % multiple
   if not extra:
     return batch
-  return TokenBatch(*[np.concatenate([x, np.full((extra,) + x.shape[1:], -1 if name == "versions"
-                                                  else 0, x.dtype)])
-                       for name, x in zip(TokenBatch._fields, batch)])
+  def pad(name, x):
+    if x is None:
+      return None
+    if name == "routes":
+      return np.concatenate([x, np.broadcast_to(x[:1] * 0 + np.arange(x.shape[-1], dtype=x.dtype),
+                                                (extra,) + x.shape[1:])])
+    return np.concatenate([x, np.full((extra,) + x.shape[1:], -1 if name == "versions" else 0, x.dtype)])
+
+  return TokenBatch(*[pad(name, x) for name, x in zip(TokenBatch._fields, batch)])
 
 
 def total_policy_tokens(batches: Sequence[TokenBatch]) -> float:

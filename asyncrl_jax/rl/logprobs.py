@@ -105,8 +105,11 @@ def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment
                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    mesh: Optional[Mesh] = None, with_entropy: bool = False,
                    forward: Forward = Forward(), vocab_chunk: int = 0, eos_banned_bt=None,
-                   eos_ban_ids: tuple = ()):
+                   eos_ban_ids: tuple = (), routes_btlk=None, with_moe: bool = False):
   """Traceable: forward + aligned log-probs (use inside a jitted loss).
+
+  A mixture-of-experts model: ``routes_btlk`` ``[B, T, L_moe, k]`` replays those experts (routing
+  replay); ``with_moe`` also returns the pass's ``models.api.MoEOutputs`` (as the last element).
 
   ``vocab_chunk``: columns per chunk of the log-softmax (0: the whole vocabulary at once, through
   ``[B, T, V]`` logits; needed for top-k / top-p, which look at the whole vocabulary). ``forward``:
@@ -115,22 +118,31 @@ def token_logprobs(config: ModelConfig, params, tokens_bt, positions_bt, segment
   """
   if eos_ban_ids and eos_banned_bt is None:
     raise ValueError("eos_ban_ids given without eos_banned_bt (which tokens were sampled under the ban)")
+  moe_kwargs = dict(routes_btlk=routes_btlk, with_moe=with_moe)
+
+  def out(result, moe):
+    if not with_moe:
+      return result
+    return (*result, moe) if isinstance(result, tuple) else (result, moe)
+
   if not vocab_chunk:
     logits = api.apply_logits(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
-                              forward=forward)
-    return logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
-                                top_k=top_k, top_p=top_p, with_entropy=with_entropy,
-                                eos_banned_bt=eos_banned_bt, eos_ban_ids=eos_ban_ids)
+                              forward=forward, **moe_kwargs)
+    logits, moe = logits if with_moe else (logits, None)
+    return out(logprobs_from_logits(logits, tokens_bt, segment_ids_bt, temperature=temperature,
+                                    top_k=top_k, top_p=top_p, with_entropy=with_entropy,
+                                    eos_banned_bt=eos_banned_bt, eos_ban_ids=eos_ban_ids), moe)
   if top_k or top_p < 1.0:
     raise ValueError(f"top_k={top_k}, top_p={top_p} with vocab_chunk={vocab_chunk}: the truncated "
                      "log-softmax needs the whole vocabulary (learner.vocab_chunk=0)")
-  hidden, head = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
-                                  forward=forward)
+  hidden = api.apply_hidden(config, params, tokens_bt, positions_bt, segment_ids_bt, mesh,
+                            forward=forward, **moe_kwargs)
+  (hidden, head), moe = hidden if with_moe else (hidden, None)
   logp, entropy = chunked_logsoftmax(hidden[:, :-1], head, tokens_bt[:, 1:], chunk=vocab_chunk,
                                      temperature=temperature,
                                      banned_bt=None if eos_banned_bt is None else eos_banned_bt[:, 1:],
                                      ban_ids=eos_ban_ids)
-  return aligned(logp, entropy, segment_ids_bt, with_entropy)
+  return out(aligned(logp, entropy, segment_ids_bt, with_entropy), moe)
 
 
 @functools.lru_cache(maxsize=None)

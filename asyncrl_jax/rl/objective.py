@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from asyncrl_jax.models import moe as moe_lib
 from asyncrl_jax.models.config import ModelConfig
 from asyncrl_jax.models.forward import Forward
 from asyncrl_jax.models.sampling import SamplingSettings, in_support
@@ -52,6 +53,12 @@ class LossSettings:
   # rl.kl_coef / rl.kl_estimator: the penalty towards the policy RL started from (0: none)
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
+  # a mixture-of-experts policy: the router's load-balancing loss times this (model.moe.aux_loss_coef);
+  # ``route_shape`` (L_moe, k) when the batches carry the decode servers' routes
+  # (rollout.record_routes), which the forward passes replay when ``replay_routes`` (rl.replay_routes)
+  moe_aux_coef: float = 0.0
+  route_shape: Optional[tuple] = None
+  replay_routes: bool = False
 
   @classmethod
   def from_config(cls, config, stop_ids=()) -> "LossSettings":
@@ -74,13 +81,26 @@ class LossSettings:
                vocab_chunk=int(config.learner.vocab_chunk),
                forward=Forward.from_learner(config),
                eos_ban_ids=eos_ban_ids(config, stop_ids),
-               kl_coef=float(config.rl.kl_coef), kl_estimator=str(config.rl.kl_estimator))
+               kl_coef=float(config.rl.kl_coef), kl_estimator=str(config.rl.kl_estimator),
+               **moe_settings(config))
 
 
   @property
   def needs_prox(self) -> bool:
     """Whether the objective or a correction reads the prox log-probs."""
     return losses.needs_prox(self.loss, self.corrections)
+
+
+def moe_settings(config) -> dict:
+  """``LossSettings``' mixture-of-experts fields from the config (none for a dense model)."""
+  from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+  model = models.config_of(config)
+  if not model.moe:
+    return {}
+  recorded = bool(config.rollout.record_routes)
+  return {"moe_aux_coef": float(config.model.moe.aux_loss_coef),
+          "route_shape": (len(model.moe_layers), model.num_experts_per_tok) if recorded else None,
+          "replay_routes": recorded and bool(config.rl.replay_routes)}
 
 
 def _interval(low: float, high: float) -> Optional[tuple]:
@@ -125,11 +145,14 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
     raise ValueError("rl.kl_coef > 0 needs the reference policy's log-probs (ref_logp)")
   if prox_is_current and prox_logp is not None:
     raise ValueError("prox_is_current=True computes the prox log-probs; do not pass prox_logp")
-  logp, entropy = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
-                                 temperature=settings.temperature, top_k=settings.top_k,
-                                 top_p=settings.top_p, mesh=mesh, with_entropy=True,
-                                 forward=settings.forward, vocab_chunk=settings.vocab_chunk,
-                                 eos_banned_bt=batch.eos_banned, eos_ban_ids=settings.eos_ban_ids)
+  result = token_logprobs(model, params, batch.tokens, batch.positions, batch.segment_ids,
+                          temperature=settings.temperature, top_k=settings.top_k,
+                          top_p=settings.top_p, mesh=mesh, with_entropy=True,
+                          forward=settings.forward, vocab_chunk=settings.vocab_chunk,
+                          eos_banned_bt=batch.eos_banned, eos_ban_ids=settings.eos_ban_ids,
+                          routes_btlk=batch.routes if settings.replay_routes else None,
+                          with_moe=model.moe)
+  logp, entropy, moe_out = result if model.moe else (*result, None)
   if prox_is_current:
     prox_logp = jax.lax.stop_gradient(logp) if settings.needs_prox else None
   # A sampled token outside the truncated (top-k / top-p) set of the current or the prox weights
@@ -153,6 +176,8 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
     loss = loss + penalty
     metrics.update(kl, kl_ref_penalty=jax.lax.stop_gradient(penalty))
   policy_tokens = jnp.sum(batch.mask)
+  if moe_out is not None:
+    loss = loss + _moe_terms(moe_out, batch, settings, policy_tokens / normalizer, metrics)
   outside = batch.mask - mask
   # rl.selection: every policy token given weight 0, counted by its sequence's length and its
   # staleness (the learner places each token's staleness in ``versions``: ``batching.with_staleness``)
@@ -168,3 +193,24 @@ def micro_batch_loss(params, batch: TokenBatch, prox_logp, normalizer, *, model:
                                                    log_ratio=log_ratio_behav,
                                                    advantages=batch.advantages, clipped=clipped))
   return loss, metrics
+
+
+def _moe_terms(moe_out, batch: TokenBatch, settings: LossSettings, share, metrics: dict):
+  """The router's load-balancing term of a mixture-of-experts policy (``settings.moe_aux_coef`` times
+  the loss averaged over MoE layers, weighted by the micro-batch's ``share`` of the global batch's
+  policy tokens, so that the micro-batches sum to a token-weighted mean) and its metrics, added to
+  ``metrics``: ``moe_aux_loss`` (1 when balanced), ``moe_load_max`` (the busiest expert's share of
+  the routing slots times E: 1 when balanced), ``moe_load/<e>`` (each expert's share, averaged over
+  layers), and with recorded routes ``moe_route_mismatch``: the fraction of (token, layer) pairs
+  whose learner top k differs from the decode server's."""
+  load_e = jnp.mean(moe_out.load, axis=0)
+  num_experts = load_e.shape[0]
+  metrics.update(moe_aux_loss=jax.lax.stop_gradient(moe_out.aux_loss),
+                 moe_load_max=jax.lax.stop_gradient(jnp.max(load_e) * num_experts),
+                 **{f"moe_load/{e}": jax.lax.stop_gradient(load_e[e]) for e in range(num_experts)})
+  if batch.routes is not None:
+    metrics["moe_route_mismatch"] = moe_lib.route_mismatch(moe_out.own_routes, batch.routes,
+                                                           batch.segment_ids > 0)
+  if not settings.moe_aux_coef:
+    return 0.0
+  return settings.moe_aux_coef * moe_out.aux_loss * share

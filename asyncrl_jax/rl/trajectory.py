@@ -101,6 +101,11 @@ class Trajectory:
   action_mask: Optional[np.ndarray] = None
   # an episode's turns, in order (None: a single-turn completion)
   turns: Optional[tuple] = None
+  # a mixture-of-experts policy's routes (``rollout.record_routes``), int16 ``[P + C, L_moe, k]``:
+  # per token of the sequence (the prompt's, then the completion's), the k experts each MoE layer
+  # chose in the last forward pass the server ran over that token (a re-prefill after a weight update
+  # overwrites the prefix's); the learner replays them (routing replay). None: not recorded
+  routes: Optional[np.ndarray] = None
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -112,6 +117,20 @@ class Trajectory:
     if self.action_mask is not None and len(self.action_mask) != n:
       raise ValueError(f"trajectory {self.trajectory_id}: {n} tokens but an action mask of "
                        f"{len(self.action_mask)}")
+    if self.routes is not None:
+      routes = np.asarray(self.routes)
+      total = len(self.prompt_tokens) + n
+      if routes.ndim != 3 or routes.shape[0] != total or routes.dtype != np.int16:
+        raise ValueError(f"trajectory {self.trajectory_id}: routes must be int16 [{total} tokens, MoE "
+                         f"layers, k], got {routes.dtype}{list(routes.shape)}")
+
+  @property
+  def nbytes(self) -> int:
+    """The bytes of the trajectory's per-token arrays (tokens, log-probs, versions, action mask and
+    routes), what a stream of them moves per token beside the messages' fields."""
+    arrays = (self.prompt_tokens, self.completion_tokens, self.logprobs, self.versions,
+              self.action_mask, self.routes)
+    return int(sum(np.asarray(a).nbytes for a in arrays if a is not None))
 
   @property
   def episode_reward(self) -> float:

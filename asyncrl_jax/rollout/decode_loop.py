@@ -29,11 +29,12 @@ is silently truncated. ``abort(id)`` finishes a request with the tokens generate
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -101,6 +102,9 @@ class DecodeServer:
     self._slots: list[Optional[InFlight]] = [None] * engine.num_slots
     self._inflight: Optional[tuple] = None  # (tokens, logp, slot occupants, version) of a launched chunk
     self._drain_started: Optional[float] = None  # when held weights began waiting (drain mode)
+    # finished trajectories waiting for their routes (``engine.record_routes``): (trajectory, the
+    # slot's routes on their way to the host), emitted once the chunk they were read after is done
+    self._route_reads: list[tuple[Trajectory, Any]] = []
     self._state = engine.init_decode_state()
     if warm_up:  # compile the batched prefills' shapes in the background, e.g. while weights arrive
       engine.warm_up(self._state)
@@ -195,7 +199,7 @@ class DecodeServer:
   def idle(self) -> bool:
     with self._lock:
       return (not self._requests and self._pending is None and self.num_active == 0
-              and self._inflight is None)
+              and self._inflight is None and not self._route_reads)
 
   def start(self) -> "DecodeServer":
     if self._thread is None:
@@ -216,6 +220,7 @@ class DecodeServer:
       if b is not None and not b.done:
         self._slots[i] = None
         b.end("aborted", error="decode server stopped", **self._meta)
+    self._emit_routed()  # the finished ones still reading their routes leave with them
     self.episodes.close()
 
   def run_until_idle(self, max_iterations: int = 1_000_000) -> None:
@@ -275,6 +280,8 @@ class DecodeServer:
     self._inflight = launched
     self._take_outcomes()
     self._fill_slots()
+    if self._inflight is None:  # nothing decoding to overlap with: the routes read now
+      self._emit_routed()
 
   def _draining(self, pending) -> bool:
     """Whether ``pending`` weights wait for the sequences in flight (``on_weight_update="drain"``; a
@@ -412,7 +419,9 @@ class DecodeServer:
       return
     tokens, logp, n, occupants, version = self._inflight
     self._inflight = None
+    reads, self._route_reads = self._route_reads, []
     tokens, logp, n = jax.device_get((tokens, logp, n))
+    self._emit_routed(reads)  # read after the chunk just collected: ready now
     k = int(n)
     if k == 0:  # nothing was busy on the device when the chunk ran
       return
@@ -510,10 +519,33 @@ class DecodeServer:
     b = self._slots[slot]
     self._slots[slot] = None
     self.stats.count_finished(reason)
-    self._emit(b.end(reason, error=error, **self._meta))
+    t = b.end(reason, error=error, **self._meta)
+    if not self.engine.record_routes or reason == "error" or not len(t.completion_tokens):
+      self._emit(t)
+      return
+    # The slot's routes, read from the newest state (a chunk launched after the slot finished writes
+    # only past its tokens), copied while the device goes on; the trajectory leaves with them at the
+    # next collection, before the slot's rows can be refilled.
+    routes = self.engine.slot_routes(self._state, slot)
+    routes.copy_to_host_async()
+    self._route_reads.append((t, routes))
+
+  def _emit_routed(self, reads: Optional[list] = None) -> None:
+    """Emits finished trajectories with their routes (``reads``: those given; None: every one)."""
+    if reads is None:
+      reads, self._route_reads = self._route_reads, []
+    if not reads:
+      return
+    rows = jax.device_get([routes for _, routes in reads])
+    for (t, _), row in zip(reads, rows):
+      n = len(t.prompt_tokens) + len(t.completion_tokens)
+      self._emit(dataclasses.replace(t, routes=np.asarray(row[:n], np.int16)))
 
   def _fail_all(self, message: str) -> None:
     self._inflight = None
+    reads, self._route_reads = self._route_reads, []
+    for t, _ in reads:  # finished before the failure; their routes may be lost with the device
+      self._emit(t)
     for i, b in enumerate(self._slots):
       if b is not None:
         self._finish(i, "error", message)

@@ -63,6 +63,9 @@ class DecodeState:
   rng: jax.Array  # the run's sampling key (every server of a run has the same)
   streams: jax.Array  # [S, 2] int32 each slot's request's sampling stream (``sampling_stream``)
   min_left: jax.Array  # [S] tokens the slot must still generate before a stop token may be sampled
+  # [S, L, L_moe, k] int16 with ``record_routes``: per cache position, the experts each MoE layer
+  # chose in the last forward pass over the token there (written beside its keys and values)
+  routes: Any = None
 
 
 class Engine(ContextExtension, engine_api.Engine):
@@ -93,6 +96,10 @@ class Engine(ContextExtension, engine_api.Engine):
       quantizes each projection kernel per output channel when weights arrive (``models.quant``), and
       every program dequantizes them as it reads them: the behaviour log-probs recorded are those of
       the int8 model that sampled.
+    record_routes: (a mixture-of-experts model) keep, per slot and cache position, the experts each
+      MoE layer chose for the token there (``DecodeState.routes``; a re-prefill overwrites them like
+      the keys and values), for the learner's routing replay (``slot_routes``). The JetStream
+      ``prefill`` / ``insert`` path does not record them.
   """
 
   def __init__(self, config: ModelConfig, *, mesh: Mesh, num_slots: int, max_prefill_length: int,
@@ -100,7 +107,7 @@ class Engine(ContextExtension, engine_api.Engine):
                tokenizer: Optional[Tokenizer] = None, tokenizer_path: str = "", params=None,
                hf_path: str = "", seed: int = 0, background_compile: bool = True,
                attention_chunk: int = 0, prefill_tokens: int = 0, decode_attention: str = "xla",
-               stream_salt: str = "", weight_dtype: str = ""):
+               stream_salt: str = "", weight_dtype: str = "", record_routes: bool = False):
     attention.check_decode_attention(decode_attention, head_dim=config.head_dim,
                                      platform=mesh.devices.flat[0].platform, cache_len=max_target_length)
     if max_target_length > config.max_seq_len:
@@ -113,7 +120,10 @@ class Engine(ContextExtension, engine_api.Engine):
     if num_slots % batch_ways:
       raise ValueError(f"num_slots={num_slots} must be a multiple of the rollout mesh's data x fsdp "
                        f"size {batch_ways}")
+    if record_routes and not config.moe:
+      raise ValueError("rollout.record_routes=True needs a mixture-of-experts model (model.num_experts > 0)")
     self.config = config
+    self.record_routes = record_routes
     self.attention_chunk = attention_chunk
     self.decode_attention = decode_attention
     self.cache_layout = models.cache_layout(decode_attention)  # what the decode step reads
@@ -140,6 +150,7 @@ class Engine(ContextExtension, engine_api.Engine):
     self._slot_sharding = sharding_lib.batch_sharding(mesh, 1)
     self._replicated = sharding_lib.replicated(mesh)
     self._make_state = None
+    self._jit_slot_routes = None
     self._jit_prefill = jax.jit(self._prefill_impl, static_argnums=(2,))
     self._jit_insert = jax.jit(self._insert_impl, donate_argnums=(1,))
     self._jit_step = jax.jit(self._step_impl, donate_argnums=(1,))
@@ -252,7 +263,8 @@ class Engine(ContextExtension, engine_api.Engine):
     return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
                        positions=self._slot_sharding, generated=self._slot_sharding,
                        budget=self._slot_sharding, rng=self._replicated,
-                       streams=sharding_lib.batch_sharding(self._mesh, 2), min_left=self._slot_sharding)
+                       streams=sharding_lib.batch_sharding(self._mesh, 2), min_left=self._slot_sharding,
+                       routes=sharding_lib.batch_sharding(self._mesh, 4) if self.record_routes else None)
 
   def _build_make_state(self):
     c, s, length = self.config, self.num_slots, self.max_target_length
@@ -263,8 +275,26 @@ class Engine(ContextExtension, engine_api.Engine):
                          logits=jnp.zeros((s, c.vocab_size), jnp.float32),
                          positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
                          budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed),
-                         streams=jnp.zeros((s, 2), jnp.int32), min_left=jnp.zeros((s,), jnp.int32))
+                         streams=jnp.zeros((s, 2), jnp.int32), min_left=jnp.zeros((s,), jnp.int32),
+                         routes=jnp.zeros((s, length, len(c.moe_layers), c.num_experts_per_tok),
+                                          models.moe.ROUTE_DTYPE) if self.record_routes else None)
     return make
+
+  def slot_routes(self, decode_state: DecodeState, slot: int) -> jax.Array:
+    """The routes recorded in ``slot``'s cache positions, ``[L, L_moe, k]`` int16 on the device (a
+    copy: the state may be donated after). Needs ``record_routes``."""
+    if not self.record_routes:
+      raise ValueError("this engine does not record routes (record_routes=False)")
+    if self._jit_slot_routes is None:
+      self._jit_slot_routes = jax.jit(lambda routes, slot: jnp.take(routes, slot, axis=0),
+                                      out_shardings=self._replicated)
+    return self._jit_slot_routes(decode_state.routes, jax.device_put(np.int32(slot), self._replicated))
+
+  def _forward(self, params, tokens, positions, cache, **kwargs):
+    """``models.apply_decode``, with the routes when they are recorded (else None)."""
+    out = models.apply_decode(self.config, params, tokens, positions, cache, self._mesh,
+                              with_routes=self.record_routes, **kwargs)
+    return out if self.record_routes else (*out, None)
 
   def prefill(self, *, params, existing_prefix: Optional[Prefix] = None, padded_tokens,
               true_length: int) -> Prefix:
@@ -477,14 +507,17 @@ class Engine(ContextExtension, engine_api.Engine):
     keys = token_keys(state.rng, state.streams, state.positions)
     tokens, logp = sample(ban_stop_tokens(state.logits, banned, self._stop_ids), keys, self.sampling)
     positions = jnp.minimum(state.positions, self.max_target_length - 1)
-    logits, cache = models.apply_decode(self.config, params, tokens[:, None], positions[:, None],
-                                        state.cache, self._mesh, decode=self.decode_attention)
+    logits, cache, routes = self._forward(params, tokens[:, None], positions[:, None], state.cache,
+                                          decode=self.decode_attention)
+    if routes is not None:
+      routes = state.routes.at[jnp.arange(self.num_slots), positions].set(routes[:, 0])
     active = state.budget > 0
     finishing = active & (jnp.isin(tokens, self._stop_ids) | (state.budget == 1))
     budget = jnp.where(finishing, 0, jnp.maximum(state.budget - 1, 0))
     new_state = DecodeState(cache=cache, logits=logits[:, 0], positions=state.positions + 1,
                             generated=state.generated + 1, budget=budget, rng=state.rng,
-                            streams=state.streams, min_left=jnp.maximum(state.min_left - 1, 0))
+                            streams=state.streams, min_left=jnp.maximum(state.min_left - 1, 0),
+                            routes=routes)
     return new_state, tokens, logp
 
   def _steps_impl(self, params, state: DecodeState, max_steps: int):
@@ -516,9 +549,11 @@ class Engine(ContextExtension, engine_api.Engine):
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (n, p))
     # next-token logits at each row's last prompt token only: [N, 1, V], not [N, P, V]
     # Cache entries beyond a row's length may hold padding's keys; they are never read (see transformer).
-    logits, cache = models.apply_decode(self.config, params, tokens_np, positions, state.cache, self._mesh,
-                                        logits_at_b=jnp.maximum(lengths_n - 1, 0), cache_rows_b=slots_n,
-                                        attention_chunk=self.attention_chunk)
+    logits, cache, routes = self._forward(params, tokens_np, positions, state.cache,
+                                          logits_at_b=jnp.maximum(lengths_n - 1, 0), cache_rows_b=slots_n,
+                                          attention_chunk=self.attention_chunk)
+    if routes is not None:  # (a padding row's slot id is out of range: dropped)
+      state = state.replace(routes=state.routes.at[slots_n[:, None], positions].set(routes, mode="drop"))
     return state.replace(cache=cache,
                          logits=state.logits.at[slots_n].set(logits[:, 0], mode="drop"),
                          positions=state.positions.at[slots_n].set(lengths_n, mode="drop"))
@@ -568,5 +603,6 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
                 attention_chunk=config.rollout.attention_chunk,
                 prefill_tokens=config.rollout.prefill_tokens,
                 decode_attention=config.rollout.decode_attention, stream_salt=stream_salt,
-                weight_dtype=config.rollout.get("weight_dtype", ""))
+                weight_dtype=config.rollout.get("weight_dtype", ""),
+                record_routes=bool(config.rollout.get("record_routes", False)))
 

@@ -114,9 +114,10 @@ class ContextExtension:
     sub = jax.tree.map(lambda c: jnp.take(c, slots_n, axis=0, mode="clip"), state.cache)
     j = jnp.arange(tokens_nw.shape[1], dtype=jnp.int32)[None]
     positions = jnp.where(j < lengths_n[:, None], starts_n[:, None] + j, self.max_target_length)
-    logits, sub = models.apply_decode(self.config, params, tokens_nw, positions, sub, self._mesh,
-                                      logits_at_b=lengths_n - 1)
+    logits, sub, routes = self._forward(params, tokens_nw, positions, sub, logits_at_b=lengths_n - 1)
     cache = jax.tree.map(lambda c, s: c.at[slots_n].set(s, mode="drop"), state.cache, sub)
+    if routes is not None:  # padding columns sit past the cache and padding rows past the slots: dropped
+      state = state.replace(routes=state.routes.at[slots_n[:, None], positions].set(routes, mode="drop"))
     return state.replace(cache=cache,
                          logits=state.logits.at[slots_n].set(logits[:, 0], mode="drop"),
                          positions=state.positions.at[slots_n].set(starts_n + lengths_n, mode="drop"),

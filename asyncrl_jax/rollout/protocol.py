@@ -77,8 +77,10 @@ from asyncrl_jax.weights.remote import Source
 
 PACKAGE = "asyncrl.rollout.v1"
 # Largest message either side sends or accepts (a Submit of 512 prompts of 1024 tokens is ~2 MB, a
-# 32k-token trajectory ~0.4 MB): a larger one fails with RESOURCE_EXHAUSTED instead of being read.
-MAX_MESSAGE_BYTES = 64 * 2 ** 20
+# 32k-token trajectory ~0.4 MB; with recorded routes, 2 L_moe k bytes more per token: 25 MB at 32k
+# for Qwen3-30B-A3B, 98 MB at 64k for Qwen3-235B-A22B): a larger one fails with RESOURCE_EXHAUSTED
+# instead of being read.
+MAX_MESSAGE_BYTES = 128 * 2 ** 20
 GRPC_OPTIONS = (("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES))
 SERVICE = f"{PACKAGE}.Rollout"
@@ -86,7 +88,7 @@ LEARNER_SERVICE = f"{PACKAGE}.Learner"
 
 _F = descriptor_pb2.FieldDescriptorProto
 _TYPES = {"string": _F.TYPE_STRING, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64,
-          "float": _F.TYPE_FLOAT, "double": _F.TYPE_DOUBLE}
+          "float": _F.TYPE_FLOAT, "double": _F.TYPE_DOUBLE, "bytes": _F.TYPE_BYTES}
 
 _MESSAGES = {
     "RolloutRequest": [("request_id", "string", 1), ("prompt_tokens", "int32*", 2),
@@ -104,7 +106,9 @@ _MESSAGES = {
                    ("num_interruptions", "int32", 13), ("error", "string", 14),
                    ("started_at", "double", 15), ("finished_at", "double", 16),
                    ("incarnation", "int64", 17), ("action_mask", "int32*", 18),
-                   ("turns_json", "string", 19)],
+                   ("turns_json", "string", 19),
+                   # routing replay: int16 little-endian routes and their shape [P + C, L_moe, k]
+                   ("routes", "bytes", 20), ("routes_shape", "int32*", 21)],
     "WeightSource": [("address", "string", 1), ("uuid", "int64", 2), ("blocks_json", "string", 3)],
     "WeightsNotice": [("version", "int64", 1), ("sources", ".WeightSource*", 4),
                       ("incarnation", "int64", 5), ("base_id", "int64", 6), ("partial", "int32", 7)],
@@ -190,7 +194,9 @@ def trajectory_to_pb(t: Trajectory):
       tokenizer_id=t.tokenizer_id, server_id=t.server_id, num_interruptions=t.num_interruptions,
       error=t.error, started_at=t.started_at, finished_at=t.finished_at, incarnation=t.incarnation,
       action_mask=[] if t.action_mask is None else np.asarray(t.action_mask).tolist(),
-      turns_json="" if t.turns is None else json.dumps([turn_to_json(turn) for turn in t.turns]))
+      turns_json="" if t.turns is None else json.dumps([turn_to_json(turn) for turn in t.turns]),
+      routes=b"" if t.routes is None else np.asarray(t.routes, "<i2").tobytes(),
+      routes_shape=[] if t.routes is None else list(np.shape(t.routes)))
 
 
 def trajectory_from_pb(m) -> Trajectory:
@@ -222,7 +228,15 @@ def _trajectory_from_pb(m) -> Trajectory:
       server_id=m.server_id, num_interruptions=m.num_interruptions, error=m.error,
       started_at=m.started_at, finished_at=m.finished_at, incarnation=m.incarnation,
       action_mask=np.asarray(m.action_mask, np.int32) if len(m.action_mask) else None,
-      turns=_turns(m.turns_json))
+      turns=_turns(m.turns_json), routes=_routes(m.routes, list(m.routes_shape)))
+
+
+def _routes(data: bytes, shape: list):
+  if not shape and not data:
+    return None
+  if len(shape) != 3 or any(s < 0 for s in shape) or int(np.prod(shape)) * 2 != len(data):
+    raise ValueError(f"routes: {len(data)} bytes do not hold int16 routes of shape {shape}")
+  return np.frombuffer(data, "<i2").reshape(shape).astype(np.int16)
 
 
 def _turns(text: str):

@@ -145,7 +145,7 @@ def version_batch(config, row_shards: int) -> float:
   ``learner.batch_size`` trajectories of prompt + completion length each (the most a version can hold),
   in ``learner.ppo_minibatches`` parts packed as the learner packs them (``batching``), rows padded to
   a multiple of ``row_shards`` and split over them. Per token slot: the ``TokenBatch``'s 4-byte
-  fields; the prox log-probs of every minibatch after the first; in value mode the critic's returns
+  fields and, with recorded routes, 2 bytes per MoE layer and routed expert; the prox log-probs of every minibatch after the first; in value mode the critic's returns
   and values (its advantages replace the batch's)."""
   from asyncrl_jax.rl import batching, losses  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rl.objective import corrections_from_config  # pylint: disable=import-outside-toplevel
@@ -154,11 +154,16 @@ def version_batch(config, row_shards: int) -> float:
   sizes = [q + (i < r) for i in range(int(config.learner.ppo_minibatches))]  # np.array_split's
   total = 0.0
   prox = losses.needs_prox(config.rl.loss, corrections_from_config(config))
+  route_bytes = 0  # rollout.record_routes: int16 experts per token and MoE layer
+  if config.rollout.get("record_routes"):
+    from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+    m = models.config_of(config)
+    route_bytes = 2 * len(m.moe_layers) * m.num_experts_per_tok
   for i, n in enumerate(sizes):
     plan = batching.plan_micro_batches([length] * n, int(config.learner.token_budget))
     rows = -(-plan.rows // row_shards) * row_shards
-    per_slot = (len(batching.TokenBatch._fields) * 4 + (4 if i and prox else 0)
-                + (8 if config.rl.advantage == "value" else 0))
+    per_slot = ((len(batching.TokenBatch._fields) - 1) * 4 + (4 if i and prox else 0)
+                + (8 if config.rl.advantage == "value" else 0) + route_bytes)
     total += len(plan.micro_batches) * rows / row_shards * plan.row_len * per_slot
   return total
 

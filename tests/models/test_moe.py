@@ -176,3 +176,49 @@ def test_moe_config_errors_name_the_field():
   with pytest.raises(models.ModelConfigError, match="every layer of this model is a mixture of experts"):
     CFG.replace(lora_rank=4)  # the default targets include the dense MLP's projections
   assert CFG.replace(lora_rank=4, lora_targets=("q", "v", "router")).lora
+
+
+def test_int8_serving_quantizes_each_expert_per_output_channel(params):
+  from asyncrl_jax.models import quant  # pylint: disable=import-outside-toplevel
+  served = models.serving_params(CFG, params)
+  q = quant.quantize(served)
+  assert q["weights"]["layer_0"]["mlp"]["experts_gate"].dtype == jnp.int8
+  assert q["scales"]["layer_0/mlp/experts_gate"].shape == (8, 1, 16)  # per expert and output channel
+  assert q["scales"]["layer_0/mlp/experts_down"].shape == (8, 1, 32)
+  assert q["weights"]["layer_0"]["mlp"]["router"].dtype == served["layer_0"]["mlp"]["router"].dtype
+  assert quant.max_error(served, q) <= 0.5 + 1e-6
+  # a scale over the wrong axes would make some channel's error exceed half a step: the control
+  w = np.asarray(served["layer_0"]["mlp"]["experts_gate"], np.float32)
+  coarse = np.max(np.abs(w)) / 127.0
+  assert np.max(np.abs(w / coarse - np.round(w / coarse))) > 0.0
+  tokens = _tokens((2, 6))
+  cache = models.init_cache(CFG, 2, 16)
+  got, _ = models.decode(CFG, q, tokens, np.tile(np.arange(6), (2, 1)), cache)
+  want, _ = models.decode(CFG, quant.dequantize(q, jnp.float32), tokens, np.tile(np.arange(6), (2, 1)),
+                          models.init_cache(CFG, 2, 16))
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  mesh = sharding.make_mesh(jax.devices()[:4], dict(data=1, fsdp=2, tensor=2))
+  specs = quant.shardings(models.param_shardings(CFG, mesh), models.abstract_params(CFG))
+  assert tuple(specs["scales"]["layer_0/mlp/experts_gate"].spec) == (None, None, "tensor")
+
+
+def test_lora_on_a_moe_model_targets_attention_and_the_router(params):
+  from asyncrl_jax.models import lora  # pylint: disable=import-outside-toplevel
+  cfg = CFG.replace(lora_rank=4, lora_targets=("q", "v", "router"))
+  p = lora.add_adapters(cfg, params, jax.random.key(1))
+  mlp = p["layer_0"]["mlp"]
+  assert "router_lora_a" in mlp and "router_lora_b" in mlp
+  assert not any(k.startswith("experts_") and "lora" in k for k in mlp)
+  tokens = _tokens((2, 8))
+  # new adapters (B = 0) change nothing; a trained router adapter moves the routing
+  np.testing.assert_allclose(models.logits(cfg, p, tokens), models.logits(CFG, params, tokens), atol=1e-5)
+  # (a B of equal columns would add one value to every expert's logit: no change under the softmax)
+  moved = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 3.0 * jax.random.normal(jax.random.key(2), x.shape, x.dtype)
+      if str(getattr(path[-1], "key", "")) == "router_lora_b" else x, p)
+  _, r0, _, _ = models.logits_and_routes(cfg, p, tokens)
+  _, r1, _, _ = models.logits_and_routes(cfg, moved, tokens)
+  assert np.any(np.asarray(r0) != np.asarray(r1))
+  merged_cfg, merged = lora.merge(cfg, moved)
+  np.testing.assert_allclose(models.logits(merged_cfg, merged, tokens), models.logits(cfg, moved, tokens),
+                             atol=1e-4)
