@@ -91,3 +91,40 @@ def test_a_dense_model_or_an_engine_without_recording_carries_no_routes(params_a
   with pytest.raises(ValueError, match="record_routes=True needs a mixture-of-experts model"):
     Engine(dense, mesh=mesh, num_slots=2, max_prefill_length=8, max_target_length=16,
            tokenizer=ArithmeticTokenizer(), record_routes=True)
+
+
+@pytest.mark.slow(30)
+def test_under_bfloat16_serving_replay_closes_the_routing_part_of_the_log_prob_gap(params_a):
+  """A bfloat16 decode server and a float32 learner at the same weights: some tokens' experts flip
+  between the two (the control), replay gives the learner the server's experts everywhere, and the
+  learner's log-probs of the sampled tokens come closer to the server's."""
+  from asyncrl_jax.rl.logprobs import token_logprobs  # pylint: disable=import-outside-toplevel
+  served = CFG.replace(dtype="bfloat16")
+  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+  engine = Engine(served, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
+                  sampling=SamplingSettings(temperature=1.0), params=params_a, seed=5,
+                  tokenizer=NoStopTokenizer(), record_routes=True)
+  server = DecodeServer(engine, params_a, steps_per_call=8)
+  server.submit(*_requests(8, max_new=24, seed=4))
+  server.run_until_idle()
+  trajectories = _drain(server)
+  gaps = {"replay": [], "own": []}
+  flips, pairs = 0, 0
+  for t in trajectories:
+    tokens = np.r_[t.prompt_tokens, t.completion_tokens][None].astype(np.int32)
+    positions = np.arange(tokens.shape[1])[None].astype(np.int32)
+    segments = np.ones_like(tokens)
+    own = np.asarray(models.logits_and_routes(CFG, params_a, tokens)[1][0])
+    flips += int(np.sum(np.any(np.sort(own, -1) != np.sort(t.routes, -1), axis=-1)))
+    pairs += own.shape[0] * own.shape[1]
+    for name, routes in (("replay", t.routes[None]), ("own", None)):
+      logp, moe_out = token_logprobs(CFG, params_a, tokens, positions, segments, routes_btlk=routes,
+                                     with_moe=True)
+      if routes is not None:
+        np.testing.assert_array_equal(np.asarray(moe_out.routes[0]), t.routes)
+      gaps[name].append(np.abs(np.asarray(logp[0, len(t.prompt_tokens):]) - t.logprobs))
+  gap = {k: float(np.mean(np.concatenate(v))) for k, v in gaps.items()}
+  print(f"bf16 serving, fp32 learner: {flips} of {pairs} token-layer routes flip; mean |logp gap| "
+        f"{gap['own']:.4f} without replay, {gap['replay']:.4f} with")
+  assert flips > 0  # the control: without replay the learner routes some tokens elsewhere
+  assert gap["replay"] < gap["own"]
