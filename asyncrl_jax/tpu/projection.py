@@ -41,10 +41,12 @@ def model_flops_per_token(m, attention_length: float) -> float:
   below), not the packed row's width: packed sequences never attend to one another.
 
   With LoRA the frozen base has no weight gradients: its matrices count 4 x (forward, and the
-  backward pass's gradient with respect to their inputs), the adapters 6 x."""
+  backward pass's gradient with respect to their inputs), the adapters 6 x. A mixture of experts
+  counts the parameters a token passes through (``num_active_params``: the router and its k
+  experts, not all E)."""
   embed = m.vocab_size * m.hidden_size
   # every parameter but the embedding table's lookup; a tied table is the output layer's matrix
-  matrix = m.num_params - (0 if m.tie_embeddings else embed)
+  matrix = m.num_active_params - (0 if m.tie_embeddings else embed)
   weights = (4.0 * matrix + 6.0 * m.num_lora_params) if m.lora else 6.0 * matrix
   return weights + 6.0 * m.num_layers * m.num_heads * m.head_dim * attention_length
 

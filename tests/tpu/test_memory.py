@@ -144,6 +144,36 @@ def test_the_parameter_count_is_the_models(tie, bias):
       jax.eval_shape(lambda: models.init_params(m, jax.random.key(0))))
 
 
+def test_a_mixture_of_experts_counts_every_expert_in_memory_and_its_active_ones_in_flops():
+  from asyncrl_jax.tpu import projection  # pylint: disable=import-outside-toplevel
+  dense = models.ModelConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_layers=3,
+                             num_heads=6, num_kv_heads=2, head_dim=16, qkv_bias=False, qk_norm=True)
+  m = dense.replace(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=(0,))
+  assert m.num_params == models.count_params(jax.eval_shape(lambda: models.init_params(m, jax.random.key(0))))
+  # layers 1 and 2: a router (48 x 8) and 8 experts of 3 x 48 x 24 each, 2 of them active per token
+  assert m.num_params - m.num_active_params == 2 * 6 * 3 * 48 * 24
+  moe_matrix = m.num_active_params - 300 * 48
+  assert projection.model_flops_per_token(m, 0.0) == pytest.approx(6.0 * moe_matrix)
+  assert projection.model_flops_per_token(dense, 0.0) == pytest.approx(6.0 * (dense.num_params - 300 * 48))
+
+
+def test_the_version_batch_counts_recorded_routes():
+  config = _small("narrow")
+  config.data.update(max_prompt_len=64, max_completion_len=192)
+  config.learner.update(batch_size=10, ppo_minibatches=1, token_budget=1024)
+  config.rl.update(group_size=2, loss="ppo")
+  config.mesh.learner.update(data=1, fsdp=2, tensor=1)
+  config.model.update(qkv_bias=False, qk_norm=True)
+  config.model.moe.update(num_experts=8, top_k=2, intermediate_size=16)
+  m = config_lib.model_config(config)
+  batch = "version batch (every trajectory full length)"
+  without = memory.learner(config, m, 2).terms[batch]
+  config.rollout.record_routes = True
+  slots = without / 36  # token slots per device (nine 4-byte fields each)
+  # int16 routes: 2 bytes x num_layers MoE layers x 2 experts per token slot
+  assert memory.learner(config, m, 2).terms[batch] == pytest.approx(without + slots * 2 * m.num_layers * 2)
+
+
 def test_terms_split_over_the_mesh_by_hand():
   config = _small("wide")
   m = config_lib.model_config(config)
