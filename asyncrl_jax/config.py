@@ -143,6 +143,11 @@ def _validate_model(config) -> None:
   if config.rollout.record_routes and not config.model.hf_path:
     _check(moe.num_experts > 0, "rollout.record_routes", True,
            "False for a dense model (routes exist only with model.moe.num_experts > 0)")
+  if not config.model.hf_path and config.learner.scan_layers:
+    m = model_config(config)
+    _check(len(m.moe_layers) in (0, m.num_layers), "learner.scan_layers", True,
+           f"False for a model that mixes dense and mixture-of-experts layers (MoE layers {list(m.moe_layers)} "
+           f"of {m.num_layers}: model.moe.decoder_sparse_step, model.moe.mlp_only_layers)")
 
 
 def _validate_data(config) -> None:

@@ -31,6 +31,15 @@ def _flatten(d, prefix=""):
       yield f"{prefix}{k}", v
 
 
+def parameters_line(m) -> str:
+  """The model's size; a mixture of experts' also the parameters a token passes through."""
+  line = f"model parameters: {m.num_params:,}"
+  if m.moe:
+    line += (f" ({m.num_active_params:,} active per token: {m.num_experts_per_tok} of {m.num_experts} "
+             f"experts in {len(m.moe_layers)} of {m.num_layers} layers)")
+  return line
+
+
 def memory_report(config, accelerator: str, rollout_accelerator: str = "", margin: float = 0.2):
   """Lines of the per-role memory tables and verdicts, and whether every role fits."""
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
@@ -42,7 +51,7 @@ def memory_report(config, accelerator: str, rollout_accelerator: str = "", margi
            (memory.decode_server(config, m, chips.host_chips(rollout_accelerator)), rollout_accelerator)]
   if config.learner.eval_every:  # (on a pod the decode servers are other hosts: it runs on the learner's)
     roles.insert(1, (memory.evaluation(config, m, learner_chips), accelerator))
-  lines, ok = [f"model parameters: {m.num_params:,}"], True
+  lines, ok = [parameters_line(m)], True
   if not config.rollout.servers:
     lines.append("(the tables assume the pod's layout: decode servers on hosts of their own, so "
                  "held-out evaluation on the learner's chips; with rollout.servers=0 decoding and "
@@ -121,9 +130,9 @@ def main(argv=None) -> None:
     if accelerator.value:
       lines, ok = memory_report(config, accelerator.value, rollout.value, margin.value)
       print("\n".join(lines))
-    elif not config.model.hf_path:
-      from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
-      print(f"model parameters: {config_lib.model_config(config).num_params:,}")
+    else:
+      from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
+      print(parameters_line(models.config_of(config)))
     sys.stdout.flush()
     sys.exit(0 if ok else 1)
 
