@@ -256,11 +256,28 @@ class Updater:
     The packing plan depends only on the sequences, so it is the same in every process; each process
     then lays out and puts on device only the rows its devices hold (all of them with one process).
     """
+    sequences = self._routed(sequences)
     plan = batching.plan_micro_batches([len(s.tokens) for s in sequences], self.token_budget)
     rows = -(-plan.rows // self.rows_multiple) * self.rows_multiple  # divides over data x fsdp
     normalizer = np.float32(max(sum(float(np.sum(s.mask)) for s in sequences), 1.0))
     device = [self._put_rows(sequences, mb, rows, plan.row_len) for mb in plan.micro_batches]
     return device, jax.device_put(normalizer, self.replicated)
+
+  def _routed(self, sequences):
+    """``sequences`` as this updater's micro-batches hold them: each with routes of ``route_shape``
+    per token when it has one (a sequence without is refused: every micro-batch must have the same
+    structure, and a pass that silently did not replay would train another objective), without
+    routes otherwise."""
+    if self.route_shape is None:
+      return [s if s.routes is None else s._replace(routes=None) for s in sequences]
+    for i, s in enumerate(sequences):
+      if s.routes is None or tuple(np.shape(s.routes)[1:]) != tuple(self.route_shape):
+        got = "none" if s.routes is None else list(np.shape(s.routes))
+        raise batching.PackingError(
+            f"sequence {i} of a minibatch has no routes of [tokens, {self.route_shape[0]} MoE layers, "
+            f"{self.route_shape[1]} experts] (got {got}); the learner replays the decode servers' "
+            "routes (rollout.record_routes), so every trajectory must carry them")
+    return list(sequences)
 
   def _put_rows(self, sequences, mb_rows: list, rows: int, row_len: int):
     if jax.process_count() == 1:
