@@ -133,6 +133,14 @@ BENCHMARKS = {
         "at least half of what full-weight RL gains; int8 keeps learning with KL(behaviour || learner) "
         "reported per version. The runs are long (`lora_int8_learning.py --seeds 3 --workdir DIR`); "
         "this assembles their records."),
+    "moe_study": (
+        "moe_study.py", ["--assemble-only"], [],
+        "No seed figure: routing replay on a mixture-of-experts policy (issue 57; slime, verl, ROLL, SkyRL and "
+        "prime-rl replay the rollout's experts): configs/moe.py at pinned eta 4, 200 versions, 3 seeds, "
+        "decoupled PPO without and with replay and GSPO with replay; held-out pass@1 before and after, "
+        "KL(behaviour || proximal), the routing mismatch, the load-balancing loss, wall time, paired "
+        "differences. The runs are long (`moe_study.py --workdir DIR`, hours on 2 cores); this assembles "
+        "their records."),
     "staleness_ablation": ("staleness_ablation.py", ["--assemble-only"], [],
                            "**Run before two fixes** (kept as it was measured): the learning-rate schedule counted policy versions, not optimizer updates (with 2 updates per version the cosine reached its floor half way), staleness was bounded, not pinned (eta was a bound; the staleness reached depended on the roles' speeds), and `ppo` is PPO on the behaviour ratio, not the seeds' naive baseline (`ppo_recompute`). Superseded by staleness_ablation_pinned. Seed (AReaL): decoupled PPO within ~1 point of eta 0 up to eta 8; naive PPO "
                            "drops to 23.3 at eta 4. Goal: a regime where staleness hurts the naive "

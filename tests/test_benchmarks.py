@@ -664,3 +664,97 @@ def test_rl_vs_rft_tabulates_finished_arms_with_their_standard_errors(tmp_path):
   (work / "rft_seed1" / "sft_summary.json").write_text(json.dumps(dict(summary, eval_problems=256)))
   done = run()
   assert done.returncode != 0 and "evaluated differently" in done.stderr, done.stderr[-2000:]
+
+
+def _moe_record(arm, seed, final, mismatch, **fields):
+  """A fake record of benchmarks/moe_study.py (the full study's configuration)."""
+  loss, replay = {"decoupled_ppo": ("decoupled_ppo", False), "decoupled_ppo_replay": ("decoupled_ppo", True),
+                  "gspo_replay": ("gspo", True)}[arm]
+  return dict(dict(arm=arm, seed=seed, loss=loss, replay_routes=replay, eta=4, steps=200, code_commit="abc1234",
+                   study=dict(steps=200, overrides=[]), initial_final=0.30 + 0.01 * seed,
+                   initial_final_greedy=0.60 + 0.01 * seed, final=final, final_greedy=0.5, final_se=0.015,
+                   final_metric="pass@1 (4 samples, T=1)", final_problems=500, kl_behav_prox=1e-3 * (1 + mismatch),
+                   moe_route_mismatch=mismatch, moe_aux_loss=1.05, moe_load_max=1.5, wall_seconds=1000.0 + seed,
+                   rl_seconds=900.0, max_staleness_seen=4,
+                   curves={"moe_route_mismatch": [mismatch] * 3, "kl_behav_prox": [1e-3] * 3}), **fields)
+
+
+def test_moe_study_summary_by_hand_pairs_by_seed_and_refuses_mixed_records(tmp_path):
+  """Per arm, each figure's mean, SE and t interval over seeds; paired differences seed by seed
+  (scipy's one-sample interval gives the same); an arm's missing seed is named. The summary refuses
+  records of two training-code commits, of two warm starts within a seed, and of another study."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  from benchmarks import moe_study  # pylint: disable=import-outside-toplevel
+  d = tmp_path / "moe_study_arms"
+  d.mkdir()
+  put = lambda r: (d / f"{r['arm']}_seed{r['seed']}.json").write_text(json.dumps(r))
+  for seed, (plain, replay, gspo) in enumerate([(0.40, 0.41, 0.45), (0.42, 0.45, 0.44), (0.44, 0.46, None)]):
+    put(_moe_record("decoupled_ppo", seed, plain, 0.02))
+    put(_moe_record("decoupled_ppo_replay", seed, replay, 0.01 * seed))
+    if gspo is not None:
+      put(_moe_record("gspo_replay", seed, gspo, 0.0))
+  assert moe_study.main(["--assemble-only", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "moe_study.json").read_text())
+  plain = result["arms"]["decoupled_ppo"]["final"]
+  assert plain["per_seed"] == pytest.approx([40.0, 42.0, 44.0]) and plain["mean"] == pytest.approx(42.0)
+  assert plain["se"] == pytest.approx(2.0 / np.sqrt(3))
+  assert plain["high"] == pytest.approx(42.0 + stats.t.ppf(0.975, 2) * 2.0 / np.sqrt(3))
+  assert result["arms"]["decoupled_ppo"]["gain"]["per_seed"] == pytest.approx([10.0, 11.0, 12.0])
+  assert result["arms"]["decoupled_ppo"]["moe_route_mismatch"]["mean"] == pytest.approx(2.0)  # (in %)
+  replay = result["pairs"]["replay_minus_no_replay"]
+  assert replay["seeds"] == [0, 1, 2] and replay["final"]["per_seed"] == pytest.approx([1.0, 3.0, 2.0])
+  ci = stats.ttest_1samp([1.0, 3.0, 2.0], 0.0).confidence_interval(0.95)
+  assert (replay["final"]["low"], replay["final"]["high"]) == pytest.approx((ci.low, ci.high))
+  assert replay["moe_route_mismatch"]["per_seed"] == pytest.approx([-2.0, -1.0, 0.0])
+  assert replay["kl_behav_prox"]["per_seed"] == pytest.approx([-2e-5, -1e-5, 0.0])
+  gspo = result["pairs"]["gspo_minus_decoupled_ppo"]
+  assert gspo["seeds"] == [0, 1] and gspo["final"]["per_seed"] == pytest.approx([4.0, -1.0])
+  assert result["missing"] == ["gspo_replay seed 2"] and result["code_commit"] == "abc1234"
+  md = (tmp_path / "moe_study.md").read_text()
+  # (the warm starts 30, 31 and 32: sd 1, half-width t(0.975, 2) / sqrt(3) = 2.48)
+  assert "**Not run yet:** gspo_replay seed 2" in md and "| decoupled_ppo | 3 | 31.0 +- 0.6 [28.5, 33.5] |" in md
+  assert "| replay_minus_no_replay | decoupled_ppo_replay - decoupled_ppo | 3 | 2.0 +- 0.6 [" in md
+  assert (tmp_path / "moe_study.png").stat().st_size > 1000
+  # another warm start within seed 1; then records of two training-code commits; then another study
+  put(_moe_record("gspo_replay", 1, 0.44, 0.0, initial_final_greedy=0.7))
+  with pytest.raises(SystemExit, match="seed 1's arms started from different warm starts"):
+    moe_study.main(["--assemble-only", "--out", str(tmp_path)])
+  put(_moe_record("gspo_replay", 1, 0.44, 0.0, code_commit="def5678"))
+  with pytest.raises(SystemExit, match="different training code.*def5678: gspo_replay seed 1"):
+    moe_study.main(["--assemble-only", "--out", str(tmp_path)])
+  with pytest.raises(SystemExit, match="use another --name"):
+    moe_study.main(["--assemble-only", "--out", str(tmp_path), "--steps", "100"])
+
+
+def test_moe_study_reruns_an_unfinished_run_or_one_of_other_training_code(tmp_path, monkeypatch):
+  """An arm's finished run in the work directory is reused only if it ran the same training code;
+  an unfinished one, or one of other code, runs again from the start; a run whose config names
+  another objective is refused (fake runs)."""
+  from benchmarks import moe_study  # pylint: disable=import-outside-toplevel
+  ran = []
+
+  def fake_run(cmd, log, env=None):
+    del log, env
+    wd = next(a.split("=", 1)[1] for a in cmd if a.startswith("--workdir="))
+    ran.append(os.path.basename(wd))
+    os.makedirs(wd)
+    loss = next(a.split("=", 1)[1] for a in cmd if a.startswith("--config.rl.loss="))
+    with open(os.path.join(wd, "config.json"), "w") as f:
+      json.dump(dict(seed=0, rl=dict(loss=loss, replay_routes="--config.rl.replay_routes=True" in cmd,
+                                     staleness_mode="pinned", max_staleness=4)), f)
+    with open(os.path.join(wd, "summary.json"), "w") as f:
+      json.dump(dict(steps=3), f)
+
+  monkeypatch.setattr(moe_study, "run_logged", fake_run)
+  argv = moe_study._arm_argv("gspo_replay", 0, "ws", str(tmp_path), 3, [])  # pylint: disable=protected-access
+  run = lambda code: moe_study._run_arm(str(tmp_path), "gspo_replay", 0, argv, 3, code)  # pylint: disable=protected-access
+  assert run("abc")[1] == dict(steps=3) and ran == ["gspo_replay_seed0"]
+  run("abc")
+  assert ran == ["gspo_replay_seed0"]  # (finished with this code: reused)
+  run("def")
+  assert ran == ["gspo_replay_seed0"] * 2 and (tmp_path / "gspo_replay_seed0.code").read_text() == "def"
+  os.remove(tmp_path / "gspo_replay_seed0" / "summary.json")  # (interrupted)
+  run("def")
+  assert len(ran) == 3
+  with pytest.raises(SystemExit, match="not decoupled_ppo seed 0's"):
+    moe_study._run_arm(str(tmp_path), "decoupled_ppo", 0, argv, 3, "def")  # pylint: disable=protected-access

@@ -291,6 +291,24 @@ def test_value_advantages_run_end_to_end_and_resume_with_their_value_model(tmp_p
 
 
 @pytest.mark.slow(40)
+def test_a_mixture_of_experts_policy_trains_end_to_end_with_routing_replay(tmp_path):
+  """configs/moe.py, tiny: decode servers record routes, the controller checks them, the learner
+  replays them and logs the router's statistics each version."""
+  cmd = [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/moe.py",
+         f"--workdir={tmp_path}", *TINY, "--config.steps=2"]
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400, env=_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  with open(tmp_path / "metrics.jsonl") as f:
+    metrics = [json.loads(l) for l in f if l.strip()]
+  assert [m["version"] for m in metrics] == [1, 2]
+  for m in metrics:
+    assert 0.0 <= m["moe_route_mismatch"] <= 1.0 and m["moe_aux_loss"] >= 1.0 - 1e-4
+    assert sum(m[f"moe_load/{e}"] for e in range(8)) == pytest.approx(1.0, abs=1e-4)
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["failed_rollouts"] == 0 and not summary["rejected_rollouts"]  # every one carried routes
+
+
+@pytest.mark.slow(40)
 def test_the_kl_term_runs_end_to_end_and_resumes_with_its_reference(tmp_path):
   """rl.kl_coef in the main job: the reference is the policy after the warm start (the penalty is 0
   at the first version's first update and grows as the policy moves), written beside the
