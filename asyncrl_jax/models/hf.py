@@ -455,6 +455,10 @@ def lora_to_peft(config: ModelConfig, params: dict[str, Any], dtype: Optional[st
   ``W x + (alpha / r) B A x`` is the model's ``x W + (alpha / r) (x A) B``."""
   if not config.lora:
     raise ValueError("the model has no LoRA adapters (model.lora.rank is 0)")
+  if "router" in config.lora_targets:
+    # transformers' Qwen3-MoE router (mlp.gate) is not a Linear layer, which PEFT's LoRA needs
+    raise ValueError("model.lora.targets includes 'router', which PEFT cannot put on transformers' "
+                     "Qwen3-MoE router; export the merged model instead (--format=hf)")
   dt = np.dtype(jax.numpy.dtype(dtype or config.param_dtype))
   adapters, _ = lora.split(params)
   out = {}

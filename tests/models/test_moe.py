@@ -219,6 +219,8 @@ def test_lora_on_a_moe_model_targets_attention_and_the_router(params):
   _, r0, _, _ = models.logits_and_routes(cfg, p, tokens)
   _, r1, _, _ = models.logits_and_routes(cfg, moved, tokens)
   assert np.any(np.asarray(r0) != np.asarray(r1))
+  with pytest.raises(ValueError, match="PEFT cannot put"):
+    models.export_peft(cfg, moved, "/nonexistent", base_model="base")
   merged_cfg, merged = lora.merge(cfg, moved)
   np.testing.assert_allclose(models.logits(merged_cfg, merged, tokens), models.logits(cfg, moved, tokens),
                              atol=1e-4)
