@@ -506,4 +506,4 @@ def _route_check(config) -> Optional[tuple[int, int, int]]:
     return None
   from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
   m = models.config_of(config)
-  return len(m.moe_layers), m.num_experts_per_tok, m.num_experts
+  return (*m.route_shape, m.num_experts)

@@ -258,6 +258,11 @@ class ModelConfig:
     return self.num_experts > 0
 
   @property
+  def route_shape(self) -> tuple:
+    """Per token, the shape of its recorded routes: (MoE layers, experts per token)."""
+    return len(self.moe_layers), self.num_experts_per_tok
+
+  @property
   def lora(self) -> bool:
     """Whether the model carries LoRA adapters."""
     return self.lora_rank > 0

@@ -216,9 +216,9 @@ class Transformer(nn.Module):
                hidden_only: bool = False, routes_btlk: Optional[jax.Array] = None):
     cfg = self.cfg
     moe_index = {layer: j for j, layer in enumerate(cfg.moe_layers)}
-    if routes_btlk is not None and routes_btlk.shape[2:] != (len(moe_index), cfg.num_experts_per_tok):
+    if routes_btlk is not None and tuple(routes_btlk.shape[2:]) != cfg.route_shape:
       raise ValueError(f"routes_btlk has shape {routes_btlk.shape}; this model replays [B, T, "
-                       f"{len(moe_index)} MoE layers, {cfg.num_experts_per_tok} experts]")
+                       f"{cfg.route_shape[0]} MoE layers, {cfg.route_shape[1]} experts]")
     embed = _param(self, "embed", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
                    ("vocab", "embed"), cfg)
     x = jnp.take(embed, tokens_bt, axis=0).astype(_dtype(cfg.dtype))

@@ -99,7 +99,7 @@ def moe_settings(config) -> dict:
     return {}
   recorded = bool(config.rollout.record_routes)
   return {"moe_aux_coef": float(config.model.moe.aux_loss_coef),
-          "route_shape": (len(model.moe_layers), model.num_experts_per_tok) if recorded else None,
+          "route_shape": model.route_shape if recorded else None,
           "replay_routes": recorded and bool(config.rl.replay_routes)}
 
 

@@ -276,7 +276,7 @@ class Engine(ContextExtension, engine_api.Engine):
                          positions=jnp.zeros((s,), jnp.int32), generated=jnp.zeros((s,), jnp.int32),
                          budget=jnp.zeros((s,), jnp.int32), rng=jax.random.key(self._seed),
                          streams=jnp.zeros((s, 2), jnp.int32), min_left=jnp.zeros((s,), jnp.int32),
-                         routes=jnp.zeros((s, length, len(c.moe_layers), c.num_experts_per_tok),
+                         routes=jnp.zeros((s, length, *c.route_shape),
                                           models.moe.ROUTE_DTYPE) if self.record_routes else None)
     return make
 

@@ -158,7 +158,7 @@ def version_batch(config, row_shards: int) -> float:
   if config.rollout.get("record_routes"):
     from asyncrl_jax import models  # pylint: disable=import-outside-toplevel
     m = models.config_of(config)
-    route_bytes = 2 * len(m.moe_layers) * m.num_experts_per_tok
+    route_bytes = 2 * math.prod(m.route_shape)
   for i, n in enumerate(sizes):
     plan = batching.plan_micro_batches([length] * n, int(config.learner.token_budget))
     rows = -(-plan.rows // row_shards) * row_shards
