@@ -19,8 +19,9 @@ import ml_collections
 from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, KL_ESTIMATORS, LOGPROB_SOURCES,  # noqa: F401
                                        LOSSES, STALENESS_MODES, TASKS, ConfigError, base_config)
 from asyncrl_jax.data.workloads import LengthWorkload
+from asyncrl_jax.infra import sharding
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
-from asyncrl_jax.models.config import MOE_MATMULS, ModelConfig, ModelConfigError
+from asyncrl_jax.models.config import MOE_EXCHANGES, MOE_MATMULS, ModelConfig, ModelConfigError
 from asyncrl_jax.models.forward import ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES
 from asyncrl_jax.models.quant import WEIGHT_DTYPES
 
@@ -136,6 +137,7 @@ def _validate_model(config) -> None:
   _check(isinstance(moe.aux_loss_coef, (int, float)) and moe.aux_loss_coef >= 0, "model.moe.aux_loss_coef",
          moe.aux_loss_coef, ">= 0")
   _one_of(config, "model.moe.matmul", MOE_MATMULS)
+  _one_of(config, "model.moe.exchange", MOE_EXCHANGES)
   _check(isinstance(config.rollout.record_routes, bool), "rollout.record_routes",
          config.rollout.record_routes, "True or False")
   _check(isinstance(config.rl.replay_routes, bool), "rl.replay_routes", config.rl.replay_routes,
@@ -363,11 +365,16 @@ def _validate_mesh(config) -> None:
          "cannot be combined with rollout.servers > 0 (decode servers in other processes have their own "
          "devices)")
   for role in ("learner", "rollout"):
-    for axis in ("data", "fsdp", "tensor"):
+    unknown = sorted(set(config.mesh[role].keys()) - set(sharding.MESH_AXES))
+    _check(not unknown, f"mesh.{role}", dict(config.mesh[role]), f"unknown axes {unknown}; the axes are "
+           f"{sharding.MESH_AXES}")
+    for axis in sharding.MESH_AXES:
+      if axis not in config.mesh[role]:
+        continue  # (an axis left out has size 1)
       f = f"mesh.{role}.{axis}"
       _number(config, f, lambda v: v >= 1 or v == -1, "a positive integer, or -1 for 'the rest'",
               integer=True)
-    n_auto = sum(config.mesh[role][a] == -1 for a in ("data", "fsdp", "tensor"))
+    n_auto = sum(config.mesh[role].get(a, 1) == -1 for a in sharding.MESH_AXES)
     _check(n_auto <= 1, f"mesh.{role}", dict(config.mesh[role]), "at most one axis may be -1")
 
 

@@ -52,12 +52,14 @@ def _model_section() -> ml_collections.ConfigDict:
       # decoder_sparse_step-th layer, except mlp_only_layers (comma-separated indices), top_k of
       # num_experts experts of width intermediate_size, dropless; norm_topk_prob renormalises the
       # k routing weights. matmul: "ragged" (grouped by expert with jax.lax.ragged_dot) or "dense"
-      # (every expert on every token: the reference); with hf_path only matmul and aux_loss_coef
-      # apply. aux_loss_coef: the router's load-balancing loss (E sum_e f_e P_e, averaged over the
+      # (every expert on every token: the reference). exchange: with a mesh expert axis, how tokens
+      # reach their experts' shard: "padded" (all_to_all of a worst-case buffer; runs on CPU) or
+      # "ragged" (ragged_all_to_all: routed rows only; TPU/GPU). With hf_path only matmul, exchange
+      # and aux_loss_coef apply. aux_loss_coef: the router's load-balancing loss (E sum_e f_e P_e, averaged over the
       # MoE layers) added to the learner's loss times this (0: logged, not trained)
       moe=ml_collections.ConfigDict(dict(
           num_experts=0, top_k=0, intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1,
-          mlp_only_layers="", matmul="ragged", aux_loss_coef=0.0)),
+          mlp_only_layers="", matmul="ragged", exchange="padded", aux_loss_coef=0.0)),
       # dtype: activations and matmuls (decode servers also hold the weights in it, norm scales
       # excepted); param_dtype: the learner's stored weights and optimizer state
       tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",
@@ -274,10 +276,10 @@ def _mesh_section() -> ml_collections.ConfigDict:
       # True: decode servers and learner share every device, taking turns (one-device machines, and the
       # colocated synchronous baseline); rollout_fraction is then unused
       colocate=False,
-      # each role's mesh axes (-1: the devices left over); parameters split over fsdp x tensor,
-      # rows over data x fsdp
-      learner=ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1)),
-      rollout=ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1)),  # per decode server
+      # each role's mesh axes (-1: the devices left over); parameters split over fsdp x tensor (a
+      # mixture of experts' experts also over expert), rows over data x fsdp x expert
+      learner=ml_collections.ConfigDict(dict(data=1, fsdp=-1, expert=1, tensor=1)),
+      rollout=ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1)),  # per decode server
   ))
 
 

@@ -1,21 +1,26 @@
 """Meshes and logical-axis sharding.
 
-Every role (learner, rollout) gets its own mesh with axes ``(data, fsdp, tensor)``. Parameters and
-activations carry logical axis names; ``LOGICAL_RULES`` maps them onto mesh axes:
+Every role (learner, rollout) gets its own mesh with axes ``(data, fsdp, expert, tensor)``.
+Parameters and activations carry logical axis names; ``LOGICAL_RULES`` maps them onto mesh axes:
 
-=================  =================  ================================================
-logical axis        mesh axes          used by
-=================  =================  ================================================
-batch               (data, fsdp)       token / activation batch dimension
-embed               fsdp               hidden dimension of weights (FSDP: weights split)
-heads, kv_heads     tensor             attention heads (Megatron-style tensor parallel)
-mlp                 tensor             MLP hidden dimension
-moe_mlp             tensor             each expert's MLP hidden dimension
-expert              --                 the experts of a mixture-of-experts layer
-vocab               tensor             embedding rows / logits columns
-=================  =================  ================================================
+=================  =====================  ================================================
+logical axis        mesh axes              used by
+=================  =====================  ================================================
+batch               (data, fsdp, expert)   token / activation batch dimension
+embed               fsdp                   hidden dimension of weights (FSDP: weights split)
+heads, kv_heads     tensor                 attention heads (Megatron-style tensor parallel)
+mlp                 tensor                 MLP hidden dimension
+moe_mlp             tensor                 each expert's MLP hidden dimension
+expert              expert                 the experts of a mixture-of-experts layer
+vocab               tensor                 embedding rows / logits columns
+=================  =====================  ================================================
 
 Dimensions not listed (head_dim, norm scales, sequence length) are replicated.
+
+The ``expert`` axis (expert parallelism) splits each MoE layer's experts, their gradients and AdamW
+moments; everything else treats it as one more data-parallel axis (rows are split over it, dense
+weights are not). Tokens reach the shard that holds their experts by all-to-all inside the MoE layer
+(``models.moe``). A mesh without the axis in its config has ``expert=1``.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes rows (slots, sequences, tokens) are split over
 
 LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("activation_batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
+    ("activation_batch", BATCH_AXES),
     ("activation_length", None),
     ("activation_embed", None),
     ("embed", "fsdp"),
@@ -42,9 +48,9 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
     ("vocab", "tensor"),
     ("head_dim", None),
     ("norm", None),
-    # mixture of experts (models.moe): each expert's MLP width over tensor like a dense MLP's; the
-    # expert axis and the router's expert columns replicated
-    ("expert", None),
+    # mixture of experts (models.moe): the experts over the expert axis, each expert's MLP width over
+    # tensor like a dense MLP's; the router's expert columns replicated
+    ("expert", "expert"),
     ("expert_router", None),
     ("moe_mlp", "tensor"),
 )
@@ -77,8 +83,14 @@ def resolve_mesh_shape(shape: Mapping[str, int], num_devices: int, *, role: str 
   return sizes
 
 
+def batch_ways(mesh: Mesh) -> int:
+  """How many ways rows are split on ``mesh``: the product of its ``BATCH_AXES``."""
+  return math.prod(int(mesh.shape.get(a, 1)) for a in BATCH_AXES)
+
+
 def make_mesh(devices: Sequence[jax.Device], shape: Mapping[str, int], *, role: str = "mesh") -> Mesh:
-  """A mesh with axes (data, fsdp, tensor) over exactly ``devices`` (Auto axis types)."""
+  """A mesh with axes (data, fsdp, expert, tensor) over exactly ``devices`` (Auto axis types); an
+  axis missing from ``shape`` has size 1."""
   sizes = resolve_mesh_shape(shape, len(devices), role=role)
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))  # tensor groups within a host
   grid = np.asarray(devices, dtype=object).reshape([sizes[k] for k in MESH_AXES])
@@ -133,8 +145,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  """Shards the leading (batch) dimension over (data, fsdp); other dimensions replicated."""
-  return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+  """Shards the leading (batch) dimension over ``BATCH_AXES``; other dimensions replicated."""
+  return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
 
 
 def describe(mesh: Optional[Mesh]) -> str:

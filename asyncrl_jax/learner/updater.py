@@ -154,7 +154,7 @@ class Updater:
     self.grad_shardings = self._trained(self.param_shardings)
     self.replicated = sharding_lib.replicated(mesh)
     self.batch_sharding = sharding_lib.batch_sharding(mesh, 2)
-    self.rows_multiple = mesh.shape["data"] * mesh.shape["fsdp"]
+    self.rows_multiple = sharding_lib.batch_ways(mesh)
     self.max_traces = micro_batch_shapes(token_budget, model_config.max_seq_len)
     # The optimizer's per-parameter state (AdamW's moments) on the parameters' shardings, the rest
     # (step counts) replicated: left to itself, jit would replicate moments it creates from zeros.
@@ -258,7 +258,7 @@ class Updater:
     """
     sequences = self._routed(sequences)
     plan = batching.plan_micro_batches([len(s.tokens) for s in sequences], self.token_budget)
-    rows = -(-plan.rows // self.rows_multiple) * self.rows_multiple  # divides over data x fsdp
+    rows = -(-plan.rows // self.rows_multiple) * self.rows_multiple  # divides over data x fsdp x expert
     normalizer = np.float32(max(sum(float(np.sum(s.mask)) for s in sequences), 1.0))
     device = [self._put_rows(sequences, mb, rows, plan.row_len) for mb in plan.micro_batches]
     return device, jax.device_put(normalizer, self.replicated)

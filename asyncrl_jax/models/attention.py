@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncrl_jax.infra.sharding import BATCH_AXES
+
 _NEG_INF = -1e30  # finite, so fully masked rows (padding) give uniform weights, not NaN
 
 # The splash kernel's blocks: this many queries and keys (a multiple of 128 lanes). 512 is what
@@ -166,7 +168,7 @@ def _on_tpu(mesh: Optional[jax.sharding.Mesh]) -> bool:
 
 
 def splash(q_btkgh, key_btkh, val_btkh, segment_ids_bt, *, mesh: Optional[jax.sharding.Mesh] = None,
-           batch_axes=("data", "fsdp"), head_axis: Optional[str] = "tensor", skip_blocks: bool = True):
+           batch_axes=BATCH_AXES, head_axis: Optional[str] = "tensor", skip_blocks: bool = True):
   """Causal attention within segments by the splash kernel (the module docstring); same values as
   ``dense`` with ``training_mask``.
 
@@ -272,7 +274,7 @@ def paged_view(kv_bs2kh: jax.Array, positions_b: jax.Array) -> dict:
 
 
 def ragged_decode(q_b1kgh, kv_bs2kh, positions_b, *, mesh: Optional[jax.sharding.Mesh] = None,
-                  batch_axes=("data", "fsdp"), head_axis: Optional[str] = "tensor"):
+                  batch_axes=BATCH_AXES, head_axis: Optional[str] = "tensor"):
   """One decode step's attention by the ragged paged attention TPU kernel
   (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``): each row reads its cache's pages
   only up to its position, so a step moves the live keys and values, not the whole cache. Same

@@ -22,6 +22,7 @@ DEFAULT_LORA_TARGETS = LORA_TARGETS[:-1]  # every projection of a dense model
 # how a mixture-of-experts layer runs its experts (``models.moe``): grouped by expert with
 # ``jax.lax.ragged_dot`` (dropless; CPU and TPU), or every expert on every token (the reference)
 MOE_MATMULS = ("ragged", "dense")
+MOE_EXCHANGES = ("padded", "ragged")
 ROPE_TYPES = ("default", "llama3", "yarn")
 
 
@@ -128,6 +129,11 @@ class ModelConfig:
     mlp_only_layers: layers kept dense whatever the step.
     moe_matmul: how the experts run (``MOE_MATMULS``): "ragged" grouped by expert, "dense" the
       reference (every expert on every token). Changes how, not what.
+    moe_exchange: with expert parallelism (a mesh ``expert`` axis), how tokens travel to their
+      experts' shard and back (``MOE_EXCHANGES``): "padded" an ``all_to_all`` of a buffer sized for
+      the worst case (every token of a shard to one shard: dropless, and what runs on the CPU),
+      "ragged" ``ragged_all_to_all`` moving only the routed rows (TPU, GPU; XLA:CPU has no such op).
+      Changes how, not what.
   """
 
   vocab_size: int
@@ -156,6 +162,7 @@ class ModelConfig:
   decoder_sparse_step: int = 1
   mlp_only_layers: tuple = ()
   moe_matmul: str = "ragged"
+  moe_exchange: str = "padded"
 
   def __post_init__(self):
     if not isinstance(self.rope_scaling, RopeScaling):
@@ -220,6 +227,8 @@ class ModelConfig:
   def _validate_moe(self) -> None:
     if self.moe_matmul not in MOE_MATMULS:
       raise ModelConfigError(f"model.moe_matmul={self.moe_matmul!r}: must be one of {MOE_MATMULS}")
+    if self.moe_exchange not in MOE_EXCHANGES:
+      raise ModelConfigError(f"model.moe_exchange={self.moe_exchange!r}: must be one of {MOE_EXCHANGES}")
     if not self.num_experts:
       if self.num_experts_per_tok or self.moe_intermediate_size:
         raise ModelConfigError("model.num_experts_per_tok / model.moe_intermediate_size are set but "
@@ -300,6 +309,11 @@ class ModelConfig:
     return self._count(self.num_experts)
 
   @property
+  def num_expert_params(self) -> int:
+    """The experts' weights (what expert parallelism splits): 0 for a dense model."""
+    return len(self.moe_layers) * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
+  @property
   def num_active_params(self) -> int:
     """The parameters a token passes through: a MoE layer's router and its k experts only (what
     6 x parameters per token counts); ``num_params`` for a dense model."""
@@ -331,12 +345,15 @@ def lora_fields(lora: Any) -> dict:
 def moe_fields(moe: Any) -> dict:
   """``ModelConfig``'s mixture-of-experts fields from a config's ``model.moe`` section (a mapping
   with ``num_experts``, ``top_k``, ``intermediate_size``, ``norm_topk_prob``,
-  ``decoder_sparse_step``, ``mlp_only_layers``, ``matmul``; None or num_experts 0: dense)."""
+  ``decoder_sparse_step``, ``mlp_only_layers``, ``matmul``, ``exchange``; None or num_experts 0:
+  dense)."""
+  how = {"moe_matmul": dict(moe or {}).get("matmul", "ragged"),
+         "moe_exchange": dict(moe or {}).get("exchange", "padded")}
   if not moe or not dict(moe).get("num_experts"):
-    return {"moe_matmul": dict(moe or {}).get("matmul", "ragged")}
+    return how
   moe = dict(moe)
   return {"num_experts": moe["num_experts"], "num_experts_per_tok": moe.get("top_k", 0),
           "moe_intermediate_size": moe.get("intermediate_size", 0),
           "norm_topk_prob": moe.get("norm_topk_prob", True),
           "decoder_sparse_step": moe.get("decoder_sparse_step", 1),
-          "mlp_only_layers": moe.get("mlp_only_layers", ()), "moe_matmul": moe.get("matmul", "ragged")}
+          "mlp_only_layers": moe.get("mlp_only_layers", ()), **how}

@@ -14,6 +14,19 @@ Two ways to run the experts (``ModelConfig.moe_matmul``), one result:
 * ``"dense"``: the reference: every expert on every token, the outputs combined with the routing
   weights (zero off the chosen k): ``N E`` rows of work; the faster path on the CPU twin.
 
+Expert parallelism: on a mesh with an ``expert`` axis of size P > 1 (``infra.sharding``), each shard
+holds E / P experts (and their gradients and AdamW moments) and its own share of the rows (the axis is
+a data-parallel one everywhere else). The router runs where the tokens are; then, per shard under
+``shard_map`` (``experts_parallel``): the (token, expert) slots sorted by expert, each shard's counts
+shared (a tiny ``all_gather``), the rows sent to the shards holding their experts (all-to-all), each
+shard's experts run on what it received (grouped or dense, as above), the results sent back by the
+reverse all-to-all and combined with the routing weights where the tokens live. Dropless: a shard
+may receive every slot of every shard (``P x N_local x k`` rows), so its receive buffer has that size.
+``ModelConfig.moe_exchange`` picks the wire: "padded" (``all_to_all`` of the whole buffer, P x the
+routed rows' bytes; what XLA:CPU runs) or "ragged" (``ragged_all_to_all``: the routed rows only;
+TPU and GPU). With ``tensor`` > 1 too, each expert's width stays split over it and the expert outputs
+are summed over it (``psum``) before they travel back.
+
 Routing replay: given ``routes_btk`` (the experts a decode server chose for each token, recorded with
 the trajectory), the layer uses those experts instead of its own top k; the weights are still its own
 router's probabilities at those experts (renormalised alike), so the router keeps its gradient. The
@@ -113,12 +126,110 @@ def experts_dense(x_nd: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
 EXPERT_PATHS = {"ragged": experts_grouped, "dense": experts_dense}
 
 
+def _local_experts(rows_rd: jax.Array, ids_r: jax.Array, gate_edf: jax.Array, up_edf: jax.Array,
+                   down_efd: jax.Array, matmul: str) -> jax.Array:
+  """Each row through the one local expert ``ids_r`` names (``[R, D]``); a row whose id is E (the
+  number of local experts: an empty slot of the receive buffer) gives 0."""
+  num_experts = gate_edf.shape[0]
+  valid_r = ids_r < num_experts
+  if matmul == "dense":
+    select_re = jax.nn.one_hot(ids_r, num_experts, dtype=rows_rd.dtype)  # all zero for an empty slot
+    hidden = (nn.silu(jnp.einsum("RD,EDF->REF", rows_rd, gate_edf))
+              * jnp.einsum("RD,EDF->REF", rows_rd, up_edf))
+    return jnp.einsum("REF,EFD,RE->RD", hidden, down_efd, select_re)
+  order = jnp.argsort(ids_r, stable=True)  # empty slots last, outside every group
+  sizes = jnp.bincount(ids_r, length=num_experts).astype(jnp.int32)
+  x_sorted = jnp.take(rows_rd, order, axis=0)
+  hidden = (nn.silu(jax.lax.ragged_dot(x_sorted, gate_edf, sizes))
+            * jax.lax.ragged_dot(x_sorted, up_edf, sizes))
+  y = jnp.take(jax.lax.ragged_dot(hidden, down_efd, sizes), jnp.argsort(order), axis=0)
+  return jnp.where(valid_r[:, None], y, jnp.zeros_like(y))
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def experts_parallel(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, gate_edf: jax.Array,
+                     up_edf: jax.Array, down_efd: jax.Array, *, mesh: jax.sharding.Mesh, matmul: str,
+                     exchange: str) -> jax.Array:
+  """The k experts of each token with the experts split over the mesh's ``expert`` axis (the module
+  docstring): ``[B, T, D]``, equal to ``experts_grouped`` / ``experts_dense`` on one device."""
+  from asyncrl_jax.infra.sharding import BATCH_AXES  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  shards = int(mesh.shape["expert"])
+  num_experts = gate_edf.shape[0]
+  if num_experts % shards:
+    raise ValueError(f"{num_experts} experts do not split over the mesh's expert axis of size {shards}")
+  per_shard = num_experts // shards
+  tensor = int(mesh.shape.get("tensor", 1))
+  rows = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
+  width = "tensor" if tensor > 1 else None
+
+  def local(x, experts, weights, gate, up, down):
+    b, t, d = x.shape
+    k = experts.shape[-1]
+    n = b * t * k  # this shard's routing slots; the most any one shard can send to another
+    flat_e = experts.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # slots sorted by expert, so by destination shard
+    x_sorted = jnp.take(x.reshape(b * t, d), order // k, axis=0)  # [n, D]
+    counts = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32).reshape(shards, per_shard)
+    every = jax.lax.all_gather(counts, "expert")  # [source, destination, local expert]
+    me = jax.lax.axis_index("expert")
+    send = jnp.sum(counts, axis=-1)  # [P] slots to each shard
+    send_offsets = _exclusive_cumsum(send)
+    received = jnp.take(every, me, axis=1)  # [P, per_shard]: what each source sends me, by expert
+    recv = jnp.sum(received, axis=-1)
+    if exchange == "ragged":
+      slot = jnp.full((shards,), me * n, jnp.int32)  # my part of every receiver's buffer
+      got = jax.lax.ragged_all_to_all(x_sorted, jnp.zeros((shards * n, d), x_sorted.dtype), send_offsets,
+                                      send, slot, recv, axis_name="expert").reshape(shards, n, d)
+    else:
+      j = jnp.arange(n)
+      take = jnp.clip(send_offsets[:, None] + j[None, :], 0, n - 1)
+      buf = jnp.where((j[None, :] < send[:, None])[..., None], jnp.take(x_sorted, take, axis=0), 0)
+      got = jax.lax.all_to_all(buf, "expert", 0, 0, tiled=True).reshape(shards, n, d)
+    # row j from source s is for my local expert e when it falls in e's part of s's rows
+    j = jnp.arange(n)
+    ends = jnp.cumsum(received, axis=-1)  # [P, per_shard]
+    ids = jnp.sum(j[None, :, None] >= ends[:, None, :], axis=-1)  # == per_shard past the last one
+    y = _local_experts(got.reshape(shards * n, d), ids.reshape(-1), gate, up, down, matmul)
+    if width is not None:
+      y = jax.lax.psum(y, "tensor")  # each expert's width was split over tensor
+    if exchange == "ragged":
+      # back to each source, straight into its sorted slots: at its offset for me
+      every_send = jnp.sum(every, axis=-1)  # [source, destination]
+      back_at = jnp.take(_exclusive_cumsum(every_send), me, axis=1)  # where each source sent mine from
+      y_sorted = jax.lax.ragged_all_to_all(y, jnp.zeros((n, d), y.dtype), jnp.arange(shards, dtype=jnp.int32) * n,
+                                           recv, back_at.astype(jnp.int32), send, axis_name="expert")
+    else:
+      back = jax.lax.all_to_all(y.reshape(shards, n, d), "expert", 0, 0, tiled=True)  # [P, n, D]
+      dest = jnp.take(flat_e, order) // per_shard  # each sorted slot's shard
+      r = jnp.arange(n)
+      y_sorted = back[dest, r - jnp.take(send_offsets, dest)]
+    y_slots = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(b * t, k, d)
+    out = jnp.einsum("NKD,NK->ND", y_slots, weights.reshape(b * t, k).astype(y_slots.dtype))
+    return out.reshape(b, t, d)
+
+  spec_rows = P(rows, None, None)
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(spec_rows, spec_rows, spec_rows, P("expert", None, width),
+                                 P("expert", None, width), P("expert", width, None)),
+                       out_specs=spec_rows)(x_btd, experts_btk, weights_btk, gate_edf, up_edf, down_efd)
+
+
+def expert_shards(mesh: Optional[jax.sharding.Mesh]) -> int:
+  """The size of ``mesh``'s ``expert`` axis (1 without a mesh or the axis)."""
+  return 1 if mesh is None else int(dict(mesh.shape).get("expert", 1))
+
+
 class MoE(nn.Module):
-  """``MoE(cfg)(x_btd, valid_bt, routes_btk=None) -> [B, T, D]``; sows ``routes`` ([B, T, k]
+  """``MoE(cfg, mesh)(x_btd, valid_bt, routes_btk=None) -> [B, T, D]``; sows ``routes`` ([B, T, k]
   int16) and ``aux`` ((load-balancing loss, load [E], own top k [B, T, k] int16)) into the ``"moe"``
-  collection."""
+  collection. With a ``mesh`` whose ``expert`` axis is > 1, the experts run expert-parallel."""
 
   cfg: ModelConfig
+  mesh: Optional[jax.sharding.Mesh] = None
 
   @nn.compact
   def __call__(self, x_btd, valid_bt, routes_btk=None):
@@ -140,8 +251,13 @@ class MoE(nn.Module):
         logits.reshape(b * t, e), k, norm_topk_prob=cfg.norm_topk_prob,
         routes_nk=None if routes_btk is None else routes_btk.reshape(b * t, k))
     weights_nk = weights_nk.astype(dt)  # as the reference implementation casts them
-    y_nd = EXPERT_PATHS[cfg.moe_matmul](x.reshape(b * t, d), experts_nk, weights_nk, gate.astype(dt),
-                                        up.astype(dt), down.astype(dt))
+    if expert_shards(self.mesh) > 1:
+      y_nd = experts_parallel(x, experts_nk.reshape(b, t, k), weights_nk.reshape(b, t, k), gate.astype(dt),
+                              up.astype(dt), down.astype(dt), mesh=self.mesh, matmul=cfg.moe_matmul,
+                              exchange=cfg.moe_exchange).reshape(b * t, d)
+    else:
+      y_nd = EXPERT_PATHS[cfg.moe_matmul](x.reshape(b * t, d), experts_nk, weights_nk, gate.astype(dt),
+                                          up.astype(dt), down.astype(dt))
     if self.is_mutable_collection("moe"):
       loss, load_e = load_balancing_loss(probs_ne, experts_nk, valid_bt.reshape(-1))
       self.sow("moe", "routes", experts_nk.reshape(b, t, k).astype(ROUTE_DTYPE))

@@ -183,7 +183,7 @@ class Block(nn.Module):
     if self.moe:
       # the tokens the router statistics count: a training row's padding (segment 0) is not one
       valid_bt = mask != 0 if mask.ndim == 2 else jnp.ones(x_btd.shape[:2], bool)
-      x_btd = x_btd + moe_lib.MoE(self.cfg, name="mlp")(h_btd, valid_bt, routes_btk)
+      x_btd = x_btd + moe_lib.MoE(self.cfg, self.mesh, name="mlp")(h_btd, valid_bt, routes_btk)
     else:
       x_btd = x_btd + MLP(self.cfg, name="mlp")(h_btd)
     return x_btd, new_cache

@@ -83,7 +83,7 @@ class EpisodeEvaluator:
   def _decode(self, params, contexts: list, settings, key) -> tuple[np.ndarray, np.ndarray]:
     """One action of every episode: the policy continues each context (rows padded to the mesh's
     data ways); returns the new tokens and where each row's action ends."""
-    ways = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    ways = sharding.batch_ways(self.mesh)
     rows = -(-len(contexts) // ways) * ways
     batch = np.full((rows, self.max_prompt_len + self.max_new_tokens), self.tokenizer.pad_id, np.int32)
     lengths = np.ones(rows, np.int32)

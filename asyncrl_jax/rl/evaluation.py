@@ -48,7 +48,7 @@ class Evaluator:
     self.max_new_tokens = max_new_tokens
     self.samples = samples if sampling is not None and sampling.temperature > 0 else 0
     self.sampling, self.seed = sampling, seed
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    ways = sharding.batch_ways(mesh)
     if (problems is None) == (prompt_ids is None):
       raise ValueError("an Evaluator takes either problems or prompt_ids")
     ids = ([tokenizer.encode_prompt(p["question"]) for p in problems] if problems is not None else

@@ -73,8 +73,8 @@ class Engine(ContextExtension, engine_api.Engine):
 
   Args:
     config: model configuration.
-    mesh: the rollout mesh (slots are split over its data x fsdp axes).
-    num_slots: concurrent sequences S (a multiple of the mesh's data x fsdp size).
+    mesh: the rollout mesh (slots are split over its data x fsdp x expert axes).
+    num_slots: concurrent sequences S (a multiple of the mesh's data x fsdp x expert size).
     max_prefill_length: longest prompt (or prompt + tokens so far, on refill).
     max_target_length: cache length L: prompt plus completion.
     sampling: temperature / top-k / top-p and which log-prob to record.
@@ -116,9 +116,9 @@ class Engine(ContextExtension, engine_api.Engine):
     if max_prefill_length > max_target_length:
       raise ValueError(f"max_prefill_length={max_prefill_length} exceeds max_target_length="
                        f"{max_target_length}")
-    batch_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch_ways = sharding_lib.batch_ways(mesh)
     if num_slots % batch_ways:
-      raise ValueError(f"num_slots={num_slots} must be a multiple of the rollout mesh's data x fsdp "
+      raise ValueError(f"num_slots={num_slots} must be a multiple of the rollout mesh's data x fsdp x expert "
                        f"size {batch_ways}")
     if record_routes and not config.moe:
       raise ValueError("rollout.record_routes=True needs a mixture-of-experts model (model.num_experts > 0)")
@@ -259,7 +259,7 @@ class Engine(ContextExtension, engine_api.Engine):
   def _state_shardings(self) -> DecodeState:
     """Where the decode state lives: slots split over ``data`` x ``fsdp``, the KV cache's heads over
     ``tensor`` (as the key and value projections are), the RNG key replicated."""
-    cache_sharding = NamedSharding(self._mesh, PartitionSpec(("data", "fsdp"), None, "tensor", None))
+    cache_sharding = NamedSharding(self._mesh, PartitionSpec(sharding_lib.BATCH_AXES, None, "tensor", None))
     return DecodeState(cache=cache_sharding, logits=sharding_lib.batch_sharding(self._mesh, 2),
                        positions=self._slot_sharding, generated=self._slot_sharding,
                        budget=self._slot_sharding, rng=self._replicated,

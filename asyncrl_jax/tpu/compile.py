@@ -164,7 +164,7 @@ def learner_programs(config, model_config, devices, *, row_len: Optional[int] = 
   longest = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   row_len = row_len or bucketing.bucket(min(longest, model_config.max_seq_len), bucketing.ROW_BUCKETS)
   row_len = min(row_len, int(config.learner.token_budget))
-  rows = mesh.shape["data"] * mesh.shape["fsdp"]
+  rows = sharding.batch_ways(mesh)
   resident = [learner.params, learner.opt_state]
   if learner.critic is not None:
     resident += [learner.critic.params, learner.critic.opt_state]

@@ -21,8 +21,11 @@ terms in bytes:
   servers are other hosts): the learner's resident state, a parameter copy, the evaluation's KV cache
   and its largest step.
 
-Parameters and optimizer state are split over ``fsdp x tensor``, rows over ``data x fsdp``, heads and
-the MLP width over ``tensor``. The terms count the buffers a step's program holds at its peak; XLA may
+Parameters and optimizer state are split over ``fsdp x tensor`` (a mixture of experts' experts also
+over ``expert``), rows over ``data x fsdp x expert``, heads and the MLP width over ``tensor``. A
+mixture-of-experts layer keeps, per token, its k experts' intermediates, and with expert parallelism
+(``expert`` > 1) the exchange's buffers, sized for the dropless worst case (``models.moe``: a shard may
+receive ``expert x k`` rows per local token), and its experts' intermediates over those rows. The terms count the buffers a step's program holds at its peak; XLA may
 fuse some away or keep a few copies more (``tests/tpu/test_memory.py`` compares the totals with XLA's own
 ``compile().memory_analysis()`` on CPU). ``tpu.chips.CHIPS`` lists HBM per chip, so that
 ``python -m asyncrl_jax info --config=... --accelerator=v5p-8`` says whether each role fits.
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 from asyncrl_jax.infra import bucketing
 from asyncrl_jax.models.config import ModelConfig
@@ -63,28 +67,66 @@ class RoleMemory:
     return out
 
 
-def mesh_sizes(axes, devices: int) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) with ``-1`` resolved against ``devices``."""
-  sizes = {k: int(axes[k]) for k in ("data", "fsdp", "tensor")}
+class MeshSizes(NamedTuple):
+  """A role's mesh axis sizes; ``rows``: the ways rows are split (data x fsdp x expert)."""
+  data: int
+  fsdp: int
+  tensor: int
+  expert: int
+
+  @property
+  def rows(self) -> int:
+    return self.data * self.fsdp * self.expert
+
+
+def mesh_sizes(axes, devices: int) -> MeshSizes:
+  """The axis sizes with ``-1`` resolved against ``devices`` (an axis left out: 1)."""
+  sizes = {k: int(axes.get(k, 1)) for k in ("data", "fsdp", "tensor", "expert")}
   known = math.prod(v for v in sizes.values() if v != -1)
   for k, v in sizes.items():
     if v == -1:
       sizes[k] = max(devices // known, 1)
   if math.prod(sizes.values()) != devices:
     raise ValueError(f"mesh {dict(axes)} does not fit {devices} devices")
-  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+  return MeshSizes(**sizes)
+
+
+def param_shard(m: ModelConfig, mesh: MeshSizes) -> float:
+  """Parameters per device: the experts over fsdp x tensor x expert, the rest over fsdp x tensor."""
+  return ((m.num_params - m.num_expert_params) / (mesh.fsdp * mesh.tensor)
+          + m.num_expert_params / (mesh.fsdp * mesh.tensor * mesh.expert))
+
+
+def mlp_per_token(m: ModelConfig, tensor: int, expert: int, *, backward: bool = True) -> float:
+  """Elements per token of the largest MLP's intermediates (in the compute dtype): a dense SwiGLU's
+  gate, up, silu(gate) and product (3 of them in a forward pass); a mixture of experts' router
+  scores, the k slots' sorted inputs and outputs, and its experts' intermediates over the rows it
+  computes: ``k`` per token on one shard, with expert parallelism ``expert x k`` (the dropless
+  receive buffer; plus the send, receive and return buffers); the dense reference path every expert
+  on every token."""
+  n = 4 if backward else 3
+  dense = n * m.intermediate_size / tensor if len(m.moe_layers) < m.num_layers else 0.0
+  if not m.num_experts:
+    return dense
+  d, f, k, e = m.hidden_size, m.moe_intermediate_size / tensor, m.num_experts_per_tok, m.num_experts
+  if m.moe_matmul == "dense":
+    experts = (e / expert) * (n * f + d) * (expert * k if expert > 1 else 1)
+  else:
+    experts = (expert * k if expert > 1 else k) * n * f
+  exchange = 3 * expert * k * d if expert > 1 else 0.0
+  return max(dense, 3 * e + 2 * k * d + experts + exchange)
 
 
 def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, tensor: int,
-                       chunk: int = 0) -> dict:
+                       chunk: int = 0, expert: int = 1) -> dict:
   """Bytes one block keeps for the backward pass of ``tokens`` tokens in ``rows`` rows of ``width``;
   with an attention ``chunk``, its attention term is one block of ``chunk`` queries, live only while
   that block is computed (each block is recomputed in the backward pass)."""
   a = _BYTES[m.dtype]
-  heads, kv, mlp = m.num_heads / tensor, m.num_kv_heads / tensor, m.intermediate_size / tensor
+  heads, kv = m.num_heads / tensor, m.num_kv_heads / tensor
   per_token = (4 * m.hidden_size  # two norms' inputs and outputs
                + 3 * heads * m.head_dim + 4 * kv * m.head_dim  # q (and roped), k, v (and roped), output
-               + 4 * mlp)  # gate, up, silu(gate), their product
+               + mlp_per_token(m, tensor, expert))  # gate, up, silu(gate), their product (or the experts')
   # float32 scores, masked scores and probabilities, and the boolean mask broadcast over the heads
   queries = min(chunk, width) if chunk else width
   scores = rows * heads * queries * width * (3 * 4 + 1)
@@ -93,16 +135,17 @@ def _block_activations(m: ModelConfig, tokens: float, rows: float, width: int, t
 
 def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of the learner on ``devices`` devices (its mesh from ``config.mesh.learner``)."""
-  data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
+  mesh = mesh_sizes(config.mesh.learner, devices)
+  fsdp, tensor = mesh.fsdp, mesh.tensor
   p = _BYTES[m.param_dtype]
-  shard = m.num_params / (fsdp * tensor)
+  shard = param_shard(m, mesh)
   budget = int(config.learner.token_budget)
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
-  rows = -(-max(budget // width, 1) // (data * fsdp))  # rows are padded to a multiple of data x fsdp
+  rows = -(-max(budget // width, 1) // mesh.rows)  # rows are padded to a multiple of data x fsdp x expert
   tokens = rows * width
   forward = Forward.from_learner(config)
   chunk = forward.attention_chunk
-  block = _block_activations(m, tokens, rows, width, tensor, chunk)
+  block = _block_activations(m, tokens, rows, width, tensor, chunk, mesh.expert)
   if forward.attention == "splash":
     # scores stay on chip; the kernel keeps its output's log-sum-exp, and its fused backward pass
     # writes dq as float32 partial sums, one per key block, while one layer's backward runs
@@ -115,8 +158,9 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   if forward.remat in ("full", "minimal_offloaded"):  # (offloaded products live in host memory)
     kept = m.num_layers * layer_input + sum(block.values())
   elif forward.remat in ("minimal", "dots_saveable"):  # the weight products' outputs stay
-    heads, kv, mlp = m.num_heads / tensor, m.num_kv_heads / tensor, m.intermediate_size / tensor
-    products = tokens * ((heads + 2 * kv) * m.head_dim + 2 * m.hidden_size + 3 * mlp) * _BYTES[m.dtype]
+    heads, kv = m.num_heads / tensor, m.num_kv_heads / tensor
+    mlp = mlp_per_token(m, tensor, mesh.expert, backward=False)
+    products = tokens * ((heads + 2 * kv) * m.head_dim + 2 * m.hidden_size + mlp) * _BYTES[m.dtype]
     scores = block["attention"] if forward.remat == "dots_saveable" and not chunk else 0
     kept = m.num_layers * (layer_input + products + scores) + sum(block.values())
   else:
@@ -125,7 +169,7 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   logits = 3 * tokens * columns * 4  # float32 logits, their softmax, its gradient
   # LoRA: the base is frozen, so only the adapters have gradients and optimizer state (they shard
   # like their projections, the rank axis replicated: about as evenly)
-  trained = (m.num_lora_params if m.lora else m.num_params) / (fsdp * tensor)
+  trained = m.num_lora_params / (fsdp * tensor) if m.lora else shard
   terms = {
       "parameters": (shard + m.num_lora_params / (fsdp * tensor)) * p,
       "optimizer (AdamW mu, nu)": 2 * trained * p,
@@ -136,7 +180,7 @@ def learner(config, m: ModelConfig, devices: int) -> RoleMemory:
   if config.rl.advantage == "value":  # the critic: a second trunk (and a scalar head) with its own
     # AdamW, resident beside the policy; its updates take turns with the policy's (same activations)
     terms["value model (parameters, AdamW)"] = 3 * (shard + m.hidden_size + 1) * p
-  terms["version batch (every trajectory full length)"] = version_batch(config, data * fsdp)
+  terms["version batch (every trajectory full length)"] = version_batch(config, mesh.rows)
   return RoleMemory("learner", devices, terms)
 
 
@@ -182,8 +226,12 @@ def served_weight_bytes(config, m: ModelConfig) -> float:
   if config.rollout.get("weight_dtype", "") != "int8":
     return (m.num_params + m.num_lora_params) * b
   d, f, h = m.hidden_size, m.intermediate_size, m.head_dim
-  kernels = m.num_layers * (d * h * (2 * m.num_heads + 2 * m.num_kv_heads) + 3 * d * f)
-  scales = m.num_layers * (h * (m.num_heads + 2 * m.num_kv_heads) + d + 2 * f + d)
+  n_moe, n_dense = len(m.moe_layers), m.num_layers - len(m.moe_layers)
+  kernels = m.num_layers * d * h * (2 * m.num_heads + 2 * m.num_kv_heads) + n_dense * 3 * d * f
+  scales = m.num_layers * (h * (m.num_heads + 2 * m.num_kv_heads) + d) + n_dense * (2 * f + d)
+  if n_moe:  # every expert per output channel (the router stays as served)
+    kernels += n_moe * m.num_experts * 3 * d * m.moe_intermediate_size
+    scales += n_moe * m.num_experts * (2 * m.moe_intermediate_size + d)
   if not m.tie_embeddings:  # the output projection is a kernel too
     kernels, scales = kernels + m.vocab_size * d, scales + m.vocab_size
   return kernels + 2 * scales + (m.num_params - kernels + m.num_lora_params) * b
@@ -191,9 +239,10 @@ def served_weight_bytes(config, m: ModelConfig) -> float:
 
 def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   """Per-device memory of one decode server on ``devices`` devices (``config.mesh.rollout``)."""
-  data, fsdp, tensor = mesh_sizes(config.mesh.rollout, devices)
+  mesh = mesh_sizes(config.mesh.rollout, devices)
+  fsdp, tensor = mesh.fsdp, mesh.tensor
   a = _BYTES[m.dtype]
-  slots = -(-int(config.rollout.num_slots) // (data * fsdp))
+  slots = -(-int(config.rollout.num_slots) // mesh.rows)
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   kv = m.num_kv_heads / tensor
   cache = 2 * m.num_layers * slots * length * kv * m.head_dim * a
@@ -205,14 +254,14 @@ def decode_server(config, m: ModelConfig, devices: int) -> RoleMemory:
   # The largest call: every slot at full length, or as many rows as rollout.prefill_tokens allows.
   from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
   shapes = prefill_shapes(int(config.rollout.num_slots), length, int(config.rollout.prefill_tokens))
-  rows = -(-max(r for r, w in shapes if w == length) // (data * fsdp))
+  rows = -(-max(r for r, w in shapes if w == length) // mesh.rows)
   tokens = rows * length
   attention = _block_activations(m, tokens, rows, length, tensor,
                                  int(config.rollout.attention_chunk))["attention"]
-  refill = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
+  refill = max(attention, tokens * mlp_per_token(m, tensor, mesh.expert, backward=False) * a)
   refill += 2 * tokens * m.hidden_size * a  # the residual stream in and out of the block
   return RoleMemory("decode server", devices, {
-      "parameters (serving dtype)": served_weight_bytes(config, m) / (fsdp * tensor),
+      "parameters (serving dtype)": served_weight_bytes(config, m) * param_shard(m, mesh) / m.num_params,
       "KV cache": cache,
       "next-token logits": slots * vocab * 4,
       "largest re-prefill call (> a decode step)": max(step, refill),
@@ -227,22 +276,24 @@ def evaluation(config, m: ModelConfig, devices: int) -> RoleMemory:
   same for the final evaluation's ``final_eval_*``, padded to a multiple of data x fsdp, each of
   prompt + completion length), and that call's largest step: the
   prompts' prefill (logits at one position per row; full attention, no chunking) or a decode step."""
-  data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
+  mesh = mesh_sizes(config.mesh.learner, devices)
+  tensor = mesh.tensor
   a, p = _BYTES[m.dtype], _BYTES[m.param_dtype]
   problems, samples = int(config.data.eval_problems), int(config.data.eval_samples)
   final_problems = int(config.data.get("final_eval_problems", 0)) or problems
   final_samples = int(config.data.get("final_eval_samples", 0)) or samples
   sampling = float(config.rollout.temperature) > 0
   rows = -(-max(problems, problems * samples * sampling, final_problems,
-                final_problems * final_samples * sampling) // (data * fsdp))
+                final_problems * final_samples * sampling) // mesh.rows)
   prompt = int(config.data.max_prompt_len)
   length = prompt + int(config.data.max_completion_len)
-  shard = m.num_params / (fsdp * tensor)
+  shard = param_shard(m, mesh)
   cache = 2 * m.num_layers * rows * length * (m.num_kv_heads / tensor) * m.head_dim * a
   step = rows * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
   tokens = rows * prompt
   attention = _block_activations(m, tokens, rows, prompt, tensor)["attention"]
-  prefill = max(attention, 3 * tokens * m.intermediate_size / tensor * a) + 2 * tokens * m.hidden_size * a
+  prefill = (max(attention, tokens * mlp_per_token(m, tensor, mesh.expert, backward=False) * a)
+             + 2 * tokens * m.hidden_size * a)
   prefill += rows * m.vocab_size / tensor * 4  # the next-token logits it returns
   resident = 3 * shard * p * (2 if config.rl.advantage == "value" else 1)  # (and the critic's)
   return RoleMemory("held-out evaluation (on the learner's devices)", devices, {
@@ -277,23 +328,25 @@ def _learner_programs(config, m: ModelConfig, devices: int) -> dict:
   gradients (arguments; its outputs replace them) and the clipped gradients and updates it computes
   before the step is kept or dropped (about 1.5 parameter shards)."""
   t = learner(config, m, devices).terms
-  data, fsdp, tensor = mesh_sizes(config.mesh.learner, devices)
-  shard = (m.num_params + m.num_lora_params) / (fsdp * tensor) * _BYTES[m.param_dtype]
+  mesh = mesh_sizes(config.mesh.learner, devices)
+  fsdp, tensor = mesh.fsdp, mesh.tensor
+  lora_shard = m.num_lora_params / (fsdp * tensor) * _BYTES[m.param_dtype]
+  shard = param_shard(m, mesh) * _BYTES[m.param_dtype] + lora_shard
   # what has gradients and optimizer state: the adapters alone with LoRA
-  trained = (m.num_lora_params if m.lora else m.num_params) / (fsdp * tensor) * _BYTES[m.param_dtype]
+  trained = lora_shard if m.lora else param_shard(m, mesh) * _BYTES[m.param_dtype]
   budget = int(config.learner.token_budget)
   width = bucketing.bucket(min(budget, m.max_seq_len), bucketing.ROW_BUCKETS)
-  rows = -(-max(budget // width, 1) // (data * fsdp))
+  rows = -(-max(budget // width, 1) // mesh.rows)
   tokens = rows * width
   micro_batch = tokens * 9 * 4  # the TokenBatch's nine 4-byte fields
   # (of the log-softmax's three [tokens, columns] float32 buffers, the TPU compiler's gradient step
   # holds two at its peak: the third is fused; its buffer report shows it)
   grad = t["parameters"] + trained + t["activations"] + t["log-softmax"] * 2 / 3 + micro_batch
   forward_options = Forward.from_learner(config)
-  block = _block_activations(m, tokens, rows, width, tensor, forward_options.attention_chunk)
+  block = _block_activations(m, tokens, rows, width, tensor, forward_options.attention_chunk, mesh.expert)
   if forward_options.attention == "splash":  # a forward pass keeps no scores: the output's lse only
     block["attention"] = rows * m.num_heads / tensor * width * 4
-  mlp = 3 * tokens * m.intermediate_size / tensor * _BYTES[m.dtype]
+  mlp = tokens * mlp_per_token(m, tensor, mesh.expert, backward=False) * _BYTES[m.dtype]
   forward = max(mlp, block["attention"], t["log-softmax"]) + 2 * tokens * m.hidden_size * _BYTES[m.dtype]
   prox = t["parameters"] + micro_batch + forward + tokens * 4
   out = {"grad_step[first]": grad, "grad_step[later]": grad + tokens * 4, "prox_pass": prox,
@@ -311,23 +364,24 @@ def _decode_programs(config, m: ModelConfig, devices: int) -> dict:
   another), a prefill of
   ``rows x width`` one block's (its attention block or its MLP's intermediates) for its rows."""
   role = decode_server(config, m, devices).terms
-  data, fsdp, tensor = mesh_sizes(config.mesh.rollout, devices)
+  mesh = mesh_sizes(config.mesh.rollout, devices)
+  tensor = mesh.tensor
   a = _BYTES[m.dtype]
   base = role["parameters (serving dtype)"] + role["KV cache"] + role["next-token logits"]
-  slots = -(-int(config.rollout.num_slots) // (data * fsdp))
+  slots = -(-int(config.rollout.num_slots) // mesh.rows)
   length = int(config.data.max_prompt_len) + int(config.data.max_completion_len)
   step = slots * (3 * m.vocab_size / tensor * 4 + 3 * m.num_heads / tensor * length * 4)
   from asyncrl_jax.rollout.prefill_plan import prefill_shapes  # pylint: disable=import-outside-toplevel
   # the compiler hoists the weights' cast to the compute dtype out of the chunk's loop: a copy of
   # the parameters in that dtype for the whole chunk (none when they are served in it)
-  cast = (m.num_params / (fsdp * tensor) * a) if serving_bytes(m) != a else 0.0
+  cast = (param_shard(m, mesh) * a) if serving_bytes(m) != a else 0.0
   out = {"decode_chunk[16 steps]": base + step + cast}
   chunk = int(config.rollout.attention_chunk)
   for name, max_len in (("prefill_insert", int(config.data.max_prompt_len)), ("refill", length)):
     for r, w in prefill_shapes(int(config.rollout.num_slots), max_len, int(config.rollout.prefill_tokens)):
-      rows = -(-r // (data * fsdp))
+      rows = -(-r // mesh.rows)
       tokens = rows * w
       attention = _block_activations(m, tokens, rows, w, tensor, chunk)["attention"]
-      block = max(attention, 3 * tokens * m.intermediate_size / tensor * a)
+      block = max(attention, tokens * mlp_per_token(m, tensor, mesh.expert, backward=False) * a)
       out[f"{name}[{r}x{w}]"] = base + block + 2 * tokens * m.hidden_size * a
   return out

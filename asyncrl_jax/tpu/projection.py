@@ -122,10 +122,10 @@ def decode_live_step(config, m, chip, *, server_chips: int, context: float) -> d
   """The decode step's live roofline per chip: serving weights (bfloat16 where the model computes
   in it) once, plus each of its slots' KV cache up to ``context`` positions, over HBM bandwidth."""
   from asyncrl_jax.tpu import memory  # pylint: disable=import-outside-toplevel
-  data, fsdp, tensor = memory.mesh_sizes(config.mesh.rollout, server_chips)
-  slots = int(config.rollout.num_slots) / (data * fsdp)
-  kv_per_token = 2 * m.num_layers * m.num_kv_heads / tensor * m.head_dim * np.dtype(m.dtype).itemsize
-  weights = memory.serving_bytes(m) * m.num_params / (fsdp * tensor)
+  mesh = memory.mesh_sizes(config.mesh.rollout, server_chips)
+  slots = int(config.rollout.num_slots) / mesh.rows
+  kv_per_token = 2 * m.num_layers * m.num_kv_heads / mesh.tensor * m.head_dim * np.dtype(m.dtype).itemsize
+  weights = memory.serving_bytes(m) * memory.param_shard(m, mesh)
   kv = slots * context * kv_per_token
   return {"weights_bytes": weights, "live_kv_bytes": kv,
           "seconds": (weights + kv) / chip.hbm_bandwidth}

@@ -48,5 +48,16 @@ def test_a_version_trains_on_replayed_routes_over_a_sharded_mesh():
   own.train(sequences, version=0)
   assert max_abs_diff(replayed.params, params) > 1e-3
   assert max_abs_diff(replayed.params, own.params) > 1e-4  # replay changed the update
+  # expert parallel (the experts split over 2 shards, rows over 2 x 1): the same update
+  parallel = Learner(m, params, sharding.make_mesh(jax.devices()[:2], {"expert": 2}), config,
+                     versions=config.steps)
+  assert parallel.params["layer_0"]["mlp"]["experts_up"].sharding.spec[0] == "expert"
+  parallel_metrics = parallel.train(sequences, version=0)
+  for key in ("loss", "moe_aux_loss", "moe_route_mismatch"):
+    np.testing.assert_allclose(parallel_metrics[key], metrics[key], rtol=1e-4, atol=1e-6)
+  # (AdamW's first steps are about lr x sign(gradient): float noise in a near-zero gradient moves an
+  # element by up to lr, so the parameters agree to a share of the update, not to float precision)
+  update = max_abs_diff(replayed.params, params)
+  assert max_abs_diff(parallel.params, replayed.params) < 0.01 * update
   with pytest.raises(batching.PackingError, match="of a minibatch has no routes of \\[tokens, 2 MoE layers"):
     replayed.train([sequences[0], sequences[1]._replace(routes=None)], version=1)

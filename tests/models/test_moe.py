@@ -160,10 +160,49 @@ def test_sharded_over_eight_devices_equals_one(params):
   mesh = sharding.make_mesh(jax.devices()[:8], dict(data=1, fsdp=4, tensor=2))
   placed = jax.device_put(params, models.param_shardings(CFG, mesh))
   spec = placed["layer_0"]["mlp"]["experts_gate"].sharding.spec
-  assert tuple(spec) == (None, "fsdp", "tensor")  # experts' width over tensor, hidden over fsdp
+  assert tuple(spec) == ("expert", "fsdp", "tensor")  # width over tensor, hidden over fsdp (expert=1 here)
   tokens = _tokens((4, 12))
   np.testing.assert_allclose(models.logits(CFG, placed, tokens, mesh=mesh),
                              models.logits(CFG, params, tokens), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape,matmul", [
+    (dict(fsdp=2, expert=4), "ragged"),
+    (dict(expert=4, tensor=2), "dense"),
+])
+def test_expert_parallel_over_eight_devices_equals_one_values_and_gradients(params, shape, matmul):
+  cfg = CFG.replace(moe_matmul=matmul)
+  mesh = sharding.make_mesh(jax.devices()[:8], shape)
+  placed = jax.device_put(params, models.param_shardings(cfg, mesh))
+  gate = placed["layer_0"]["mlp"]["experts_gate"]
+  assert gate.sharding.shard_shape(gate.shape)[0] == 8 // shape["expert"]  # each shard its experts
+  tokens = _tokens((8, 12), seed=4)
+  positions = np.tile(np.arange(12, dtype=np.int32), (8, 1))
+  routes = np.random.default_rng(5).permuted(np.tile(np.arange(8), (8, 12, 2, 1)), axis=-1)[..., :2]
+
+  def loss(p, m, replay):
+    logits = models.apply_logits(cfg, p, tokens, positions, np.ones_like(tokens), m,
+                                 routes_btlk=routes if replay else None)
+    return jnp.sum(jnp.tanh(logits[..., :5]))
+
+  value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))
+  for replay in (False, True):
+    want, want_g = value_and_grad(params, None, replay)
+    got, got_g = value_and_grad(placed, mesh, replay)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+      np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+  # the tokens did travel: the program exchanges them between the expert shards
+  hlo = jax.jit(lambda p: models.logits(cfg, p, tokens, mesh=mesh)).lower(placed).as_text()
+  assert "all_to_all" in hlo or "all-to-all" in hlo
+
+
+def test_expert_parallel_refusals_name_the_problem(params):
+  mesh = sharding.make_mesh(jax.devices()[:3], dict(expert=3))
+  with pytest.raises(sharding.MeshError, match=r"experts_\w+.*dimension 8 does not divide over mesh axes"):
+    sharding.check_divisible(models.abstract_params(CFG), models.param_shardings(CFG, mesh))
+  with pytest.raises(models.ModelConfigError, match="moe_exchange='nccl'"):
+    CFG.replace(moe_exchange="nccl")
 
 
 def test_moe_config_errors_name_the_field():
@@ -199,7 +238,7 @@ def test_int8_serving_quantizes_each_expert_per_output_channel(params):
   np.testing.assert_allclose(got, want, atol=1e-5)
   mesh = sharding.make_mesh(jax.devices()[:4], dict(data=1, fsdp=2, tensor=2))
   specs = quant.shardings(models.param_shardings(CFG, mesh), models.abstract_params(CFG))
-  assert tuple(specs["scales"]["layer_0/mlp/experts_gate"].spec) == (None, None, "tensor")
+  assert tuple(specs["scales"]["layer_0/mlp/experts_gate"].spec) == ("expert", None, "tensor")
 
 
 def test_lora_on_a_moe_model_targets_attention_and_the_router(params):

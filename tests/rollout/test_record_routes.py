@@ -27,8 +27,8 @@ def params_b():
   return sharp_params(CFG, 1, 3.0)
 
 
-def _server(params, *, tokenizer=None, steps_per_call=4, record=True):
-  mesh = sharding.make_mesh(jax.devices()[:2], dict(data=-1, fsdp=1, tensor=1))
+def _server(params, *, tokenizer=None, steps_per_call=4, record=True, mesh_shape=None):
+  mesh = sharding.make_mesh(jax.devices()[:2], mesh_shape or dict(data=-1, fsdp=1, tensor=1))
   engine = Engine(CFG, mesh=mesh, num_slots=4, max_prefill_length=16, max_target_length=48,
                   sampling=SamplingSettings(temperature=1.0), params=params, seed=5,
                   tokenizer=tokenizer or ArithmeticTokenizer(), record_routes=record)
@@ -62,6 +62,16 @@ def test_recorded_routes_are_the_full_forward_passes(params_a):
   for t in trajectories:
     n = len(t.prompt_tokens) + len(t.completion_tokens)
     assert t.routes.shape == (n, 2, 2) and t.routes.dtype == np.int16
+    np.testing.assert_array_equal(t.routes, _full_routes(params_a, t))
+
+
+def test_an_expert_parallel_server_records_the_full_forward_passes_routes(params_a):
+  server = _server(params_a, mesh_shape=dict(expert=2))  # 4 experts per shard, slots over 2
+  server.submit(*_requests(5, seed=1))
+  server.run_until_idle()
+  trajectories = _drain(server)
+  assert len(trajectories) == 5
+  for t in trajectories:
     np.testing.assert_array_equal(t.routes, _full_routes(params_a, t))
 
 
