@@ -47,6 +47,8 @@ def memory_report(config, accelerator: str, rollout_accelerator: str = "", margi
   m = models.config_of(config)
   _, learner_chips = chips.parse(accelerator)
   rollout_accelerator = rollout_accelerator or accelerator
+  memory.check_mesh(m, config.mesh.learner, learner_chips, "mesh.learner")
+  memory.check_mesh(m, config.mesh.rollout, chips.host_chips(rollout_accelerator), "mesh.rollout")
   roles = [(memory.learner(config, m, learner_chips), accelerator),
            (memory.decode_server(config, m, chips.host_chips(rollout_accelerator)), rollout_accelerator)]
   if config.learner.eval_every:  # (on a pod the decode servers are other hosts: it runs on the learner's)
@@ -128,7 +130,11 @@ def main(argv=None) -> None:
       sys.exit(_compile(config, accelerator.value, rollout.value, margin.value, shapes.value,
                         json_path.value, tuple(roles.value)))
     if accelerator.value:
-      lines, ok = memory_report(config, accelerator.value, rollout.value, margin.value)
+      try:
+        lines, ok = memory_report(config, accelerator.value, rollout.value, margin.value)
+      except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
       print("\n".join(lines))
     else:
       from asyncrl_jax import models  # pylint: disable=import-outside-toplevel

@@ -91,6 +91,23 @@ def mesh_sizes(axes, devices: int) -> MeshSizes:
   return MeshSizes(**sizes)
 
 
+def check_mesh(m: ModelConfig, axes, devices: int, role: str) -> MeshSizes:
+  """``role``'s mesh sizes on ``devices``; ValueError naming the axis when the mesh does not fit the
+  devices or the model: its experts over ``expert``, its (kv) heads over ``tensor``."""
+  try:
+    mesh = mesh_sizes(axes, devices)
+  except ValueError:
+    raise ValueError(f"{role}={dict(axes)} does not fit {devices} chips") from None
+  if mesh.expert > 1 and (not m.num_experts or m.num_experts % mesh.expert):
+    raise ValueError(f"{role}.expert={mesh.expert}: " + (
+        f"the model's {m.num_experts} experts do not split over it" if m.num_experts else
+        "the model has no experts (expert parallelism is for a mixture of experts)"))
+  if m.num_kv_heads % mesh.tensor:
+    raise ValueError(f"{role}.tensor={mesh.tensor}: the model's {m.num_kv_heads} kv heads do not "
+                     "split over it")
+  return mesh
+
+
 def param_shard(m: ModelConfig, mesh: MeshSizes) -> float:
   """Parameters per device: the experts over fsdp x tensor x expert, the rest over fsdp x tensor."""
   return ((m.num_params - m.num_expert_params) / (mesh.fsdp * mesh.tensor)

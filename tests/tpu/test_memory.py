@@ -157,6 +157,34 @@ def test_a_mixture_of_experts_counts_every_expert_in_memory_and_its_active_ones_
   assert projection.model_flops_per_token(dense, 0.0) == pytest.approx(6.0 * (dense.num_params - 300 * 48))
 
 
+def test_the_expert_axis_splits_the_experts_and_the_rows_and_a_mesh_that_cannot_is_refused():
+  config = _small("narrow")
+  config.model.update(qkv_bias=False, qk_norm=True)
+  config.model.moe.update(num_experts=8, top_k=2, intermediate_size=16)
+  m = config_lib.model_config(config)
+  config.mesh.learner.update(data=1, fsdp=2, expert=1, tensor=1)
+  two = memory.learner(config, m, 2).terms
+  config.mesh.learner.update(data=1, fsdp=2, expert=4, tensor=1)
+  eight = memory.learner(config, m, 8).terms
+  p = 4  # float32 parameters
+  rest = (m.num_params - m.num_expert_params) / 2 * p
+  assert two["parameters"] == pytest.approx(rest + m.num_expert_params / 2 * p)
+  assert eight["parameters"] == pytest.approx(rest + m.num_expert_params / 8 * p)  # experts over 4 more
+  assert eight["optimizer (AdamW mu, nu)"] == pytest.approx(2 * eight["parameters"])
+  # rows over data x fsdp x expert: the version batch per device is a quarter
+  batch = "version batch (every trajectory full length)"
+  assert eight[batch] == pytest.approx(two[batch] / 4, rel=0.05)
+  for axes, devices, message in [
+      (dict(data=1, fsdp=1, expert=3, tensor=1), 3, "expert=3: the model's 8 experts do not split"),
+      (dict(data=1, fsdp=1, expert=2, tensor=1), 3, "does not fit 3 chips"),
+      (dict(data=1, fsdp=1, expert=1, tensor=4), 4, "tensor=4: the model's 2 kv heads")]:
+    with pytest.raises(ValueError, match=message):
+      memory.check_mesh(m, axes, devices, "mesh.learner")
+  with pytest.raises(ValueError, match="has no experts"):
+    memory.check_mesh(m.replace(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0),
+                      dict(expert=2), 2, "mesh.learner")
+
+
 def test_the_version_batch_counts_recorded_routes():
   config = _small("narrow")
   config.data.update(max_prompt_len=64, max_completion_len=192)
