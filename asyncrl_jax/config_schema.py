@@ -51,8 +51,9 @@ def _model_section() -> ml_collections.ConfigDict:
       # mixture of experts (models.moe; Qwen3-MoE): num_experts > 0 makes the MLP of every
       # decoder_sparse_step-th layer, except mlp_only_layers (comma-separated indices), top_k of
       # num_experts experts of width intermediate_size, dropless; norm_topk_prob renormalises the
-      # k routing weights. matmul: "ragged" (grouped by expert with jax.lax.ragged_dot) or "dense"
-      # (every expert on every token: the reference). exchange: with a mesh expert axis, how tokens
+      # k routing weights. matmul: "ragged" (grouped by expert with jax.lax.ragged_dot), "dense"
+      # (every expert on every token: the reference) or "megablox" (grouped by the megablox TPU
+      # kernel; elsewhere interpreted, for tests). exchange: with a mesh expert axis, how tokens
       # reach their experts' shard: "padded" (all_to_all of a worst-case buffer; runs on CPU) or
       # "ragged" (ragged_all_to_all: routed rows only; TPU/GPU). With hf_path only matmul, exchange
       # and aux_loss_coef apply. aux_loss_coef: the router's load-balancing loss (E sum_e f_e P_e, averaged over the

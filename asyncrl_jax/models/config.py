@@ -21,7 +21,7 @@ ATTENTION_TARGETS = ("q", "k", "v", "o")
 DEFAULT_LORA_TARGETS = LORA_TARGETS[:-1]  # every projection of a dense model
 # how a mixture-of-experts layer runs its experts (``models.moe``): grouped by expert with
 # ``jax.lax.ragged_dot`` (dropless; CPU and TPU), or every expert on every token (the reference)
-MOE_MATMULS = ("ragged", "dense")
+MOE_MATMULS = ("ragged", "dense", "megablox")
 MOE_EXCHANGES = ("padded", "ragged")
 ROPE_TYPES = ("default", "llama3", "yarn")
 
@@ -128,7 +128,8 @@ class ModelConfig:
     decoder_sparse_step: every this many layers is a MoE layer (layer i when (i + 1) % step == 0).
     mlp_only_layers: layers kept dense whatever the step.
     moe_matmul: how the experts run (``MOE_MATMULS``): "ragged" grouped by expert, "dense" the
-      reference (every expert on every token). Changes how, not what.
+      reference (every expert on every token), "megablox" grouped by the megablox TPU kernel.
+      Changes how, not what.
     moe_exchange: with expert parallelism (a mesh ``expert`` axis), how tokens travel to their
       experts' shard and back (``MOE_EXCHANGES``): "padded" an ``all_to_all`` of a buffer sized for
       the worst case (every token of a shard to one shard: dropless, and what runs on the CPU),

@@ -12,7 +12,11 @@ Two ways to run the experts (``ModelConfig.moe_matmul``), one result:
   grouped matmul (TPU, GPU). XLA's CPU lowering instead masks every routing slot against every
   expert, ``N k E`` rows: on the CPU it is slower than "dense" (``benchmarks/moe_layer.py``);
 * ``"dense"``: the reference: every expert on every token, the outputs combined with the routing
-  weights (zero off the chosen k): ``N E`` rows of work; the faster path on the CPU twin.
+  weights (zero off the chosen k): ``N E`` rows of work; the faster path on the CPU twin;
+* ``"megablox"``: as "ragged", each grouped matmul the megablox Pallas kernel (TPU; elsewhere in
+  Pallas' interpreter, for tests only): rows padded to its 128-row tile, its own backward kernels.
+  Which of "ragged" and "megablox" is faster on a TPU is for the compiled step to say
+  (``python -m asyncrl_jax info --compile``).
 
 Expert parallelism: on a mesh with an ``expert`` axis of size P > 1 (``infra.sharding``), each shard
 holds E / P experts (and their gradients and AdamW moments) and its own share of the rows (the axis is
@@ -41,6 +45,7 @@ Parameters (logical axes for ``infra.sharding``): ``router`` [D, E] (``embed``, 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import flax.linen as nn
@@ -94,18 +99,39 @@ def load_balancing_loss(probs_ne: jax.Array, experts_nk: jax.Array, valid_n: jax
   return e * jnp.sum(load_e * mean_prob_e), load_e
 
 
+def _megablox(rows_rd: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+  """``ragged_dot`` by the megablox kernel: rows padded to its 128-row tile (the padding, past every
+  group, comes out as whatever the kernel leaves there and is cut off)."""
+  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox  # pylint: disable=import-outside-toplevel
+  r = rows_rd.shape[0]
+  tile = 128
+  padded = -(-r // tile) * tile
+  x = jnp.pad(rows_rd, ((0, padded - r), (0, 0)))
+  on_tpu = jax.devices()[0].platform == "tpu"
+  tiling = (tile, min(512, w_edf.shape[1]), min(512, w_edf.shape[2]))
+  out = megablox.gmm(x, w_edf, sizes_e, rows_rd.dtype, tiling, None, None, False, not on_tpu)
+  return out[:r]
+
+
+def grouped_matmul(rows_rd: jax.Array, w_edf: jax.Array, sizes_e: jax.Array, kind: str = "ragged") -> jax.Array:
+  """Rows sorted by group times their group's matrix (``ragged_dot``, or the megablox kernel)."""
+  if kind == "megablox":
+    return _megablox(rows_rd, w_edf, sizes_e)
+  return jax.lax.ragged_dot(rows_rd, w_edf, sizes_e)
+
+
 def experts_grouped(x_nd: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array, gate_edf: jax.Array,
-                    up_edf: jax.Array, down_efd: jax.Array) -> jax.Array:
-  """The k experts of each token, grouped by expert with ``ragged_dot``: ``[N, D]``."""
+                    up_edf: jax.Array, down_efd: jax.Array, kind: str = "ragged") -> jax.Array:
+  """The k experts of each token, grouped by expert (``ragged_dot`` or megablox): ``[N, D]``."""
   n, k = experts_nk.shape
   num_experts = gate_edf.shape[0]
   flat_e = experts_nk.reshape(-1)
   order = jnp.argsort(flat_e, stable=True)  # sorted slot -> (token, j) slot
   x_sorted = jnp.take(x_nd, order // k, axis=0)  # [N k, D]
   sizes = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32)
-  hidden = (nn.silu(jax.lax.ragged_dot(x_sorted, gate_edf, sizes))
-            * jax.lax.ragged_dot(x_sorted, up_edf, sizes))
-  y_sorted = jax.lax.ragged_dot(hidden, down_efd, sizes)  # [N k, D]
+  hidden = (nn.silu(grouped_matmul(x_sorted, gate_edf, sizes, kind))
+            * grouped_matmul(x_sorted, up_edf, sizes, kind))
+  y_sorted = grouped_matmul(hidden, down_efd, sizes, kind)  # [N k, D]
   y_nkd = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(n, k, -1)
   return jnp.einsum("NKD,NK->ND", y_nkd, weights_nk.astype(y_nkd.dtype))
 
@@ -123,7 +149,8 @@ def experts_dense(x_nd: jax.Array, experts_nk: jax.Array, weights_nk: jax.Array,
   return jnp.einsum("NED,NE->ND", y_ned, combine_ne.astype(y_ned.dtype))
 
 
-EXPERT_PATHS = {"ragged": experts_grouped, "dense": experts_dense}
+EXPERT_PATHS = {"ragged": experts_grouped, "dense": experts_dense,
+                "megablox": functools.partial(experts_grouped, kind="megablox")}
 
 
 def _local_experts(rows_rd: jax.Array, ids_r: jax.Array, gate_edf: jax.Array, up_edf: jax.Array,
@@ -140,9 +167,9 @@ def _local_experts(rows_rd: jax.Array, ids_r: jax.Array, gate_edf: jax.Array, up
   order = jnp.argsort(ids_r, stable=True)  # empty slots last, outside every group
   sizes = jnp.bincount(ids_r, length=num_experts).astype(jnp.int32)
   x_sorted = jnp.take(rows_rd, order, axis=0)
-  hidden = (nn.silu(jax.lax.ragged_dot(x_sorted, gate_edf, sizes))
-            * jax.lax.ragged_dot(x_sorted, up_edf, sizes))
-  y = jnp.take(jax.lax.ragged_dot(hidden, down_efd, sizes), jnp.argsort(order), axis=0)
+  hidden = (nn.silu(grouped_matmul(x_sorted, gate_edf, sizes, matmul))
+            * grouped_matmul(x_sorted, up_edf, sizes, matmul))
+  y = jnp.take(grouped_matmul(hidden, down_efd, sizes, matmul), jnp.argsort(order), axis=0)
   return jnp.where(valid_r[:, None], y, jnp.zeros_like(y))
 
 

@@ -77,6 +77,12 @@ def test_grouped_experts_equal_the_dense_reference_values_and_gradients():
   for a, b in zip(g_grouped, g_dense):
     np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
   assert float(jnp.abs(g_grouped[2][4]).max()) == 0.0  # the idle expert gets no gradient
+  # the megablox kernel (in Pallas' interpreter here): the same values and gradients
+  megablox = moe.EXPERT_PATHS["megablox"]
+  np.testing.assert_allclose(megablox(x, experts, weights, *w), dense, atol=1e-5, rtol=1e-5)
+  g_megablox = jax.grad(loss(megablox), argnums=(0, 1, 2, 3, 4))(x, weights, *w)
+  for a, b in zip(g_megablox, g_dense):  # (gradients up to ~11: its backward kernels sum by tile)
+    np.testing.assert_allclose(a, b, atol=1e-3, rtol=1e-4)
 
 
 def test_the_model_on_both_expert_paths_agrees(params):
@@ -209,7 +215,7 @@ def test_moe_config_errors_name_the_field():
   with pytest.raises(models.ModelConfigError, match="num_experts_per_tok=9 exceeds"):
     CFG.replace(num_experts_per_tok=9)
   with pytest.raises(models.ModelConfigError, match="moe_matmul='megablocks'"):
-    CFG.replace(moe_matmul="megablocks")
+    CFG.replace(moe_matmul="megablocks")  # (the kernel is "megablox")
   with pytest.raises(models.ModelConfigError, match=r"mlp_only_layers=\[5\]"):
     CFG.replace(mlp_only_layers=(5,))
   with pytest.raises(models.ModelConfigError, match="every layer of this model is a mixture of experts"):
