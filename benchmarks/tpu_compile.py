@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import common  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIGS = ("qwen2_5_1_5b.py", "qwen2_5_1_5b_v6e.py", "r1_distill_qwen_7b_v5p.py", "r1_distill_qwen_7b_lora_v5p.py",
-           "qwen3_8b_v5p.py")
+           "qwen3_8b_v5p.py", "qwen3_30b_a3b_v5p.py")
 RECORDS = os.path.join(common.RESULTS_DIR, "tpu_compile")
 GiB = 2**30
 # (learner.attention, learner.remat) pairs compared by --learner-variants: the XLA reference first
