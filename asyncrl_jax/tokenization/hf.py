@@ -130,12 +130,25 @@ class HFTokenizer(Tokenizer):
 
   def encode_chat_continuation(self, history: list, new: list, tools: Optional[list] = None) -> list[int]:
     """The text the template adds for ``new`` (and the next generation prompt), encoded alone; the
-    template must render ``history`` as a prefix of ``history + new``."""
+    template must render ``history`` as a prefix of ``history + new``. Reasoning templates (Qwen3's,
+    DeepSeek-R1's) do so while ``new`` holds tool results, but drop the ``<think>`` sections of the
+    assistant turns before the last user message: a new user turn after a reasoning turn rewrites
+    the context the model decoded, which an episode cannot continue (refused, naming the turn)."""
     before = self.render_chat(history, add_generation_prompt=False, tools=tools)
     after = self.render_chat(history + new, tools=tools)
     if not after.startswith(before):
+      at = next((i for i in range(min(len(before), len(after))) if before[i] != after[i]),
+                min(len(before), len(after)))
+      hint = ""
+      if any(m.get("role") == "user" for m in new) and any(
+          m.get("role") == "assistant" and (m.get("reasoning_content") or "</think>" in (m.get("content") or ""))
+          for m in history):
+        hint = (" (a new user turn after an assistant turn with reasoning: the template drops that "
+                "reasoning from the context, so the conversation so far is no longer what was decoded; "
+                "start a new conversation, or strip the reasoning from the assistant turn)")
       raise TokenizerError("the chat template does not render the conversation so far as a prefix of "
-                           "the longer one; its continuation is not defined")
+                           f"the longer one (they differ from character {at}: {before[at:at + 40]!r} "
+                           f"against {after[at:at + 40]!r}); its continuation is not defined" + hint)
     return self.encode(after[len(before):])
 
   def encode_prompt(self, question: str) -> list[int]:

@@ -143,6 +143,82 @@ def test_hermes_tool_calls_parse_and_render_as_transformers_does(hf_dir):
   assert ours.render_chat(api, add_generation_prompt=False, tools=tools) == want
 
 
+# A reasoning template written for these tests with the constructs of Qwen3's: the last user query
+# found by a reverse scan into a namespace, each assistant turn's reasoning taken from
+# reasoning_content or split off its content at </think>, shown only for the turns after that query,
+# tool calls as <tool_call> JSON, tool results grouped into one user turn of <tool_response>s, and an
+# empty <think> block in the generation prompt when thinking is off.
+REASONING_TEMPLATE = """{%- set ns = namespace(last=messages|length - 1, found=false) -%}
+{%- for m in messages[::-1] -%}
+{%- set i = messages|length - 1 - loop.index0 -%}
+{%- if not ns.found and m.role == 'user' and not (m.content is string and m.content.startswith('<tool_response>')) -%}{%- set ns.last = i -%}{%- set ns.found = true -%}{%- endif -%}
+{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' or m.role == 'system' -%}
+{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- elif m.role == 'assistant' -%}
+{%- set content = m.content if m.content is string else '' -%}
+{%- set reasoning = '' -%}
+{%- if m.reasoning_content is string -%}{%- set reasoning = m.reasoning_content -%}
+{%- elif '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{{ '<|im_start|>assistant\n' }}
+{%- if loop.index0 > ns.last -%}{{ '<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' }}{%- endif -%}
+{{ content }}
+{%- for c in m.tool_calls or [] -%}
+{{ '\n<tool_call>\n{"name": "' + c.function.name + '", "arguments": ' }}
+{%- if c.function.arguments is string -%}{{ c.function.arguments }}{%- else -%}{{ c.function.arguments | tojson }}{%- endif -%}
+{{ '}\n</tool_call>' }}
+{%- endfor -%}
+{{ '<|im_end|>\n' }}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}
+{{ '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}
+{%- endif -%}"""
+
+
+def test_a_reasoning_template_renders_as_transformers_and_continues_through_tool_results(hf_dir):
+  """Qwen3-style chat (its constructs, in a template of our own): the math prompt leaves the <think>
+  section to the model; an agent's tool results continue the context it decoded, reasoning kept; a
+  new user turn after a reasoning turn is refused by name (the template drops that reasoning)."""
+  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+  (hf_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=REASONING_TEMPLATE)))
+  ours = HFTokenizer(str(hf_dir))
+  ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"),
+                                             eos_token="<|im_end|>")
+  ref.chat_template = REASONING_TEMPLATE
+  render = lambda m, g=True, **kw: ref.apply_chat_template(m, add_generation_prompt=g, tokenize=False, **kw)  # noqa: E731
+  question = [{"role": "user", "content": "what is 1+2?"}]
+  assert ours.render_chat(question) == render(question) == "<|im_start|>user\nwhat is 1+2?<|im_end|>\n<|im_start|>assistant\n"
+  assert render(question, enable_thinking=False).endswith("<think>\n\n</think>\n\n")  # (the control)
+  assert ours.encode_prompt("what is 1+2?") == ours.encode(render(question))
+  call = {"id": "c", "type": "function", "function": {"name": "calc", "arguments": '{"e": "1+2"}'}}
+  turn = {"role": "assistant", "content": "<think>\nadd them\n</think>\n\nlet me check", "tool_calls": [call]}
+  history = question + [turn]
+  new = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "ok"}]
+  as_objects = [dict(m) for m in history + new]
+  as_objects[1] = dict(turn, tool_calls=[dict(call, function={"name": "calc", "arguments": {"e": "1+2"}})])
+  whole = render(as_objects)
+  assert "<think>\nadd them\n</think>\n\nlet me check\n<tool_call>" in whole  # after the query: kept
+  assert "<tool_response>\n3\n</tool_response>\n<tool_response>\nok" in whole
+  assert ours.render_chat(history + new) == whole
+  delta = ours.encode_chat_continuation(history, new)
+  assert ours.encode(render(as_objects[:2], False)) + delta == ours.encode(whole)
+  # a new user turn: the reasoning above it is dropped from the render, so the context is not a prefix
+  follow_up = [{"role": "user", "content": "be brief"}]
+  assert "add them" not in render(as_objects + follow_up)
+  with pytest.raises(TokenizerError, match="new user turn after an assistant turn with reasoning"):
+    ours.encode_chat_continuation(history + new + [{"role": "assistant", "content": "<think>x</think>3"}],
+                                  follow_up)
+
+
 def test_hf_tokenizer_errors(tmp_path, hf_dir):
   with pytest.raises(TokenizerError, match="missing tokenizer.json"):
     HFTokenizer(str(tmp_path / "empty"))
