@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 SANDBOX_UID = 65534  # nobody
 WORK = "/sandbox/work"
@@ -174,9 +174,11 @@ def _layout(python: str) -> tuple:
   return tuple(args)
 
 
-def command(python: str, code_path: str, limits: Limits) -> list:
-  """The ``bwrap`` command line that runs the file ``code_path`` under ``limits``."""
-  return [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+def command(python: str, code_path: str, limits: Limits, info_fd: Optional[int] = None) -> list:
+  """The ``bwrap`` command line that runs the file ``code_path`` under ``limits`` (``info_fd``: where
+  bwrap writes the sandbox's first process's host PID, as JSON)."""
+  info = ["--info-fd", str(info_fd)] if info_fd is not None else []
+  return [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", *info,
           "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
           *_layout(python),
           "--proc", "/proc", "--dev", "/dev",
@@ -194,9 +196,12 @@ def _read(path: str, limit: int) -> tuple[str, bool]:
   return data[:limit].decode("utf-8", "replace"), len(data) >= limit  # the file cannot pass its cap
 
 
-def run(code: str, limits: Limits = Limits(), python: str = "") -> RunResult:
+def run(code: str, limits: Limits = Limits(), python: str = "",
+        stop_when: Optional[Callable[[str], bool]] = None) -> RunResult:
   """Runs ``code`` in the sandbox under ``limits``; never raises for what the code does (raises
-  ``SandboxUnavailable`` when the sandbox cannot run here)."""
+  ``SandboxUnavailable`` when the sandbox cannot run here). ``stop_when``: called with the stdout
+  written so far (while the code runs, every ``_POLL`` seconds); True ends the run at once (killed,
+  like a wall-clock timeout, but ``timed_out`` False and ``exit_code`` None)."""
   python = interpreter(python)
   drop = _drop_to()
   t = time.perf_counter()
@@ -208,19 +213,31 @@ def run(code: str, limits: Limits = Limits(), python: str = "") -> RunResult:
     if drop is not None:  # the sandbox user reads the code; nothing else of the host's is readable
       os.chmod(host, 0o711)
       os.chmod(code_path, 0o644)
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-      # user=/group= are applied by subprocess's own child code (no Python runs after fork)
-      proc = subprocess.Popen(command(python, code_path, limits), stdin=subprocess.DEVNULL,
-                              stdout=out, stderr=err, env={}, close_fds=True, start_new_session=True,
-                              **(dict(user=drop, group=drop, extra_groups=[]) if drop is not None else {}))
-      try:
-        exit_code, timed_out = proc.wait(timeout=limits.seconds), False
-      except subprocess.TimeoutExpired:
-        _kill(proc)
-        exit_code, timed_out = None, True
-      finally:
-        if proc.poll() is None:  # an exception here (KeyboardInterrupt): nothing outlives the call
-          _kill(proc)
+    info_read, info_write = os.pipe()
+    try:
+      with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        # user=/group= are applied by subprocess's own child code (no Python runs after fork)
+        proc = subprocess.Popen(command(python, code_path, limits, info_write), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err, env={}, close_fds=True, start_new_session=True,
+                                pass_fds=(info_write,),
+                                **(dict(user=drop, group=drop, extra_groups=[]) if drop is not None else {}))
+        os.close(info_write)
+        info_write = -1
+        inner = _inner_pid(info_read)
+        try:
+          exit_code, timed_out = _wait(proc, limits, out_path, stop_when), False
+          if exit_code is None:
+            _kill(proc, inner)
+        except subprocess.TimeoutExpired:
+          _kill(proc, inner)
+          exit_code, timed_out = None, True
+        finally:
+          if proc.poll() is None:  # an exception here (KeyboardInterrupt): nothing outlives the call
+            _kill(proc, inner)
+    finally:
+      os.close(info_read)
+      if info_write >= 0:
+        os.close(info_write)
     stdout, cut_out = _read(out_path, limits.output_bytes)
     stderr, cut_err = _read(err_path, limits.output_bytes)
   if exit_code is not None and exit_code != 0 and stderr.startswith("bwrap:"):
@@ -229,14 +246,65 @@ def run(code: str, limits: Limits = Limits(), python: str = "") -> RunResult:
                    time.perf_counter() - t)
 
 
-def _kill(proc: subprocess.Popen) -> None:
-  """SIGKILL to bwrap's process group: the sandbox's PID 1 dies with its parent
-  (``--die-with-parent``), and with it every process of its PID namespace."""
+_POLL = 0.02  # seconds between looks at a watched run's stdout
+
+
+def _wait(proc: subprocess.Popen, limits: Limits, out_path: str,
+          stop_when: Optional[Callable[[str], bool]]) -> Optional[int]:
+  """The exit code; None when ``stop_when`` ended the run; TimeoutExpired past the wall clock."""
+  if stop_when is None:
+    return proc.wait(timeout=limits.seconds)
+  deadline = time.monotonic() + limits.seconds
+  seen = 0
+  while True:
+    try:
+      return proc.wait(timeout=_POLL)
+    except subprocess.TimeoutExpired:
+      if time.monotonic() > deadline:
+        raise
+    size = os.path.getsize(out_path)
+    if size != seen:
+      seen = size
+      if stop_when(_read(out_path, limits.output_bytes)[0]):
+        return None
+
+
+def _inner_pid(info_read: int) -> Optional[int]:
+  """The sandbox's first process's host PID from bwrap's ``--info-fd`` (None if bwrap wrote none:
+  it failed to start)."""
+  data = b""
+  while True:
+    chunk = os.read(info_read, 4096)
+    if not chunk:
+      break
+    data += chunk
   try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except ProcessLookupError:
-    pass
+    return int(json.loads(data.decode())["child-pid"])
+  except (ValueError, KeyError, TypeError):
+    return None
+
+
+def _kill(proc: subprocess.Popen, inner: Optional[int] = None) -> None:
+  """SIGKILL to bwrap's process group, and to the sandbox's first process (``inner``, in a session
+  of its own), whose death ends its PID namespace: the kernel kills every process in it and reaps
+  them before that process is gone, so waiting for it (a few seconds at most) means nothing the code
+  started is left when this returns."""
+  for kill, pid in ((os.killpg, proc.pid), (os.kill, inner)):
+    if pid is not None:
+      try:
+        kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
   proc.wait()
+  deadline = time.monotonic() + 10.0
+  while inner is not None and time.monotonic() < deadline:
+    try:
+      with open(f"/proc/{inner}/stat") as f:
+        if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
+          break  # (a zombie: exited, its namespace gone, waiting only for its reaper)
+    except (FileNotFoundError, ProcessLookupError):
+      break
+    time.sleep(0.005)
 
 
 @functools.lru_cache(maxsize=None)

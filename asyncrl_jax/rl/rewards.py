@@ -4,6 +4,8 @@
 * ``math``: ``math-verify`` equivalence of the completion's final answer and the reference (LaTeX,
   fractions, boxed answers...), each check in a worker process with a timeout, since symbolic
   comparison can hang on adversarial output; a timeout scores 0 and is counted.
+* ``code``: the completion's last fenced python block run on the problem's tests (the "answer": their
+  JSON, ``envs.code_tests``) in the sandbox; 1 only when every test passes (``code_reward``).
 
 ``RewardWorker`` scores trajectories on a thread pool as they arrive, so the learner never waits on it.
 """
@@ -17,6 +19,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Optional
 
 from asyncrl_jax.data import arithmetic
+from asyncrl_jax.envs import code_tests
 
 
 def arithmetic_reward(completion: str, answer: str) -> float:
@@ -105,6 +108,21 @@ def _stop(pool: cf.ProcessPoolExecutor) -> None:
   for p in list((getattr(pool, "_processes", None) or {}).values()):
     p.kill()
   pool.shutdown(wait=False, cancel_futures=True)
+
+
+def code_reward(completion: str, tests, *, partial: bool = False,
+                limits: code_tests.CodeLimits = code_tests.CodeLimits(), python: str = "") -> float:
+  """The program in ``completion`` (its last fenced python block) scored on ``tests`` (a dict or its
+  JSON, ``envs.code_tests.parse_tests``) in one sandbox start: 1.0 when every test passes, else 0.0
+  (scoring stops at the first failing test); with ``partial`` the fraction passed. A completion
+  without a program scores 0. Raises ``CodeTestError`` for malformed tests (the data's fault, not the
+  model's) and ``SandboxUnavailable`` where the sandbox cannot run (never runs it unsandboxed)."""
+  parsed = code_tests.parse_tests(tests)
+  program = code_tests.extract_program(completion)
+  if program is None:
+    return 0.0
+  result = code_tests.run_tests(program, parsed, limits, partial=partial, python=python)
+  return result.passed / result.total if partial else float(result.all_passed)
 
 
 def reward_fn(task: str) -> Callable[[str, str], float]:
