@@ -25,7 +25,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.kl_estimator (rl.losses.reference_kl)
 STALENESS_MODES = ("bounded", "pinned")
 ADVANTAGES = ("group", "value")
 DTYPES = ("float32", "bfloat16", "float16")
-TASKS = ("arithmetic", "tool_arithmetic", "jsonl", "tfds")
+TASKS = ("arithmetic", "tool_arithmetic", "jsonl", "tfds", "code_jsonl")
 LOGPROB_SOURCES = ("sampling", "model")
 
 
@@ -76,7 +76,8 @@ def _data_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       # built-in tasks: "arithmetic" (chain-of-thought sums of digits), "tool_arithmetic" (sums of
       # multi-digit numbers, solved with a calculator: env.name="tools", tokenizer "builtin:tools");
-      # "jsonl" / "tfds" read prepared math data
+      # "jsonl" / "tfds" read prepared math data; "code_jsonl" imports code problems (LiveCodeBench /
+      # DeepCoder rows, data/code_problems.py) scored by running their tests in the sandbox
       task="arithmetic",
       path="",  # file or TFDS data_dir for non-built-in tasks
       # directory with tokenizer.json (+ tokenizer_config.json); "" = the built-in arithmetic

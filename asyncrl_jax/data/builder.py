@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
-from asyncrl_jax.data import arithmetic, tool_arithmetic
+from asyncrl_jax.data import arithmetic, code_problems, tool_arithmetic
 from asyncrl_jax.infra import paths
 
 def _features():
@@ -121,6 +121,17 @@ class MathQA(_QABuilder):
                              "solution": str(record[self._ak]), "num_terms": 0}
 
 
+class CodeQA(MathQA):
+  """Code problems imported from local JSONL or Parquet files (``data.code_problems``): the prompt as
+  the question, the tests' JSON as the answer."""
+
+  DESCRIPTION = "Imported code problems with their tests."
+
+  def _generate_examples(self, split: str) -> Iterator:
+    for i, record in enumerate(code_problems.records(read_records(self._files[split]), self._files[split])):
+      yield f"{split}-{i}", record
+
+
 def read_records(path: str) -> Iterable[dict]:
   """Records of a .jsonl / .json (list) / .parquet file; a malformed line raises with its number."""
   if path.endswith(".parquet"):
@@ -167,11 +178,12 @@ def build_arithmetic(data_dir: str, *, num_train: int, num_test: int, seed: int,
   return builder
 
 
-def build_math(data_dir: str, files: dict, **keys) -> MathQA:
+def build_math(data_dir: str, files: dict, *, code: bool = False, **keys) -> MathQA:
+  """Imports question/answer files (``code``: code problems with tests) into ``data_dir``."""
   missing = [p for p in files.values() if not os.path.exists(p)]
   if missing:
-    raise FileNotFoundError(f"math data files not found: {missing}")
-  builder = MathQA(files=files, data_dir=data_dir, file_format="array_record", **keys)
+    raise FileNotFoundError(f"{'code' if code else 'math'} data files not found: {missing}")
+  builder = (CodeQA if code else MathQA)(files=files, data_dir=data_dir, file_format="array_record", **keys)
   _prepare(builder)
   return builder
 
@@ -214,7 +226,8 @@ def from_config(config, workdir: str):
 
   ``arithmetic``: the built-in task in ``data.path`` (default ``prepared_dir``, ``WORKDIR/data`` for a
   local workdir); ``jsonl``: the records of ``data.path`` (and of the same path with ``train`` replaced
-  by ``test``, when that file exists) imported into ``prepared_dir``; ``tfds``: a prepared TFDS
+  by ``test``, when that file exists) imported into ``prepared_dir``; ``code_jsonl``: the same for code
+  problems (``data.code_problems``); ``tfds``: a prepared TFDS
   directory at ``data.path``.
   """
   data = config.data
@@ -222,14 +235,14 @@ def from_config(config, workdir: str):
     settings = dict(num_train=data.num_train, num_test=data.num_test, seed=data.seed,
                     min_terms=data.min_terms, max_terms=data.max_terms, **_digits(data))
     return build_arithmetic(data.path or prepared_dir(workdir, data.task, settings), **settings)
-  if data.task == "jsonl":
+  if data.task in ("jsonl", "code_jsonl"):
     files = {"train": data.path}
     test = data.path.replace("train", "test")
     if test != data.path and os.path.exists(test):
       files["test"] = test
     # Only the cache directory is named by digests (a read of each file); WORKDIR/data is not.
     made_from = {split: _file_digest(p) for split, p in files.items()} if paths.is_remote(workdir) else {}
-    return build_math(prepared_dir(workdir, data.task, made_from), files)
+    return build_math(prepared_dir(workdir, data.task, made_from), files, code=data.task == "code_jsonl")
   return tfds.builder_from_directory(os.path.expanduser(data.path))
 
 

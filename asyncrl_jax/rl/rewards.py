@@ -128,6 +128,8 @@ def code_reward(completion: str, tests, *, partial: bool = False,
 def reward_fn(task: str) -> Callable[[str, str], float]:
   if task in ("arithmetic", "tool_arithmetic"):  # (the tool task's final answer, after the last '#')
     return arithmetic_reward
+  if task == "code_jsonl":  # the answer is the problem's tests
+    return code_reward
   return MathReward()
 
 
