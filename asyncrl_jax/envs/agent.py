@@ -43,6 +43,7 @@ from typing import Callable, Optional
 from asyncrl_jax.envs import chat_endpoint
 from asyncrl_jax.envs.base import StepResult, register
 from asyncrl_jax.infra import auth
+from asyncrl_jax.tokenization import TokenizerError
 
 _ENDED = "the episode ended"
 
@@ -113,7 +114,13 @@ class AgentEnvironment:
     _, chat, answer = event
     self._tools = chat.tools
     self._accept(chat, answer)
-    prompt = self.tokenizer.encode_chat(chat.messages, chat.tools)
+    try:
+      prompt = self.tokenizer.encode_chat(chat.messages, chat.tools)
+    except TokenizerError as e:
+      error = f"the conversation cannot be encoded: {e}"
+      answer.set_exception(chat_endpoint.RequestError(error))
+      self._pending = None
+      raise chat_endpoint.RequestError(error) from None
     self._context = len(prompt)
     return prompt
 
@@ -172,7 +179,12 @@ class AgentEnvironment:
       answer.set_exception(chat_endpoint.RequestError(error))
       raise chat_endpoint.RequestError(error)
     new = chat.messages[len(history):]
-    tokens = self.tokenizer.encode_chat_continuation(history, new, self._tools)
+    try:
+      tokens = self.tokenizer.encode_chat_continuation(history, new, self._tools)
+    except TokenizerError as e:  # answered at once (400), not left to time out
+      error = f"the conversation cannot continue the episode's context: {e}"
+      answer.set_exception(chat_endpoint.RequestError(error))
+      raise chat_endpoint.RequestError(error) from None
     self._accept(chat, answer)
     self._context += reply.completion_tokens + len(tokens)
     info = {"messages": len(new)}

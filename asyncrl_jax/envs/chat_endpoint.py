@@ -17,7 +17,12 @@ messages in the conversation. ``max_tokens`` / ``max_completion_tokens`` cap the
 What the endpoint refuses, by name (400): streaming, ``n`` other than 1, and every setting that would
 change the sampling policy the learner records: ``temperature`` and ``top_p`` other than the run's,
 penalties other than 0, ``tool_choice`` other than ``auto`` (forcing or forbidding a call), a
-``response_format``, ``logit_bias``. It serves no request outside an episode.
+``response_format``, ``logit_bias``, ``parallel_tool_calls: false`` (the policy's action is what it
+decoded, every call in it); and ``logprobs: true`` / ``top_logprobs`` (the behaviour log-probs stay
+with the trajectory the learner trains on; an agent program does not get them). A body that is not
+JSON, or nested past what a parser should follow, answers 400; a conversation the episode cannot
+encode as a continuation of its context answers 400 at once, with the reason. It serves no request
+outside an episode.
 """
 
 from __future__ import annotations
@@ -135,6 +140,8 @@ class ChatEndpoint:
       body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
       return _error(400, "the request body is not JSON")
+    except RecursionError:
+      return _error(400, "the request body is nested too deeply to parse")
     episode_id = request.headers.get(EPISODE_HEADER, "")
     with self._lock:
       handler, timeout = self._handlers.get(episode_id, (None, self.answer_timeout))
@@ -246,6 +253,12 @@ def _parse(body) -> ChatRequest:
     if body.get(field) not in (None, neutral):
       raise RequestError(f"{field} must be {neutral}: it would change the sampling policy the learner "
                          "records (the run's rollout settings decide it)")
+  if body.get("logprobs") or body.get("top_logprobs"):
+    raise RequestError("logprobs / top_logprobs are not returned: the behaviour log-probs stay with the "
+                       "trajectory the learner trains on (leave logprobs false)")
+  if body.get("parallel_tool_calls") is False:
+    raise RequestError("parallel_tool_calls=false is not supported: the policy's answer is what it "
+                       "decoded, with every tool call in it (leave it out, or true)")
   if body.get("tool_choice") not in (None, "auto"):
     raise RequestError("tool_choice must be \"auto\": forcing or forbidding a tool call would change the "
                        "sampling policy the learner records")

@@ -137,6 +137,35 @@ def test_an_episode_that_ends_answers_its_waiting_request_409_and_releases_its_i
   assert agent_program.REFUSALS == [(409, 404)] * len(cut)
 
 
+def test_a_conversation_the_template_cannot_continue_is_answered_400_at_once():
+  """The episode cannot encode the program's next request as a continuation of its context (here the
+  tokenizer refuses, as a reasoning template does after a new user turn): the request is answered
+  400 with the reason at once, not left to time out (504)."""
+  from asyncrl_jax.envs.agent import AgentEnvironment  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import TokenizerError  # pylint: disable=import-outside-toplevel
+
+  class Refusing(ToolTokenizer):
+    def encode_chat_continuation(self, history, new, tools=None):
+      if history:  # (the first request's rendering goes through here too)
+        raise TokenizerError("the template says no")
+      return super().encode_chat_continuation(history, new, tools)
+
+  agent_program.FOLLOW_UPS.clear()
+  env = AgentEnvironment("tests.fixtures.agent_program:solve_then_follow_up", tokenizer=Refusing(),
+                         step_timeout=30)
+  try:
+    assert env.reset({"question": "1+2=", "answer": "3"}) == TOK.encode_prompt("1+2=")
+    with pytest.raises(chat_endpoint.RequestError, match="the template says no"):
+      env.step("#3")
+    deadline = time.time() + 30
+    while not agent_program.FOLLOW_UPS and time.time() < deadline:
+      time.sleep(0.05)
+  finally:
+    env.close()
+  ((status, seconds, message),) = agent_program.FOLLOW_UPS
+  assert status == 400 and "the template says no" in message and seconds < 10
+
+
 def test_max_tokens_caps_the_action(params):
   """A request's ``max_tokens`` ends the policy's action at that many tokens: finish reason
   ``length``, ``usage.completion_tokens`` the action's length, the turn recorded as ``max_tokens``."""

@@ -56,8 +56,13 @@ def test_malformed_requests_answer_400_naming_the_field_and_never_500():
       if rng.random() < 0.5:
         body["messages"] = [{"role": VALUES[rng.integers(len(VALUES))], "content": VALUES[rng.integers(len(VALUES))]}]
       assert _post(endpoint.base_url, body)[0] in (200, 400), body
-    for raw in (b"", b"{", b"[1, 2]", b"null", b"\xff\xfe"):
-      assert _post(endpoint.base_url, raw)[0] == 400, raw
+    for raw in (b"", b"{", b"[1, 2]", b"null", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000):
+      assert _post(endpoint.base_url, raw)[0] == 400, raw[:20]  # (the last: nested past the parser)
+    for refused, named in ((dict(logprobs=True), "logprobs"), (dict(top_logprobs=2), "logprobs"),
+                           (dict(parallel_tool_calls=False), "parallel_tool_calls")):
+      status, body = _post(endpoint.base_url, dict(GOOD, **refused))
+      assert status == 400 and named in body["error"]["message"], (refused, body)
+    assert _post(endpoint.base_url, dict(GOOD, logprobs=False, parallel_tool_calls=True))[0] == 200
     assert {"n", "stream", "messages", "temperature", "stop", "tools", "tool_choice", "max_tokens"} <= seen
     status, body = _post(endpoint.base_url, dict(GOOD, messages=[
         {"role": "user", "content": [{"type": "text", "text": "1+"}, {"type": "text", "text": "1="}]}]))
