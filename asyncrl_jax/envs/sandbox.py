@@ -39,9 +39,11 @@ import dataclasses
 import functools
 import json
 import os
+import platform
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -65,6 +67,46 @@ for r, v in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RL
         resource.setrlimit(r, (v, v))
 os.execv(sys.executable, [sys.executable, "-I", "-S", "-B", sys.argv[6]])
 """
+
+
+# The seccomp filter (x86-64): system calls the code has no use for and that widen the kernel
+# surface it reaches, refused with EPERM: namespaces and mounts (unshare, setns, mount, umount2,
+# pivot_root, and clone with any CLONE_NEW* flag; clone3 answers ENOSYS so that the C library falls
+# back to clone, whose flags a filter can read), keyrings, bpf, perf events, userfaultfd, io_uring,
+# ptrace and cross-process memory access, handles to host files, fanotify, personality, kernel modules,
+# kexec, swap, reboot and accounting. Any other architecture (a 32-bit call through int 0x80, or x32)
+# is killed.
+_SYSCALLS_X86_64 = {
+    "unshare": 272, "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "keyctl": 250,
+    "add_key": 248, "request_key": 249, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "ptrace": 101,
+    "process_vm_readv": 310, "process_vm_writev": 311, "open_by_handle_at": 304,
+    "name_to_handle_at": 303, "fanotify_init": 300, "personality": 135, "init_module": 175,
+    "finit_module": 313, "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320,
+    "swapon": 167, "swapoff": 168, "reboot": 169, "acct": 163}
+_CLONE, _CLONE3 = 56, 435
+_CLONE_NEW_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_EPERM, _ENOSYS = 1, 38
+
+
+def seccomp_program() -> Optional[bytes]:
+  """The filter as the kernel's ``sock_filter`` array (for bwrap's ``--seccomp``); None where there
+  is none for this machine's architecture (only x86-64 has one: elsewhere the sandbox runs without
+  it, which ``docs/agentic.md`` states)."""
+  if platform.machine() not in ("x86_64", "AMD64"):
+    return None
+  ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JSET, JGE, RET|K
+  allow, kill = 0x7FFF0000, 0x80000000  # SECCOMP_RET_ALLOW, SECCOMP_RET_KILL_PROCESS
+  errno = lambda e: 0x00050000 | e  # noqa: E731  SECCOMP_RET_ERRNO
+  prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH_X86_64), (ret, 0, 0, kill),  # arch
+          (ld, 0, 0, 0), (jge, 0, 1, 0x40000000), (ret, 0, 0, kill)]  # nr; x32 calls
+  for nr in sorted(_SYSCALLS_X86_64.values()):
+    prog += [(jeq, 0, 1, nr), (ret, 0, 0, errno(_EPERM))]
+  prog += [(jeq, 0, 1, _CLONE3), (ret, 0, 0, errno(_ENOSYS)),
+           (jeq, 0, 3, _CLONE), (ld, 0, 0, 16), (jset, 0, 1, _CLONE_NEW_FLAGS), (ret, 0, 0, errno(_EPERM)),
+           (ret, 0, 0, allow)]
+  return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -174,14 +216,18 @@ def _layout(python: str) -> tuple:
   return tuple(args)
 
 
-def command(python: str, code_path: str, limits: Limits, info_fd: Optional[int] = None) -> list:
+def command(python: str, code_path: str, limits: Limits, info_fd: Optional[int] = None,
+            seccomp_fd: Optional[int] = None) -> list:
   """The ``bwrap`` command line that runs the file ``code_path`` under ``limits`` (``info_fd``: where
-  bwrap writes the sandbox's first process's host PID, as JSON)."""
+  bwrap writes the sandbox's first process's host PID, as JSON; ``seccomp_fd``: the filter)."""
   info = ["--info-fd", str(info_fd)] if info_fd is not None else []
-  return [bwrap_path(), "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", *info,
+  if seccomp_fd is not None:
+    info += ["--seccomp", str(seccomp_fd)]
+  return [bwrap_path(), "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+          "--new-session", "--clearenv", *info,
           "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
           *_layout(python),
-          "--proc", "/proc", "--dev", "/dev",
+          "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
           "--size", str(limits.disk_bytes), "--tmpfs", WORK, "--symlink", WORK, "/tmp",
           "--ro-bind", code_path, MAIN, "--chdir", WORK,
           "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", WORK, "--setenv", "LANG", "C.UTF-8",
@@ -214,12 +260,20 @@ def run(code: str, limits: Limits = Limits(), python: str = "",
       os.chmod(host, 0o711)
       os.chmod(code_path, 0o644)
     info_read, info_write = os.pipe()
+    seccomp_fd = None
+    program = seccomp_program()
+    if program is not None:
+      seccomp_path = os.path.join(host, "seccomp.bpf")
+      with open(seccomp_path, "wb") as f:
+        f.write(program)
+      seccomp_fd = os.open(seccomp_path, os.O_RDONLY)
     try:
       with open(out_path, "wb") as out, open(err_path, "wb") as err:
         # user=/group= are applied by subprocess's own child code (no Python runs after fork)
-        proc = subprocess.Popen(command(python, code_path, limits, info_write), stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, env={}, close_fds=True, start_new_session=True,
-                                pass_fds=(info_write,),
+        proc = subprocess.Popen(command(python, code_path, limits, info_write, seccomp_fd),
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=err, env={}, close_fds=True,
+                                start_new_session=True,
+                                pass_fds=(info_write,) + ((seccomp_fd,) if seccomp_fd is not None else ()),
                                 **(dict(user=drop, group=drop, extra_groups=[]) if drop is not None else {}))
         os.close(info_write)
         info_write = -1
@@ -235,9 +289,9 @@ def run(code: str, limits: Limits = Limits(), python: str = "",
           if proc.poll() is None:  # an exception here (KeyboardInterrupt): nothing outlives the call
             _kill(proc, inner)
     finally:
-      os.close(info_read)
-      if info_write >= 0:
-        os.close(info_write)
+      for fd in (info_read, info_write, seccomp_fd):
+        if fd is not None and fd >= 0:
+          os.close(fd)
     stdout, cut_out = _read(out_path, limits.output_bytes)
     stderr, cut_err = _read(err_path, limits.output_bytes)
   if exit_code is not None and exit_code != 0 and stderr.startswith("bwrap:"):

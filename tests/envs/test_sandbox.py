@@ -147,6 +147,38 @@ except MemoryError:
 while True:
     pass
 """,
+      "nested_namespaces": """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for name, flags in (("user", 0x10000000), ("user+net", 0x50000000), ("net", 0x40000000), ("mount", 0x20000)):
+    pid = os.fork()
+    if pid == 0:  # (in a child: a namespace it did enter would not change this probe's own)
+        os._exit(0 if libc.unshare(flags) == 0 else 100 + ctypes.get_errno())
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(name, 'UNSHARED' if code == 0 else f'refused {code - 100}')
+""",
+      "kernel_surface": """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+for name, args in (("keyctl", (250, 0, -3, 0, 0, 0)), ("personality", (135, 0xffffffff)),
+                   ("userfaultfd", (323, 0)), ("bpf", (321, 0, 0, 0)), ("perf_event_open", (298, 0, 0, -1, -1, 0)),
+                   ("io_uring_setup", (425, 1, 0)), ("ptrace", (101, 0, 0, 0, 0)), ("clone_newuser", (56, 0x10000011, 0, 0, 0, 0))):
+    r = libc.syscall(*args)
+    if name == "clone_newuser" and r == 0:
+        libc.syscall(60, 0)  # (the child of a clone that worked leaves at once)
+    print(name, 'ALLOWED' if r >= 0 else f'refused {ctypes.get_errno()}')
+""",
+      "write_special": """
+for path in ['/dev/shm/x', '/dev/x', '/run/x', '/var/tmp/x']:
+    try:
+        with open(path, 'w') as f:
+            f.write('x')
+        print('WROTE', path)
+    except OSError as e:
+        print('denied', path, type(e).__name__)
+with open('/dev/null', 'w') as f:  # (devices still work)
+    f.write('x')
+""",
       "disk": """
 n = 0
 try:
@@ -184,6 +216,12 @@ def _check(name, r: dict, h, marker):
     assert "denied MemoryError" in out and "ALLOCATED" not in out, where
   elif name == "cpu":  # killed by SIGXCPU, well before the wall clock
     assert not r["timed_out"] and r["exit_code"] not in (0, None), where
+  elif name == "nested_namespaces":
+    assert "UNSHARED" not in out and out.count("refused") == 4, where
+  elif name == "kernel_surface":
+    assert "ALLOWED" not in out and out.count("refused 1") == 8, where
+  elif name == "write_special":
+    assert "WROTE" not in out and out.count("denied") == 4 and r["exit_code"] == 0, where
   elif name == "disk":
     written = int(out.split("wrote ")[1])
     assert "denied" in out and written <= LIMITS.disk_bytes, where
@@ -262,6 +300,27 @@ def test_without_the_sandbox_the_same_probes_succeed(host):
   subprocess.run(["pkill", "-f", marker], check=False)
   os.remove(os.path.join(host["dir"], "written.txt"))
   host["connected"].clear()
+
+
+def test_without_the_seccomp_filter_and_bwrap_flags_the_new_probes_succeed(host, monkeypatch):
+  """Negative control for the closing of kernel surface: in the same sandbox without the seccomp
+  filter, ``--disable-userns`` and a read-only ``/dev``, the probes reach what those stop."""
+  probes = _probes(host, "unused")
+  real = sandbox.command
+
+  def weaker(*args, **kwargs):
+    cmd = real(*args, **kwargs)
+    cmd.remove("--disable-userns")
+    i = cmd.index("/dev", cmd.index("--remount-ro"))
+    del cmd[i - 1:i + 1]  # "--remount-ro /dev"
+    return cmd
+
+  monkeypatch.setattr(sandbox, "command", weaker)
+  monkeypatch.setattr(sandbox, "seccomp_program", lambda: None)
+  out = {n: sandbox.run(probes[n], LIMITS).stdout for n in ("nested_namespaces", "kernel_surface", "write_special")}
+  assert "user UNSHARED" in out["nested_namespaces"] and "user+net UNSHARED" in out["nested_namespaces"], out
+  assert "keyctl ALLOWED" in out["kernel_surface"] and "personality ALLOWED" in out["kernel_surface"], out
+  assert "WROTE /dev/shm/x" in out["write_special"] and "WROTE /dev/x" in out["write_special"], out
 
 
 def test_the_tool_refuses_to_run_where_the_sandbox_cannot(monkeypatch):
