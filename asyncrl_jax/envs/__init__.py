@@ -44,13 +44,20 @@ def observation_markers(config) -> Optional[tuple]:
 
 
 def sandbox_status(config) -> Optional[dict]:
-  """For a run whose episodes run model code (the built-in Python tool): ``{"sandboxed": bool,
-  "why": ...}``, checked once on this machine; None for runs without it. Raises
-  ``sandbox.SandboxUnavailable`` when the sandbox cannot run and ``env.allow_unsandboxed`` is False."""
+  """For a run that runs model code (episodes with the built-in Python tool, or a code task's reward):
+  ``{"sandboxed": bool, "why": ...}``, checked once on this machine; None for runs without it. Raises
+  ``sandbox.SandboxUnavailable`` when the sandbox cannot run and ``env.allow_unsandboxed`` is False,
+  and always for a code task (its reward never runs a program unsandboxed)."""
+  from asyncrl_jax.envs import sandbox  # pylint: disable=import-outside-toplevel
+  if config.data.task == "code_jsonl":
+    ok, why = sandbox.available()
+    if not ok:
+      raise sandbox.SandboxUnavailable(f"data.task='code_jsonl' scores programs in the sandbox, which "
+                                       f"cannot run on this machine ({why})")
+    return {"sandboxed": True, "why": "", "interpreter": sandbox.interpreter()}
   template = episode_template(config)
   if not template or template["env"] != "tools" or template["options"].get("tool") != "python":
     return None
-  from asyncrl_jax.envs import sandbox  # pylint: disable=import-outside-toplevel
   ok, why = sandbox.available()
   if not ok and not config.env.allow_unsandboxed:
     raise sandbox.SandboxUnavailable(

@@ -79,6 +79,7 @@ class ToolEnvironment:
     self._rng = np.random.default_rng([seed, zlib.crc32(episode_id.encode())])
     self._limits = python_limits or python_tool.Limits()
     self.allow_unsandboxed = allow_unsandboxed
+    self._sandboxed: Optional[bool] = None
     # a control: every call is made as usual but answers this text instead of the tool's output
     # (``""``: the tool tells the policy nothing), so what the tool's answers buy can be measured
     self.constant_output = constant_output
@@ -98,6 +99,7 @@ class ToolEnvironment:
       except (worker.ToolError, TimeoutError) as e:
         return self.error_output.format(error=e), str(e)
     r = python_tool.run_python(text, self._limits, self.allow_unsandboxed)
+    self._sandboxed = r.sandboxed if self._sandboxed is None else self._sandboxed and r.sandboxed
     if r.timed_out:
       return self.error_output.format(error="timed out"), "timed out"
     if r.exit_code != 0:
@@ -108,6 +110,7 @@ class ToolEnvironment:
   def step(self, action: str) -> StepResult:
     if self.answer is None:
       raise RuntimeError("step before reset")
+    self._sandboxed = None  # whether this turn's Python ran sandboxed (the turn's info records it)
     if self.format == "chat":
       return self._step_chat(str(action))
     start = action.rfind(self.call_open)
@@ -120,6 +123,8 @@ class ToolEnvironment:
     info = {"tool": self.tool, "latency": waited}
     if error:
       info["error"] = error
+    if self._sandboxed is not None:
+      info["sandboxed"] = self._sandboxed
     return StepResult(observation=f"{self.result_open}{output}{self.result_close}", info=info)
 
   def _call(self, text: str) -> tuple[str, str, float]:
@@ -168,4 +173,6 @@ class ToolEnvironment:
     info = {"tool": self.tool, "latency": waited}
     if errors:
       info["error"] = "; ".join(errors)
+    if self._sandboxed is not None:
+      info["sandboxed"] = self._sandboxed
     return StepResult(observation=self.tokenizer.encode_chat_continuation([message], answers), info=info)

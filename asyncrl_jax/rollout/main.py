@@ -33,7 +33,7 @@ import time
 import jax
 from absl import app, flags, logging
 
-from asyncrl_jax import models
+from asyncrl_jax import envs, models
 
 from asyncrl_jax.infra import auth
 from asyncrl_jax.infra import leave
@@ -61,6 +61,15 @@ def main(argv=None) -> None:
     except auth.AuthError as e:
       print(f"error: {e}", file=sys.stderr)
       sys.exit(2)
+    try:  # where its episodes run model code, the sandbox is checked here, on this machine
+      sandboxing = envs.sandbox_status(config)
+    except envs.SandboxUnavailable as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    if sandboxing and not sandboxing["sandboxed"]:
+      logging.warning("UNSANDBOXED: this decode server runs model-written code with resource limits only "
+                      "(env.allow_unsandboxed=True; the sandbox cannot run here: %s); each such call is "
+                      "recorded in its turn's info (sandboxed: false)", sandboxing["why"])
     mesh = sharding.make_mesh(jax.local_devices(), config.mesh.rollout.to_dict(), role="mesh.rollout")
     # the run's seed on every server: each request draws from its own stream (its id), wherever it
     # runs; requests without an id's stream (JetStream's insert) get this server's own

@@ -217,6 +217,19 @@ def test_the_python_tool_environment_returns_stdout_or_the_error_and_waits_its_l
   assert time.perf_counter() - t >= 0.05
   err = env.step("<python>1 / 0</python>")
   assert err.observation == "<result>error: ZeroDivisionError: division by zero</result>"
+  assert out.info["sandboxed"] is True and err.info["sandboxed"] is True  # (each turn's call, recorded)
+
+
+def test_an_unsandboxed_python_call_is_recorded_in_the_turn(monkeypatch):
+  from asyncrl_jax.envs import sandbox  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sandbox, "available", lambda python="": (False, "no user namespaces (test)"))
+  env = base.make("tools", tool="python", call_open="<python>", call_close="</python>", allow_unsandboxed=True)
+  env.reset({"question": "q", "answer": "6"})
+  out = env.step("<python>print(6)</python>")
+  assert out.observation == "<result>6</result>" and out.info["sandboxed"] is False
+  calc = base.make("tools")
+  calc.reset({"question": "q", "answer": "3"})
+  assert "sandboxed" not in calc.step("<calc>1+2</calc>").info  # (no model code ran)
 
 
 def test_tool_latency_is_drawn_per_episode():

@@ -348,3 +348,6 @@ def test_a_run_with_the_python_tool_refuses_to_start_without_the_sandbox(monkeyp
   assert envs.episode_template(c)["options"]["allow_unsandboxed"] is True
   c.env.options = '{"tool": "calculator"}'
   assert envs.sandbox_status(c) is None  # no model code runs
+  c.data.task = "code_jsonl"  # the code reward: refused where the sandbox cannot run, whatever the flag
+  with pytest.raises(sandbox.SandboxUnavailable, match="code_jsonl.*no user namespaces"):
+    envs.sandbox_status(c)
