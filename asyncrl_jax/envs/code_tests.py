@@ -6,12 +6,14 @@ Two forms of tests (``parse_tests``), as LiveCodeBench and DeepCoder write them:
 * ``{"stdin": [{"input": str, "output": str}, ...]}``: the program reads ``input`` on stdin; its
   stdout must equal ``output`` line by line, trailing whitespace (and trailing blank lines) ignored;
 * ``{"fn_name": str, "cases": [{"args": [...], "output": value}, ...]}``: the program defines the
-  function (or a ``class Solution`` with that method); it is called with the JSON ``args``, its return
-  value serialised to JSON by the harness and compared, as JSON values, with ``output``.
+  function (or a ``class Solution`` with that method; ``typing``'s names are in scope, as LeetCode's
+  starter code expects); it is called with the JSON ``args``, its return value serialised to JSON by
+  the harness and compared, as JSON values, with ``output``.
 
-One sandbox start (``envs.sandbox``) runs every test of a program: a harness inside it writes the
-program to the sandbox's directory and runs it once per test as a child process under the per-test
-wall clock and CPU limit (``CodeLimits``), reporting each run's status and output on its stdout; the
+One sandbox start (``envs.sandbox``) runs every test of a program: a harness inside it compiles the
+program and runs it once per test in a process forked from itself (a fresh copy each test, without an
+interpreter start), in a session of its own, under the per-test wall clock and CPU limit
+(``CodeLimits``), reporting each run's status and output on its stdout; the
 host compares each report with the expected output as it arrives and, unless ``partial``, ends the
 sandbox at the first failing test. So:
 
@@ -135,63 +137,104 @@ def extract_program(completion: str) -> Optional[str]:
   return None
 
 
-# Runs inside the sandbox. The program runs once per test as its own process; its reports go to the
-# harness's stdout, one line each: MARK + JSON {"i", "status", "out"}. Nothing expected is here.
+# Runs inside the sandbox. The program runs once per test in a process forked from this harness
+# (no interpreter start per test), in a session of its own, under the per-test CPU and output-file
+# limits; its reports go to the harness's stdout, one line each: MARK + JSON {"i", "status", "out"}.
+# Nothing expected is here.
 _HARNESS = r'''
-import json, os, resource, signal, subprocess, sys
+import io, json, os, resource, signal, sys, time
 SPEC = json.loads(%(spec)r)
 MARK = "\x1e"
-with open("solution.py", "w", encoding="utf-8") as f:
-    f.write(SPEC["program"])
-FN_RUNNER = r"""
-import importlib.util, json, os, sys
-result_fd = os.dup(1)
-os.dup2(2, 1)  # the program's own prints go to stderr
-args = json.loads(sys.stdin.read())
-sys.stdin = open(os.devnull)
-spec = importlib.util.spec_from_file_location("solution", "solution.py")
-module = importlib.util.module_from_spec(spec)
-sys.modules["solution"] = module
-spec.loader.exec_module(module)
-name = sys.argv[1]
-fn = getattr(module, name, None)
-if fn is None and hasattr(module, "Solution"):
-    fn = getattr(module.Solution(), name)
-value = json.dumps(fn(*args))
-os.write(result_fd, ("\x1d" + value).encode())
-"""
 cap = SPEC["output_bytes"]
-def limit():
+code = compile(SPEC["program"], "solution.py", "exec")
+
+
+def child(i, given):
+    os.setsid()
     resource.setrlimit(resource.RLIMIT_CPU, (SPEC["cpu_seconds"], SPEC["cpu_seconds"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (cap + 1, cap + 1))  # its stdout file: a byte past the cap
+    with open("input", "w", encoding="utf-8") as f:
+        f.write(given if SPEC["mode"] == "stdin" else "")
+    fd = os.open("input", os.O_RDONLY)
+    os.dup2(fd, 0)
+    out = os.open("stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    result = os.open("result", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(out, 1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8")
+    status = 0
+    try:
+        scope = {"__name__": "__main__", "__builtins__": __builtins__}
+        if SPEC["mode"] == "fn":  # (LeetCode-style starter code names typing's List, Optional...)
+            scope["__name__"] = "solution"
+            exec("from typing import *", scope)
+        exec(code, scope)
+        if SPEC["mode"] == "fn":
+            fn = scope.get(SPEC["fn_name"])
+            if fn is None and "Solution" in scope:
+                fn = getattr(scope["Solution"](), SPEC["fn_name"])
+            value = json.dumps(fn(*given))
+            os.write(result, ("\x1d" + value).encode())
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        status = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        status = status or 1
+    os._exit(status)
+
+
 for i, given in enumerate(SPEC["inputs"]):
-    if SPEC["mode"] == "stdin":
-        argv, stdin = [sys.executable, "-I", "-S", "-B", "solution.py"], given
-    else:
-        argv, stdin = [sys.executable, "-I", "-S", "-B", "-c", FN_RUNNER, SPEC["fn_name"]], json.dumps(given)
-    with open("stdout", "wb") as sink:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.DEVNULL,
-                                preexec_fn=limit, start_new_session=True)
+    pid = os.fork()
+    if pid == 0:
         try:
-            proc.communicate(stdin.encode(), timeout=SPEC["seconds"])
-            cpu_limit = proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL)  # (its CPU limit's signals)
-            status = "ran" if proc.returncode == 0 else "timeout" if cpu_limit else "error"
-        except subprocess.TimeoutExpired:
-            status = "timeout"
+            child(i, given)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            proc.wait()
-    with open("stdout", "rb") as f:
-        out = f.read(cap + 1)
-    os.unlink("stdout")
+            os._exit(1)
+    deadline = time.monotonic() + SPEC["seconds"]
+    status = None
+    while status is None:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code_ = os.waitstatus_to_exitcode(raw)
+            cpu_limit = code_ in (-signal.SIGXCPU, -signal.SIGKILL)  # (its CPU limit's signals)
+            status = "ran" if code_ == 0 else "timeout" if cpu_limit else "error"
+        elif time.monotonic() > deadline:
+            status = "timeout"
+        else:
+            time.sleep(0.001)
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what it started in its session
+    except OSError:
+        pass
+    if status == "timeout":
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+    name = "stdout" if SPEC["mode"] == "stdin" else "result"
+    try:
+        with open(name, "rb") as f:
+            out = f.read(cap + 1)
+    except OSError:
+        out = b""
     if len(out) > cap:
         out, status = b"", "too_much_output"
+    if SPEC["mode"] == "fn" and status == "ran" and not out.startswith(b"\x1d"):
+        status = "no_result"
     line = json.dumps({"i": i, "status": status, "out": out.decode("utf-8", "replace")}, ensure_ascii=False)
     sys.stdout.write(MARK + line + "\n")
     sys.stdout.flush()
+    for leftover in ("stdout", "result", "input"):
+        try:
+            os.unlink(leftover)
+        except OSError:
+            pass
 '''
 
 
