@@ -105,6 +105,9 @@ def _validate_env(config) -> None:
            "data.task='tool_arithmetic' ('tools': the built-in calculator)")
     _check(config.data.tokenizer_path == "builtin:tools", "data.tokenizer_path",
            config.data.tokenizer_path, "must be 'builtin:tools' for data.task='tool_arithmetic'")
+  if config.data.task == "code_functions":
+    _check(config.data.tokenizer_path == "builtin:code", "data.tokenizer_path",
+           config.data.tokenizer_path, "must be 'builtin:code' for data.task='code_functions'")
 
 
 def _validate_run(config) -> None:
@@ -155,7 +158,7 @@ def _validate_model(config) -> None:
 def _validate_data(config) -> None:
   """Task and data location, sizes, and (inline model only) prompt + completion within max_seq_len."""
   _one_of(config, "data.task", TASKS)
-  if config.data.task not in ("arithmetic", "tool_arithmetic"):
+  if config.data.task not in ("arithmetic", "tool_arithmetic", "code_functions"):
     _check(bool(config.data.path), "data.path", config.data.path,
            f"required (a file or directory) when data.task={config.data.task!r}")
   for f in ("data.max_prompt_len", "data.max_completion_len", "data.num_train",
@@ -168,7 +171,7 @@ def _validate_data(config) -> None:
             integer=True)
   _check(isinstance(config.data.initial_eval_final, bool), "data.initial_eval_final",
          config.data.initial_eval_final, "True or False")
-  if config.data.task in ("arithmetic", "tool_arithmetic"):
+  if config.data.task in ("arithmetic", "tool_arithmetic", "code_functions"):
     _number(config, "data.final_eval_problems", lambda v: v <= config.data.num_test,
             f"at most data.num_test ({config.data.num_test}): the held-out split has no more", integer=True)
   _number(config, "data.min_terms", lambda v: v >= 2, "an integer >= 2", integer=True)

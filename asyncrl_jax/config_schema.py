@@ -25,7 +25,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")  # rl.kl_estimator (rl.losses.reference_kl)
 STALENESS_MODES = ("bounded", "pinned")
 ADVANTAGES = ("group", "value")
 DTYPES = ("float32", "bfloat16", "float16")
-TASKS = ("arithmetic", "tool_arithmetic", "jsonl", "tfds", "code_jsonl")
+TASKS = ("arithmetic", "tool_arithmetic", "jsonl", "tfds", "code_jsonl", "code_functions")
 LOGPROB_SOURCES = ("sampling", "model")
 
 
@@ -75,7 +75,9 @@ def _model_section() -> ml_collections.ConfigDict:
 def _data_section() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(
       # built-in tasks: "arithmetic" (chain-of-thought sums of digits), "tool_arithmetic" (sums of
-      # multi-digit numbers, solved with a calculator: env.name="tools", tokenizer "builtin:tools");
+      # multi-digit numbers, solved with a calculator: env.name="tools", tokenizer "builtin:tools"),
+      # "code_functions" (a program for a function shown by examples, scored on hidden tests in the
+      # sandbox: tokenizer "builtin:code");
       # "jsonl" / "tfds" read prepared math data; "code_jsonl" imports code problems (LiveCodeBench /
       # DeepCoder rows, data/code_problems.py) scored by running their tests in the sandbox
       task="arithmetic",

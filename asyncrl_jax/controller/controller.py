@@ -186,7 +186,7 @@ class Controller:
                scale_by_std=config.rl.scale_by_std, max_retries=config.rollout.max_retries,
                reward_source=("environment" if config.env.name else "exact_answer"
                               if config.data.task == "arithmetic" else "code_tests"
-                              if config.data.task == "code_jsonl" else "math_verify"),
+                              if config.data.task in ("code_jsonl", "code_functions") else "math_verify"),
                newest_version=newest_version, max_prompt_len=config.data.max_prompt_len,
                sampling=SamplingSettings.from_config(config).record(),
                min_new_tokens=config.rollout.min_new_tokens,

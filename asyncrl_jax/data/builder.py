@@ -21,7 +21,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 import tensorflow_datasets as tfds
 
-from asyncrl_jax.data import arithmetic, code_problems, tool_arithmetic
+from asyncrl_jax.data import arithmetic, code_functions, code_problems, tool_arithmetic
 from asyncrl_jax.infra import paths
 
 def _features():
@@ -84,6 +84,19 @@ class ToolArithmetic(ArithmeticReasoning):
     rng = np.random.default_rng([self._seed, 0 if split == "train" else 1])
     for i in range(self._sizes[split]):
       p = tool_arithmetic.make_problem(rng, self._min, self._max, self._digits)
+      yield f"{split}-{i}", {"question": p.question, "answer": p.answer, "solution": p.solution,
+                             "num_terms": p.num_terms}
+
+
+class CodeFunctions(ArithmeticReasoning):
+  """The built-in code task (``data.code_functions``): a program for a function shown by examples."""
+
+  DESCRIPTION = "Programs for linear functions shown by examples, scored on hidden tests."
+
+  def _generate_examples(self, split: str) -> Iterator:
+    rng = np.random.default_rng([self._seed, 0 if split == "train" else 1])
+    for i in range(self._sizes[split]):
+      p = code_functions.make_problem(rng)
       yield f"{split}-{i}", {"question": p.question, "answer": p.answer, "solution": p.solution,
                              "num_terms": p.num_terms}
 
@@ -172,6 +185,8 @@ def build_arithmetic(data_dir: str, *, num_train: int, num_test: int, seed: int,
                      max_terms: int, max_digits: int = 0) -> ArithmeticReasoning:
   """The chain-of-thought task, or (``max_digits > 0``) the tool task's sums of multi-digit numbers."""
   kind = dict(cls=ToolArithmetic, max_digits=max_digits) if max_digits else dict(cls=ArithmeticReasoning)
+  if max_digits < 0:  # (the built-in code task)
+    kind = dict(cls=CodeFunctions)
   builder = kind.pop("cls")(num_train=num_train, num_test=num_test, seed=seed, min_terms=min_terms,
                             max_terms=max_terms, data_dir=data_dir, file_format="array_record", **kind)
   _prepare(builder)
@@ -246,10 +261,12 @@ def from_config(config, workdir: str):
   return tfds.builder_from_directory(os.path.expanduser(data.path))
 
 
-BUILT_IN = ("arithmetic", "tool_arithmetic")
+BUILT_IN = ("arithmetic", "tool_arithmetic", "code_functions")
 
 
 def _digits(data) -> dict:
+  if data.task == "code_functions":
+    return dict(max_digits=-1)
   return dict(max_digits=data.max_digits) if data.task == "tool_arithmetic" else {}
 
 

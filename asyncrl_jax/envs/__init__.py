@@ -49,11 +49,11 @@ def sandbox_status(config) -> Optional[dict]:
   ``sandbox.SandboxUnavailable`` when the sandbox cannot run and ``env.allow_unsandboxed`` is False,
   and always for a code task (its reward never runs a program unsandboxed)."""
   from asyncrl_jax.envs import sandbox  # pylint: disable=import-outside-toplevel
-  if config.data.task == "code_jsonl":
+  if config.data.task in ("code_jsonl", "code_functions"):
     ok, why = sandbox.available()
     if not ok:
-      raise sandbox.SandboxUnavailable(f"data.task='code_jsonl' scores programs in the sandbox, which "
-                                       f"cannot run on this machine ({why})")
+      raise sandbox.SandboxUnavailable(f"data.task={config.data.task!r} scores programs in the sandbox, "
+                                       f"which cannot run on this machine ({why})")
     return {"sandboxed": True, "why": "", "interpreter": sandbox.interpreter()}
   template = episode_template(config)
   if not template or template["env"] != "tools" or template["options"].get("tool") != "python":

@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import json
 import multiprocessing
 import threading
 from concurrent.futures.process import BrokenProcessPool
@@ -125,11 +127,39 @@ def code_reward(completion: str, tests, *, partial: bool = False,
   return result.passed / result.total if partial else float(result.all_passed)
 
 
+class CodeReward:
+  """``code_reward`` with a cache of the last ``cache_size`` (program, tests) scored: the samples of a
+  group often write the same program, which is then run once. ``runs`` counts sandbox starts,
+  ``calls`` the calls."""
+
+  def __init__(self, cache_size: int = 4096, limits: code_tests.CodeLimits = code_tests.CodeLimits()):
+    self._cache: "collections.OrderedDict[tuple, float]" = collections.OrderedDict()
+    self._size, self._limits = cache_size, limits
+    self._lock = threading.Lock()
+    self.calls = self.runs = 0
+
+  def __call__(self, completion: str, tests) -> float:
+    program = code_tests.extract_program(completion)
+    key = (program, tests if isinstance(tests, str) else json.dumps(tests, sort_keys=True))
+    with self._lock:
+      self.calls += 1
+      if key in self._cache:
+        self._cache.move_to_end(key)
+        return self._cache[key]
+    score = code_reward(completion, tests, limits=self._limits)
+    with self._lock:
+      self.runs += program is not None
+      self._cache[key] = score
+      while len(self._cache) > self._size:
+        self._cache.popitem(last=False)
+    return score
+
+
 def reward_fn(task: str) -> Callable[[str, str], float]:
   if task in ("arithmetic", "tool_arithmetic"):  # (the tool task's final answer, after the last '#')
     return arithmetic_reward
-  if task == "code_jsonl":  # the answer is the problem's tests
-    return code_reward
+  if task in ("code_jsonl", "code_functions"):  # the answer is the problem's tests
+    return CodeReward()
   return MathReward()
 
 

@@ -5,6 +5,11 @@ completion is a chain of partial sums ``3+4=7;7+5=12;#12<eos>``.
 
 ``ToolTokenizer`` (21 tokens, ``"builtin:tools"``): the same and the tool markers ``[ ] { }``: a
 calculator call ``[123+4567]``, its result ``{4690}`` (an observation), then ``#4690<eos>``.
+
+``CodeTokenizer`` (30 tokens, ``"builtin:code"``): the built-in code task's (``data.code_functions``)
+characters ``0-9 + - * = ; : , ? x ( )`` and newline, and four pieces of Python as one token each
+(```` ```python\n ````, ``x=int(input())\n``, ``print(``, ```` \n``` ````): a prompt
+``<bos>1:5,2:8,3:11?``, a completion ``8-5=3;5-3=2;```python\nx=int(input())\nprint(3*x+2)\n```<eos>``.
 """
 
 from __future__ import annotations
@@ -97,3 +102,40 @@ class ToolTokenizer(ArithmeticTokenizer):
         value = next(iter(value.values()))
       text += f"[{value}]"
     return text
+
+
+class CodeTokenizer(Tokenizer):
+  """ids: 0 pad, 1 bos, 2 eos, then ``PIECES`` (longest match first when encoding)."""
+
+  PIECES = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "-", "*", "=", ";", ":", ",", "?", "x",
+            "(", ")", "\n", "```python\n", "x=int(input())\n", "print(", "\n```", " ")
+  vocab_size = 3 + len(PIECES)
+  pad_id, bos_id, eos_id = PAD, BOS, EOS
+  identity = "builtin-code-v1"
+
+  def __init__(self):
+    self._to_id = {piece: 3 + i for i, piece in enumerate(self.PIECES)}
+    self._by_length = sorted(self.PIECES, key=len, reverse=True)
+
+  def encode(self, text: str) -> list[int]:
+    ids, i = [], 0
+    while i < len(text):
+      piece = next((p for p in self._by_length if text.startswith(p, i)), None)
+      if piece is None:
+        raise TokenizerError(f"{text[i:i + 10]!r} (at character {i}) is not in the built-in code vocabulary")
+      ids.append(self._to_id[piece])
+      i += len(piece)
+    return ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if not 0 <= i < self.vocab_size:
+        raise TokenizerError(f"token id {i} is outside the built-in code vocabulary [0, {self.vocab_size})")
+      if i >= 3:
+        out.append(self.PIECES[i - 3])
+    return "".join(out)
+
+  def encode_prompt(self, question: str) -> list[int]:
+    return [BOS] + self.encode(question)
