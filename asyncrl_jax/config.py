@@ -106,8 +106,9 @@ def _validate_env(config) -> None:
     _check(config.data.tokenizer_path == "builtin:tools", "data.tokenizer_path",
            config.data.tokenizer_path, "must be 'builtin:tools' for data.task='tool_arithmetic'")
   if config.data.task == "code_functions":
-    _check(config.data.tokenizer_path == "builtin:code", "data.tokenizer_path",
-           config.data.tokenizer_path, "must be 'builtin:code' for data.task='code_functions'")
+    _check(config.data.tokenizer_path in ("builtin:code", "builtin:code_tools"), "data.tokenizer_path",
+           config.data.tokenizer_path, "must be 'builtin:code' (or 'builtin:code_tools' for the coding "
+           "agent) for data.task='code_functions'")
 
 
 def _validate_run(config) -> None:

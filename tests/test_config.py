@@ -124,7 +124,7 @@ def test_real_model_config_has_qwen2_5_1_5b_shape():
     ("seed", -1, r"seed=-1 is not allowed: an integer >= 0"),
     ("steps", True, r"steps=True is not allowed: an integer >= 0"),  # a bool is not a count
     ("model.param_dtype", "int8", r"model.param_dtype='int8'.* must be one of"),
-    ("data.task", "csv", r"data.task='csv' is not allowed: must be one of \('arithmetic', 'tool_arithmetic', 'jsonl', 'tfds', 'code_jsonl'\)"),
+    ("data.task", "csv", r"data.task='csv' is not allowed: must be one of \('arithmetic', 'tool_arithmetic', 'jsonl', 'tfds', 'code_jsonl', 'code_functions'\)"),
     ("data.task", "jsonl", r"data.path='' is not allowed: required .* when data.task='jsonl'"),
     ("data.max_prompt_len", 0, r"data.max_prompt_len=0 is not allowed: an integer >= 1"),
     ("data.eval_samples", -1, r"data.eval_samples=-1 is not allowed"),

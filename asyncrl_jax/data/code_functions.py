@@ -2,8 +2,8 @@
 
 A problem is a hidden function ``f(x) = a*x + b`` (``a`` in 1..9, ``b`` in -9..9), shown by its values
 at ``x = 1, 2, 3``; the answer is a Python program that reads ``x`` and prints ``f(x)``, scored on
-hidden tests (``TESTS`` values of ``x`` up to 99, none of them shown) by running it in the sandbox
-(``rl.rewards.code_reward``). The worked solution infers ``a`` and ``b`` from the examples, then
+hidden tests (``TESTS`` values of ``x`` up to 99, none of them shown; the shown ones are the public
+tests, run too) by running it in the sandbox (``rl.rewards.code_reward``). The worked solution infers ``a`` and ``b`` from the examples, then
 writes the program::
 
   prompt:    1:5,2:8,3:11?
@@ -46,7 +46,9 @@ def make_problem(rng: np.random.Generator) -> Problem:
   f = lambda x: a * x + b  # noqa: E731
   question = ",".join(f"{x}:{f(x)}" for x in SHOWN) + "?"
   hidden = [int(x) for x in rng.choice(np.arange(4, 100), size=TESTS, replace=False)]
-  tests = {"stdin": [{"input": f"{x}\n", "output": f"{f(x)}\n"} for x in hidden], "public": 0}
+  # the shown examples are the public tests (first), the rest hidden; the reward runs them all
+  tests = {"stdin": [{"input": f"{x}\n", "output": f"{f(x)}\n"} for x in (*SHOWN, *hidden)],
+           "public": len(SHOWN)}
   # the worked steps: a from the first difference, b from the first example
   steps = f"{f(2)}-{f(1)}={a};{f(1)}-{a}={b};"
   solution = f"{steps}```python\n{program(a, b)}\n```"

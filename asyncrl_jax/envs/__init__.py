@@ -4,7 +4,7 @@ them by name, the worker pool that runs their steps off the decode loop with a t
 for benchmarks, and agent programs written against an OpenAI-compatible client (``agent``, served by
 ``chat_endpoint``)."""
 
-from asyncrl_jax.envs import agent, tools_env  # noqa: F401,E402  (registers the built-in environments)
+from asyncrl_jax.envs import agent, code_env, tools_env  # noqa: F401,E402  (registers the built-in environments)
 
 import json  # noqa: E402
 from typing import Optional  # noqa: E402
@@ -49,13 +49,13 @@ def sandbox_status(config) -> Optional[dict]:
   ``sandbox.SandboxUnavailable`` when the sandbox cannot run and ``env.allow_unsandboxed`` is False,
   and always for a code task (its reward never runs a program unsandboxed)."""
   from asyncrl_jax.envs import sandbox  # pylint: disable=import-outside-toplevel
-  if config.data.task in ("code_jsonl", "code_functions"):
+  template = episode_template(config)
+  if config.data.task in ("code_jsonl", "code_functions") or (template and template["env"] == "code"):
     ok, why = sandbox.available()
     if not ok:
       raise sandbox.SandboxUnavailable(f"data.task={config.data.task!r} scores programs in the sandbox, "
                                        f"which cannot run on this machine ({why})")
     return {"sandboxed": True, "why": "", "interpreter": sandbox.interpreter()}
-  template = episode_template(config)
   if not template or template["env"] != "tools" or template["options"].get("tool") != "python":
     return None
   ok, why = sandbox.available()

@@ -95,6 +95,7 @@ class CodeResult:
   statuses: tuple
   seconds: float
   sandboxed: bool = True
+  outputs: tuple = ()  # per test run: what it printed (stdin form) or returned (its JSON)
 
   @property
   def all_passed(self) -> bool:
@@ -319,15 +320,19 @@ def run_tests(program: str, tests: CodeTests, limits: CodeLimits = CodeLimits(),
                        memory_bytes=limits.memory_bytes, output_bytes=n * (2 * limits.output_bytes + 256) + 1024,
                        processes=16, disk_bytes=max(16 << 20, 4 * len(program)))
   verdicts: list = []
+  outputs: list = []
 
   def failed_yet(stdout: str) -> bool:
     for report in _reports(stdout)[len(verdicts):]:
       verdicts.append(_verdict(tests, report))
+      outputs.append(report["out"].lstrip("\x1d"))
     return not partial and any(v != "pass" for v in verdicts)
 
   result = sandbox.run(_HARNESS % {"spec": spec}, box, python, stop_when=failed_yet)
   failed_yet(result.stdout)  # (reports that arrived after the last look)
-  if not partial and "pass" in verdicts and any(v != "pass" for v in verdicts) or not partial and verdicts:
+  if not partial and verdicts:
     first = next((k for k, v in enumerate(verdicts) if v != "pass"), len(verdicts))
     del verdicts[first + 1:]  # (reports written before the kill landed, after the first failure)
-  return CodeResult(sum(v == "pass" for v in verdicts), n, tuple(verdicts), result.seconds, result.sandboxed)
+    del outputs[first + 1:]
+  return CodeResult(sum(v == "pass" for v in verdicts), n, tuple(verdicts), result.seconds, result.sandboxed,
+                    tuple(outputs))

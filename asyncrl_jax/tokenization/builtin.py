@@ -10,6 +10,9 @@ calculator call ``[123+4567]``, its result ``{4690}`` (an observation), then ``#
 characters ``0-9 + - * = ; : , ? x ( )`` and newline, and four pieces of Python as one token each
 (```` ```python\n ````, ``x=int(input())\n``, ``print(``, ```` \n``` ````): a prompt
 ``<bos>1:5,2:8,3:11?``, a completion ``8-5=3;5-3=2;```python\nx=int(input())\nprint(3*x+2)\n```<eos>``.
+
+``CodeToolTokenizer`` (32 tokens, ``"builtin:code_tools"``): the same and ``{ }``, around what the
+coding agent's environment answers (``envs.code_env``: the failing public tests, ``{2:9}``).
 """
 
 from __future__ import annotations
@@ -139,3 +142,12 @@ class CodeTokenizer(Tokenizer):
 
   def encode_prompt(self, question: str) -> list[int]:
     return [BOS] + self.encode(question)
+
+
+class CodeToolTokenizer(CodeTokenizer):
+  """The built-in code vocabulary and ``{ }`` (ids 30-31), around what the coding agent's environment
+  (``envs.code_env``) answers: the failing public tests, ``{2:9}``."""
+
+  PIECES = CodeTokenizer.PIECES + ("{", "}")
+  vocab_size = 3 + len(PIECES)
+  identity = "builtin-code-tools-v1"

@@ -23,11 +23,12 @@ def test_worked_solutions_pass_their_hidden_tests_and_shortcuts_do_not():
     assert reward(f"```python\nprint({shown[0]})\n```", p.answer) == 0.0
     assert reward(p.solution.replace("*x", "*x+1"), p.answer) == 0.0
   for p in problems:
-    tests = json.loads(p.answer)["stdin"]
-    assert len(tests) == code_functions.TESTS
+    all_tests = json.loads(p.answer)
+    public, tests = all_tests["stdin"][:all_tests["public"]], all_tests["stdin"][all_tests["public"]:]
+    assert [int(t["input"]) for t in public] == list(code_functions.SHOWN) and len(tests) == code_functions.TESTS
     assert not {int(t["input"]) for t in tests} & set(code_functions.SHOWN)  # hidden: none shown
     a, b = (int(s.split("=")[1]) for s in p.solution.split(";")[:2])
-    assert all(int(t["output"]) == a * int(t["input"]) + b for t in tests)
+    assert all(int(t["output"]) == a * int(t["input"]) + b for t in public + tests)
   assert {p.solution.split(";")[1].split("=")[1][0] for p in problems} >= {"-", "0", "5"}  # b of each sign
 
 
