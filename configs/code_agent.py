@@ -26,7 +26,7 @@ _code = config_module("code.py", beside=__file__)
 
 def get_config():
   c = _code.get_config()
-  c.model.update(vocab_size=32, max_seq_len=192)  # (three attempts, their observations)
+  c.model.update(vocab_size=32, max_seq_len=288)  # (evaluation: prompt + 2 x completion)
   c.data.update(tokenizer_path="builtin:code_tools", max_completion_len=128)
   c.env.update(name="code", max_turns=3)
   c.rollout.update(num_slots=48)

@@ -687,3 +687,20 @@ def test_a_long_run_holds_its_memory_steady(tmp_path):
   median = lambda rs, k: statistics.median(r[k] for r in rs)
   assert median(end, "live_arrays") <= median(settled, "live_arrays") + 10
   assert len({r["xla_compiles"] for r in m[9:]}) == 1, sorted({r["xla_compiles"] for r in m})
+
+
+@pytest.mark.slow(60)
+def test_the_coding_agent_trains_end_to_end_with_its_programs_run_in_the_sandbox(tmp_path):
+  """configs/code_agent.py, tiny: episodes of the code environment (programs run on the public tests,
+  failures back as observations, a submission scored on every test in the sandbox) under DIS."""
+  cmd = [sys.executable, "-m", "asyncrl_jax.train", f"--config={ROOT}/configs/code_agent.py",
+         f"--workdir={tmp_path}", *TINY, "--config.steps=2", "--config.learner.warm_start_steps=20",
+         "--config.data.max_completion_len=96", "--config.model.max_seq_len=224"]
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400, env=_env())
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  with open(tmp_path / "metrics.jsonl") as f:
+    metrics = [json.loads(l) for l in f if l.strip()]
+  assert [m["version"] for m in metrics] == [1, 2]
+  assert sum(m["decode_env_steps"] for m in metrics) > 0 and sum(m["decode_env_errors"] for m in metrics) == 0
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["failed_rollouts"] == 0
