@@ -89,6 +89,10 @@ class TrainingBatch:
   filtered_groups: int = 0  # groups skipped to form this batch (rl.filter_uniform_groups)
   overlong_filtered: int = 0  # trajectories given loss weight 0 (rl.overlong_filter)
   overlong_penalty: float = 0.0  # mean soft overlong penalty added to the rewards (rl.overlong_penalty_len)
+  # seconds ``next_batch`` waited for this batch while every trajectory it still lacked had been
+  # decoded and was being scored: the learner's wait on the reward function
+  reward_wait_seconds: float = 0.0
+  wait_seconds: float = 0.0  # all the seconds ``next_batch`` waited for this batch
 
 
 class Controller:
@@ -156,6 +160,8 @@ class Controller:
     # the first group of the next batch, and that batch's version (batches are consumed in order)
     self._next_group, self._next_version = prompts.next_index, manager.trained_versions
     self.filtered_groups = 0
+    self._scoring: set = set()  # trajectories handed to the reward worker, not yet scored
+    self._reward_wait_seconds = self._wait_seconds = 0.0  # of the batch being waited for
     self._pumping = threading.local()  # (a skipped prompt's dropped group does not pump from pump)
     self._cond = threading.Condition()
     self.newest_version = newest_version or version  # no token may be newer than this
@@ -328,6 +334,9 @@ class Controller:
     if t.turns is not None:  # an episode: its environment scored it
       self._on_reward(t, t.episode_reward)
       return
+    with self._cond:
+      self._scoring.add(t.trajectory_id)
+      self._cond.notify_all()  # (a waiting next_batch re-asks what it waits for)
     self._rewards.submit(t, t.completion_tokens, self._groups[t.group_id].prompt.answer)
 
   def _rejection(self, t: Trajectory, request: RolloutRequest) -> tuple[str, str]:
@@ -344,6 +353,7 @@ class Controller:
   def _on_reward(self, t: Trajectory, reward: float) -> None:
     dropped = 0
     with self._cond:
+      self._scoring.discard(t.trajectory_id)
       t.reward = reward
       t.reward_source = self.reward_source if t.finish_reason != "error" else "failed_rollout"
       group = self._groups[t.group_id]
@@ -389,7 +399,12 @@ class Controller:
         remaining = None if deadline is None else deadline - time.time()
         if remaining is not None and remaining <= 0:
           return None
+        scoring_only = self._waits_on_rewards()
+        t0 = time.perf_counter()
         self._cond.wait(timeout=remaining if remaining is not None else 1.0)
+        waited = time.perf_counter() - t0
+        self._wait_seconds += waited
+        self._reward_wait_seconds += waited if scoring_only else 0.0
       skipped = [self._groups.pop(i) for i in range(self._next_group, end) if i not in taken]
       if len(skipped) >= 4 * self.prompts_per_batch:
         log.warning("the batch for version %d skipped %d groups whose rewards were all equal (every "
@@ -399,7 +414,19 @@ class Controller:
       for i in range(self._next_group, end):
         self._states.pop(i, None)
       self._next_group, self._next_version = end, version + 1
-    return self._assemble(groups, version, filtered=len(skipped))
+      waits = dict(reward_wait_seconds=self._reward_wait_seconds, wait_seconds=self._wait_seconds)
+      self._reward_wait_seconds = self._wait_seconds = 0.0
+    return dataclasses.replace(self._assemble(groups, version, filtered=len(skipped)), **waits)
+
+  def _waits_on_rewards(self) -> bool:
+    """(Under the lock.) Whether every trajectory the next batch's groups still lack has been decoded
+    and is being scored (none is still decoding, and every group is admitted). With
+    ``rl.filter_uniform_groups`` the batch's groups are not known ahead: the next ``P`` are looked at."""
+    groups = [self._groups.get(i) for i in range(self._next_group, self._next_group + self.prompts_per_batch)]
+    if any(g is None for g in groups):
+      return False
+    missing = [r for g in groups for r in g.requests if r not in g.rewards]
+    return bool(missing) and all(r in self._scoring for r in missing)
 
   def settled(self, version: int) -> bool:
     """Whether every rollout the bound admits at ``version`` was admitted, has finished and has been

@@ -214,6 +214,7 @@ class RunLog:
         min_staleness_seen=batch.min_staleness_seen, filtered_groups=batch.filtered_groups,
         overlong_filtered=batch.overlong_filtered, overlong_penalty=batch.overlong_penalty,
         failed_rollouts=batch.failed, publish_blocked_seconds=transfer.seconds,
+        batch_wait_seconds=batch.wait_seconds, reward_wait_seconds=batch.reward_wait_seconds,
         transfer_seconds=transfer_seconds,
         tokens_per_s=self.rl_tokens / max(self.decode_seconds, 1e-9),
         learner_idle_fraction=learner_lib.idle_fraction(self.train_seconds, self.decode_seconds),

@@ -506,3 +506,37 @@ def test_settled_waits_for_every_admitted_group_to_be_scored():
   _eventually(lambda: len(submitted) == 8)
   assert not ctl.settled(0)
   ctl.close()
+
+
+def test_the_batch_records_how_long_it_waited_on_the_reward_function():
+  """``reward_wait_seconds``: the wait while every trajectory the batch lacked was decoded and being
+  scored; a slow reward makes it most of the wait, while waiting on decoding counts none of it."""
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  def slow(text, answer):
+    time.sleep(0.4)
+    return float(text.endswith("#" + answer))
+
+  for reward, decode_delay in ((slow, 0.0), (lambda text, answer: 1.0, 0.4)):
+    submitted, learner = [], _Learner()
+    mgr = StalenessManager(batch_size=2, max_staleness=0, max_concurrent=100)
+    ctl = Controller(prompts=PromptStream(_source(), seed=0, shard_index=0, shard_count=1), tokenizer=TOK,
+                     submit=lambda *r: submitted.extend(r), manager=mgr, version=lambda: learner.version,
+                     reward=reward, batch_size=2, group_size=2, max_new_tokens=8, reward_threads=2)
+    ctl.pump()
+    requests = list(submitted[:2])
+
+    def decode():
+      time.sleep(decode_delay)
+      for r in requests:
+        ctl.on_trajectory(_answered(ctl, r, True))
+
+    threading.Thread(target=decode).start()
+    batch = ctl.next_batch(0, timeout=30)
+    ctl.close()
+    assert batch is not None and batch.wait_seconds >= 0.3
+    if decode_delay:  # waiting on decoding: none of it is the reward's
+      assert batch.reward_wait_seconds < 0.1, batch
+    else:
+      assert batch.reward_wait_seconds >= 0.3 and batch.reward_wait_seconds <= batch.wait_seconds + 1e-6, batch
