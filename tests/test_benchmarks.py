@@ -758,3 +758,11 @@ def test_moe_study_reruns_an_unfinished_run_or_one_of_other_training_code(tmp_pa
   assert len(ran) == 3
   with pytest.raises(SystemExit, match="not decoupled_ppo seed 0's"):
     moe_study._run_arm(str(tmp_path), "decoupled_ppo", 0, argv, 3, "def")  # pylint: disable=protected-access
+
+
+def test_code_reward_benchmark_scores_right_and_wrong_programs_and_caches_a_groups_repeats():
+  from benchmarks import code_reward  # pylint: disable=import-outside-toplevel
+  rate = code_reward.distinct_rate(4, 2, seed=0)  # (asserts the worked solutions pass and the rest fail)
+  assert rate["programs"] == 4 and rate["programs_per_s"] > 0
+  repeated = code_reward.batch_seconds(1, 2, seed=1)
+  assert repeated["completions"] == 128 and repeated["sandbox_runs"] == 16  # one run per group
