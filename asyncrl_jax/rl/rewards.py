@@ -129,13 +129,14 @@ def code_reward(completion: str, tests, *, partial: bool = False,
 
 class CodeReward:
   """``code_reward`` with a cache of the last ``cache_size`` (program, tests) scored: the samples of a
-  group often write the same program, which is then run once. ``runs`` counts sandbox starts,
-  ``calls`` the calls."""
+  group often write the same program, which is then run once (a call for a program another thread
+  is running waits for that run). ``runs`` counts sandbox starts, ``calls`` the calls."""
 
   def __init__(self, cache_size: int = 4096, limits: code_tests.CodeLimits = code_tests.CodeLimits()):
     self._cache: "collections.OrderedDict[tuple, float]" = collections.OrderedDict()
     self._size, self._limits = cache_size, limits
     self._lock = threading.Lock()
+    self._running: dict = {}  # key -> Future of the run in progress
     self.calls = self.runs = 0
 
   def __call__(self, completion: str, tests) -> float:
@@ -146,12 +147,28 @@ class CodeReward:
       if key in self._cache:
         self._cache.move_to_end(key)
         return self._cache[key]
-    score = code_reward(completion, tests, limits=self._limits)
+      running = self._running.get(key)
+      if running is None:
+        running = self._running[key] = cf.Future()
+        mine = True
+      else:
+        mine = False
+    if not mine:
+      return running.result()
+    try:
+      score = code_reward(completion, tests, limits=self._limits)
+    except BaseException as e:
+      with self._lock:
+        del self._running[key]
+      running.set_exception(e)
+      raise
     with self._lock:
       self.runs += program is not None
       self._cache[key] = score
+      del self._running[key]
       while len(self._cache) > self._size:
         self._cache.popitem(last=False)
+    running.set_result(score)
     return score
 
 
