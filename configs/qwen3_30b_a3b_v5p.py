@@ -27,7 +27,14 @@ Lengths are this family's RL runs' 16k (prompt 1024 + completion 15360) rather t
 32k: dropless expert parallelism sizes each shard's receive buffer for the worst case (every routed
 row of every shard to one shard: expert x k = 64 rows per local token), so a micro-batch's exchange
 and expert intermediates grow with the tokens per chip; one 16k row per learner chip keeps them
-within the memory margin (``info``; the TPU compiler's figures are in benchmarks/RESULTS.md).
+within the memory margin.
+
+Memory: each role fits its chips with 20% of HBM to spare. The TPU compiler's figures (``python -m
+asyncrl_jax info --config=configs/qwen3_30b_a3b_v5p.py --accelerator=v5p-64
+--rollout_accelerator=v5p-8 --compile``; benchmarks/RESULTS.md, tpu_compile): the learner's gradient
+step 75.4 GiB per chip with its resident state (79% of a v5p chip's 95 GiB: the margin's edge; the
+estimate, 59.4 GiB, misses 16 GiB of it); a decode server at 128 slots compiled to 78.5 GiB, past the
+margin, so it holds 96.
 """
 
 from asyncrl_jax.config import config_module
