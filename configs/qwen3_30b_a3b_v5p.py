@@ -29,12 +29,14 @@ row of every shard to one shard: expert x k = 64 rows per local token), so a mic
 and expert intermediates grow with the tokens per chip; one 16k row per learner chip keeps them
 within the memory margin.
 
-Memory: each role fits its chips with 20% of HBM to spare. The TPU compiler's figures (``python -m
-asyncrl_jax info --config=configs/qwen3_30b_a3b_v5p.py --accelerator=v5p-64
---rollout_accelerator=v5p-8 --compile``; benchmarks/RESULTS.md, tpu_compile): the learner's gradient
-step 75.4 GiB per chip with its resident state (79% of a v5p chip's 95 GiB: the margin's edge; the
-estimate, 59.4 GiB, misses 16 GiB of it); a decode server at 128 slots compiled to 78.5 GiB, past the
-margin, so it holds 96.
+Memory: each role fits its chips with 20% of HBM to spare by the estimate (``info``: 59.4 GiB per
+learner chip, 61.8 GiB per decode chip). The TPU compiler, in a compile stopped before it finished
+(benchmarks/results/tpu_compile/qwen3_30b_a3b_v5p.partial.md: the learner's 5 programs and 3 of the
+decode server's 11): the learner's gradient step needs 75.4 GiB per chip with its resident state
+(79% of a v5p chip's 95 GiB: the margin's edge; the estimate misses 16 GiB of it); the decode chunk
+72.1 GiB at 96 slots (76%; 78.5 GiB at 128 slots, past the margin, hence 96). The gradient step's
+roofline is bytes-bound at about 7% of peak on active parameters: the dropless exchange's
+worst-case buffers dominate it (see the record).
 """
 
 from asyncrl_jax.config import config_module
