@@ -527,7 +527,7 @@ def test_the_pods_twin_trains_with_two_learner_processes_preempted_and_killed(tm
   summary, metrics, prompts = _twin_results(run)
   assert summary["steps"] == steps and summary["trained_tokens"] > 0
   assert summary["learner_processes"] == 2 and summary["decode_servers"] == 2
-  assert summary["devices"]["learner"] == {"data": 1, "fsdp": 2, "tensor": 1}
+  assert summary["devices"]["learner"] == {"data": 1, "fsdp": 2, "expert": 1, "tensor": 1}
   sent = summary["transfer_bytes_sent"]
   assert len(sent) == 2 and max(sent) / min(sent) <= 1.25
   # in this start every server pulled every version (before..10) once: no more
