@@ -107,18 +107,19 @@ class ToolTokenizer(ArithmeticTokenizer):
     return text
 
 
-class CodeTokenizer(Tokenizer):
-  """ids: 0 pad, 1 bos, 2 eos, then ``PIECES`` (longest match first when encoding)."""
+class CodeTokenizer(ArithmeticTokenizer):
+  """ids: 0 pad, 1 bos, 2 eos, then ``PIECES`` (longest match first when encoding; decoding, the
+  prompt and the chat format as the arithmetic tokenizer's, over these pieces)."""
 
   PIECES = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "+", "-", "*", "=", ";", ":", ",", "?", "x",
             "(", ")", "\n", "```python\n", "x=int(input())\n", "print(", "\n```", " ")
+  chars = PIECES
   vocab_size = 3 + len(PIECES)
-  pad_id, bos_id, eos_id = PAD, BOS, EOS
   identity = "builtin-code-v1"
 
   def __init__(self):
-    self._to_id = {piece: 3 + i for i, piece in enumerate(self.PIECES)}
-    self._by_length = sorted(self.PIECES, key=len, reverse=True)
+    super().__init__()
+    self._by_length = sorted(self.chars, key=len, reverse=True)
 
   def encode(self, text: str) -> list[int]:
     ids, i = [], 0
@@ -130,24 +131,12 @@ class CodeTokenizer(Tokenizer):
       i += len(piece)
     return ids
 
-  def decode(self, ids: Sequence[int]) -> str:
-    out = []
-    for i in ids:
-      i = int(i)
-      if not 0 <= i < self.vocab_size:
-        raise TokenizerError(f"token id {i} is outside the built-in code vocabulary [0, {self.vocab_size})")
-      if i >= 3:
-        out.append(self.PIECES[i - 3])
-    return "".join(out)
-
-  def encode_prompt(self, question: str) -> list[int]:
-    return [BOS] + self.encode(question)
-
 
 class CodeToolTokenizer(CodeTokenizer):
   """The built-in code vocabulary and ``{ }`` (ids 30-31), around what the coding agent's environment
   (``envs.code_env``) answers: the failing public tests, ``{2:9}``."""
 
   PIECES = CodeTokenizer.PIECES + ("{", "}")
+  chars = PIECES
   vocab_size = 3 + len(PIECES)
   identity = "builtin-code-tools-v1"
