@@ -62,8 +62,7 @@ class CodeEnvironment:
 
   def reset(self, problem: dict) -> str:
     self.tests = code_tests.parse_tests(problem["answer"])
-    n = int(json.loads(problem["answer"]).get("public", 0)) if isinstance(problem["answer"], str) else \
-        int(problem["answer"].get("public", 0))
+    n = self.tests.public
     if n < 1:
       raise ValueError("the coding agent's problems need public tests (tests' \"public\" >= 1)")
     self.public = code_tests.CodeTests(self.tests.mode, self.tests.inputs[:n], self.tests.expected[:n],

@@ -65,6 +65,7 @@ class CodeTests:
   fn_name: str = ""
   check: str = ""  # (mode "check": the test code, and the prompt the program completes)
   prompt: str = ""
+  public: int = 0  # the first this many tests are public (the tests' "public")
 
   def __len__(self) -> int:
     return len(self.inputs)
@@ -121,7 +122,8 @@ def parse_tests(tests: Any) -> CodeTests:
     for i, c in enumerate(cases):
       _check(isinstance(c, dict) and isinstance(c.get("input"), str) and isinstance(c.get("output"), str),
              f"tests.stdin[{i}] must be {{'input': str, 'output': str}}, got {str(c)[:80]}")
-    return CodeTests("stdin", tuple(c["input"] for c in cases), tuple(c["output"] for c in cases))
+    return CodeTests("stdin", tuple(c["input"] for c in cases), tuple(c["output"] for c in cases),
+                     public=int(tests.get("public", 0)))
   if "fn_name" in tests:
     name, cases = tests["fn_name"], tests.get("cases")
     _check(isinstance(name, str) and name.isidentifier(), f"tests.fn_name={name!r} must be a Python identifier")
@@ -129,7 +131,8 @@ def parse_tests(tests: Any) -> CodeTests:
     for i, c in enumerate(cases):
       _check(isinstance(c, dict) and isinstance(c.get("args"), list) and "output" in c,
              f"tests.cases[{i}] must be {{'args': [...], 'output': value}}, got {str(c)[:80]}")
-    return CodeTests("fn", tuple(c["args"] for c in cases), tuple(c["output"] for c in cases), name)
+    return CodeTests("fn", tuple(c["args"] for c in cases), tuple(c["output"] for c in cases), name,
+                     public=int(tests.get("public", 0)))
   if "check" in tests:
     for key in ("check", "entry_point"):
       _check(isinstance(tests.get(key), str) and tests[key].strip(), f"tests.{key} must be a non-empty string")
