@@ -118,15 +118,20 @@ def _fingerprint(workdir) -> tuple:
 def test_pinned_runs_of_one_seed_train_identical_batches_and_another_seed_does_not(tmp_path):
   """Paired staleness experiments rest on this: two pinned runs with the same seed train the same
   prompts, the same completions and reach the same losses for their first 5 versions, in one
-  process; a run with another seed does not (the negative control)."""
+  process; a run with another seed does not (the negative control). Tokens and prompts must match
+  exactly; the batch statistics to float noise (the behaviour KL is a mean of log-prob differences
+  near 0, whose last bits follow the decode batch's composition: 1.82e-14 against 1.78e-14 on a CI
+  host)."""
   pinned = ["--config.steps=5", "--config.rl.staleness_mode=pinned", "--config.rl.max_staleness=2",
             "--config.learner.eval_every=0", "--config.checkpoint.every_steps=100"]
   for name, seed in (("a", 0), ("b", 0), ("c", 1)):
     _run(tmp_path / name, *pinned, f"--config.seed={seed}")
   a, b, c = (_fingerprint(tmp_path / name) for name in "abc")
   assert [v for v, _, _ in a[0]] == list(range(5))
-  assert a == b
-  assert a[0] != c[0] and a[1] != c[1]
+  assert a[0] == b[0]
+  flat = lambda rows: [x for row in rows for x in row]
+  assert flat(a[1]) == pytest.approx(flat(b[1]), rel=1e-6, abs=1e-9)
+  assert a[0] != c[0] and flat(a[1]) != pytest.approx(flat(c[1]), rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.slow(62)
@@ -611,8 +616,10 @@ def test_pinned_runs_of_one_seed_train_identical_batches_with_two_decode_server_
     runs[name] = _fingerprint(run)
   a, b, c = runs["a"], runs["b"], runs["c"]
   assert [v for v, _, _ in a[0]] == list(range(5))
-  assert a == b
-  assert a[0] != c[0] and a[1] != c[1]
+  assert a[0] == b[0]
+  flat = lambda rows: [x for row in rows for x in row]
+  assert flat(a[1]) == pytest.approx(flat(b[1]), rel=1e-6, abs=1e-9)
+  assert a[0] != c[0] and flat(a[1]) != pytest.approx(flat(c[1]), rel=1e-6, abs=1e-9)
 
 
 @pytest.mark.slow(17)
