@@ -142,6 +142,8 @@ def _validate_model(config) -> None:
          moe.aux_loss_coef, ">= 0")
   _one_of(config, "model.moe.matmul", MOE_MATMULS)
   _one_of(config, "model.moe.exchange", MOE_EXCHANGES)
+  _check(isinstance(moe.capacity_factor, (int, float)) and (moe.capacity_factor == 0 or moe.capacity_factor >= 1),
+         "model.moe.capacity_factor", moe.capacity_factor, "0 (dropless) or >= 1")
   _check(isinstance(config.rollout.record_routes, bool), "rollout.record_routes",
          config.rollout.record_routes, "True or False")
   _check(isinstance(config.rl.replay_routes, bool), "rl.replay_routes", config.rl.replay_routes,

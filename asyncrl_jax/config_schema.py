@@ -55,12 +55,15 @@ def _model_section() -> ml_collections.ConfigDict:
       # (every expert on every token: the reference) or "megablox" (grouped by the megablox TPU
       # kernel; elsewhere interpreted, for tests). exchange: with a mesh expert axis, how tokens
       # reach their experts' shard: "padded" (all_to_all of a worst-case buffer; runs on CPU) or
-      # "ragged" (ragged_all_to_all: routed rows only; TPU/GPU). With hf_path only matmul, exchange
-      # and aux_loss_coef apply. aux_loss_coef: the router's load-balancing loss (E sum_e f_e P_e, averaged over the
+      # "ragged" (ragged_all_to_all: routed rows only; TPU/GPU). capacity_factor: 0 (dropless) or
+      # c >= 1: with a mesh expert axis each shard sends at most c x its even share of routing slots
+      # to each expert shard and drops the rest (logged as moe_dropped_frac). With hf_path only
+      # matmul, exchange, capacity_factor and aux_loss_coef apply. aux_loss_coef: the router's load-balancing loss (E sum_e f_e P_e, averaged over the
       # MoE layers) added to the learner's loss times this (0: logged, not trained)
       moe=ml_collections.ConfigDict(dict(
           num_experts=0, top_k=0, intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1,
-          mlp_only_layers="", matmul="ragged", exchange="padded", aux_loss_coef=0.0)),
+          mlp_only_layers="", matmul="ragged", exchange="padded", capacity_factor=0.0,
+          aux_loss_coef=0.0)),
       # dtype: activations and matmuls (decode servers also hold the weights in it, norm scales
       # excepted); param_dtype: the learner's stored weights and optimizer state
       tie_embeddings=False, max_seq_len=256, dtype="float32", param_dtype="float32",

@@ -31,7 +31,8 @@ def _how(config) -> dict:
   """The fields of an experiment's ``model`` section that apply to a checkpoint's architecture too:
   how it runs, not what it computes."""
   moe = config.model.get("moe")
-  return {"moe_matmul": moe.matmul, "moe_exchange": moe.get("exchange", "padded")} if moe is not None else {}
+  return ({"moe_matmul": moe.matmul, "moe_exchange": moe.get("exchange", "padded"),
+           "moe_capacity_factor": float(moe.get("capacity_factor", 0.0))} if moe is not None else {})
 
 
 def from_config(config, mesh):

@@ -196,6 +196,7 @@ class MoEOutputs(NamedTuple):
   aux_loss: jax.Array  # the load-balancing loss, averaged over the MoE layers
   load: jax.Array  # [L_moe, E]: the fraction of routing slots each expert took
   own_routes: jax.Array  # [B, T, L_moe, k] int16: the router's own top k (= routes without replay)
+  dropped: jax.Array  # the fraction of valid routing slots the exchange's capacity dropped, mean over layers
 
 
 def moe_outputs(config: ModelConfig, state: dict) -> MoEOutputs:
@@ -203,14 +204,15 @@ def moe_outputs(config: ModelConfig, state: dict) -> MoEOutputs:
   ``mutable=["moe"]``; unrolled or scanned layers alike)."""
   moe = state.get("moe", {})
   if "scanned_routes" in moe:
-    loss_l, load_le, own_lbtk = moe["scanned_aux"][0]
+    loss_l, load_le, own_lbtk, dropped_l = moe["scanned_aux"][0]
     return MoEOutputs(jnp.moveaxis(moe["scanned_routes"][0], 0, 2), jnp.mean(loss_l), load_le,
-                      jnp.moveaxis(own_lbtk, 0, 2))
+                      jnp.moveaxis(own_lbtk, 0, 2), jnp.mean(dropped_l))
   layers = [moe[f"layer_{i}"]["mlp"] for i in config.moe_layers]
   return MoEOutputs(routes=jnp.stack([layer["routes"][0] for layer in layers], axis=2),
                     aux_loss=jnp.mean(jnp.stack([layer["aux"][0][0] for layer in layers])),
                     load=jnp.stack([layer["aux"][0][1] for layer in layers]),
-                    own_routes=jnp.stack([layer["aux"][0][2] for layer in layers], axis=2))
+                    own_routes=jnp.stack([layer["aux"][0][2] for layer in layers], axis=2),
+                    dropped=jnp.mean(jnp.stack([layer["aux"][0][3] for layer in layers])))
 
 
 @functools.lru_cache(maxsize=None)

@@ -135,6 +135,9 @@ class ModelConfig:
       the worst case (every token of a shard to one shard: dropless, and what runs on the CPU),
       "ragged" ``ragged_all_to_all`` moving only the routed rows (TPU, GPU; XLA:CPU has no such op).
       Changes how, not what.
+    moe_capacity_factor: with expert parallelism, 0 (dropless: buffers for the worst case) or c >= 1:
+      each shard sends at most c times the even share of its routing slots to each expert shard and
+      drops the rest (``models.moe``). Changes what is computed when a slot is dropped.
   """
 
   vocab_size: int
@@ -164,6 +167,7 @@ class ModelConfig:
   mlp_only_layers: tuple = ()
   moe_matmul: str = "ragged"
   moe_exchange: str = "padded"
+  moe_capacity_factor: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.rope_scaling, RopeScaling):
@@ -230,6 +234,9 @@ class ModelConfig:
       raise ModelConfigError(f"model.moe_matmul={self.moe_matmul!r}: must be one of {MOE_MATMULS}")
     if self.moe_exchange not in MOE_EXCHANGES:
       raise ModelConfigError(f"model.moe_exchange={self.moe_exchange!r}: must be one of {MOE_EXCHANGES}")
+    if self.moe_capacity_factor != 0 and not self.moe_capacity_factor >= 1:
+      raise ModelConfigError(f"model.moe_capacity_factor={self.moe_capacity_factor!r}: must be 0 (dropless) "
+                             "or >= 1 (below 1 drops slots even when the routing is perfectly even)")
     if not self.num_experts:
       if self.num_experts_per_tok or self.moe_intermediate_size:
         raise ModelConfigError("model.num_experts_per_tok / model.moe_intermediate_size are set but "
@@ -346,10 +353,11 @@ def lora_fields(lora: Any) -> dict:
 def moe_fields(moe: Any) -> dict:
   """``ModelConfig``'s mixture-of-experts fields from a config's ``model.moe`` section (a mapping
   with ``num_experts``, ``top_k``, ``intermediate_size``, ``norm_topk_prob``,
-  ``decoder_sparse_step``, ``mlp_only_layers``, ``matmul``, ``exchange``; None or num_experts 0:
+  ``decoder_sparse_step``, ``mlp_only_layers``, ``matmul``, ``exchange``, ``capacity_factor``; None or num_experts 0:
   dense)."""
   how = {"moe_matmul": dict(moe or {}).get("matmul", "ragged"),
-         "moe_exchange": dict(moe or {}).get("exchange", "padded")}
+         "moe_exchange": dict(moe or {}).get("exchange", "padded"),
+         "moe_capacity_factor": float(dict(moe or {}).get("capacity_factor", 0.0))}
   if not moe or not dict(moe).get("num_experts"):
     return how
   moe = dict(moe)

@@ -24,8 +24,16 @@ a data-parallel one everywhere else). The router runs where the tokens are; then
 ``shard_map`` (``experts_parallel``): the (token, expert) slots sorted by expert, each shard's counts
 shared (a tiny ``all_gather``), the rows sent to the shards holding their experts (all-to-all), each
 shard's experts run on what it received (grouped or dense, as above), the results sent back by the
-reverse all-to-all and combined with the routing weights where the tokens live. Dropless: a shard
-may receive every slot of every shard (``P x N_local x k`` rows), so its receive buffer has that size.
+reverse all-to-all and combined with the routing weights where the tokens live. Dropless by default:
+a shard may receive every slot of every shard (``P x N_local x k`` rows), so its receive buffer has
+that size, P times what an even routing needs. ``ModelConfig.moe_capacity_factor`` c > 0 bounds the
+exchange instead: a shard sends at most ``C = ceil(c x N_local x k / P)`` slots to each shard (c times
+the even share), the valid tokens' slots first in token order, the padding's last; a slot past C is
+dropped (that expert adds nothing to its token, the other k - 1 still do) and counted
+(``aux``'s dropped fraction, the learner's ``moe_dropped_frac``). The buffers, the exchanged bytes
+and the experts' rows shrink by P / c. What is dropped depends on the batch a token travels with, so
+a decode server and the learner may drop different slots of one token: a mismatch routing replay
+does not remove (it replays experts, not drops); keep c where ``moe_dropped_frac`` stays near 0.
 ``ModelConfig.moe_exchange`` picks the wire: "padded" (``all_to_all`` of the whole buffer, P x the
 routed rows' bytes; what XLA:CPU runs) or "ragged" (``ragged_all_to_all``: the routed rows only;
 TPU and GPU). With ``tensor`` > 1 too, each expert's width stays split over it and the expert outputs
@@ -46,6 +54,7 @@ Parameters (logical axes for ``infra.sharding``): ``router`` [D, E] (``embed``, 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import flax.linen as nn
@@ -177,11 +186,35 @@ def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.cumsum(x, axis=axis) - x
 
 
+def exchange_capacity(slots: int, shards: int, capacity_factor: float) -> int:
+  """The rows one expert shard sends to each other at most (its receive buffer's rows per source):
+  ``slots`` (its routing slots: local tokens x k) when ``capacity_factor`` is 0 (dropless: all of
+  them may go to one shard), else ``ceil(capacity_factor x slots / shards)`` (capacity_factor times
+  the even share), never more than ``slots``."""
+  if not capacity_factor:
+    return slots
+  return max(1, min(slots, math.ceil(capacity_factor * slots / shards)))
+
+
+def capacity_keep(dest_n: jax.Array, valid_n: jax.Array, capacity: int, shards: int) -> jax.Array:
+  """Which routing slots fit their destination shard's ``capacity`` (bool ``[n]``): per destination,
+  the valid slots first, in slot (token) order, then the padding's; the first ``capacity`` kept."""
+  n = dest_n.shape[0]
+  key = dest_n * 2 + (~valid_n).astype(dest_n.dtype)
+  order = jnp.argsort(key, stable=True)
+  starts = _exclusive_cumsum(jnp.bincount(dest_n, length=shards))
+  rank_sorted = jnp.arange(n) - jnp.take(starts, jnp.take(dest_n, order))
+  return jnp.zeros((n,), bool).at[order].set(rank_sorted < capacity)
+
+
 def experts_parallel(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, gate_edf: jax.Array,
                      up_edf: jax.Array, down_efd: jax.Array, *, mesh: jax.sharding.Mesh, matmul: str,
-                     exchange: str) -> jax.Array:
+                     exchange: str, valid_bt: Optional[jax.Array] = None,
+                     capacity_factor: float = 0.0) -> tuple[jax.Array, jax.Array]:
   """The k experts of each token with the experts split over the mesh's ``expert`` axis (the module
-  docstring): ``[B, T, D]``, equal to ``experts_grouped`` / ``experts_dense`` on one device."""
+  docstring): ``([B, T, D], dropped)``, equal to ``experts_grouped`` / ``experts_dense`` on one
+  device when nothing is dropped. ``dropped``: the number of valid tokens' routing slots (``valid_bt``,
+  default all) that did not fit the exchange's capacity (``capacity_factor``; 0: none, dropless)."""
   from asyncrl_jax.infra.sharding import BATCH_AXES  # pylint: disable=import-outside-toplevel
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
   shards = int(mesh.shape["expert"])
@@ -192,59 +225,75 @@ def experts_parallel(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.
   tensor = int(mesh.shape.get("tensor", 1))
   rows = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) or None
   width = "tensor" if tensor > 1 else None
+  if valid_bt is None:
+    valid_bt = jnp.ones(x_btd.shape[:2], bool)
 
-  def local(x, experts, weights, gate, up, down):
+  def local(x, experts, weights, valid, gate, up, down):
     b, t, d = x.shape
     k = experts.shape[-1]
-    n = b * t * k  # this shard's routing slots; the most any one shard can send to another
-    flat_e = experts.reshape(-1)
+    n = b * t * k  # this shard's routing slots
+    cap = exchange_capacity(n, shards, capacity_factor)  # the most it sends to any one shard
+    flat_e = experts.reshape(-1).astype(jnp.int32)
+    valid_n = jnp.repeat(valid.reshape(-1).astype(bool), k)
+    if cap < n:
+      keep = capacity_keep(flat_e // per_shard, valid_n, cap, shards)
+      flat_e = jnp.where(keep, flat_e, num_experts)  # a dropped slot: expert E, sorted last, sent nowhere
+      dropped = jnp.sum(valid_n & ~keep)
+    else:
+      dropped = jnp.zeros((), jnp.int32)
     order = jnp.argsort(flat_e, stable=True)  # slots sorted by expert, so by destination shard
     x_sorted = jnp.take(x.reshape(b * t, d), order // k, axis=0)  # [n, D]
     counts = jnp.bincount(flat_e, length=num_experts).astype(jnp.int32).reshape(shards, per_shard)
     every = jax.lax.all_gather(counts, "expert")  # [source, destination, local expert]
     me = jax.lax.axis_index("expert")
-    send = jnp.sum(counts, axis=-1)  # [P] slots to each shard
+    send = jnp.sum(counts, axis=-1)  # [P] slots to each shard (<= cap)
     send_offsets = _exclusive_cumsum(send)
     received = jnp.take(every, me, axis=1)  # [P, per_shard]: what each source sends me, by expert
     recv = jnp.sum(received, axis=-1)
     if exchange == "ragged":
-      slot = jnp.full((shards,), me * n, jnp.int32)  # my part of every receiver's buffer
-      got = jax.lax.ragged_all_to_all(x_sorted, jnp.zeros((shards * n, d), x_sorted.dtype), send_offsets,
-                                      send, slot, recv, axis_name="expert").reshape(shards, n, d)
+      slot = jnp.full((shards,), me * cap, jnp.int32)  # my part of every receiver's buffer
+      got = jax.lax.ragged_all_to_all(x_sorted, jnp.zeros((shards * cap, d), x_sorted.dtype), send_offsets,
+                                      send, slot, recv, axis_name="expert").reshape(shards, cap, d)
     else:
-      j = jnp.arange(n)
+      j = jnp.arange(cap)
       take = jnp.clip(send_offsets[:, None] + j[None, :], 0, n - 1)
       buf = jnp.where((j[None, :] < send[:, None])[..., None], jnp.take(x_sorted, take, axis=0), 0)
-      got = jax.lax.all_to_all(buf, "expert", 0, 0, tiled=True).reshape(shards, n, d)
+      got = jax.lax.all_to_all(buf, "expert", 0, 0, tiled=True).reshape(shards, cap, d)
     # row j from source s is for my local expert e when it falls in e's part of s's rows
-    j = jnp.arange(n)
+    j = jnp.arange(cap)
     ends = jnp.cumsum(received, axis=-1)  # [P, per_shard]
     ids = jnp.sum(j[None, :, None] >= ends[:, None, :], axis=-1)  # == per_shard past the last one
-    y = _local_experts(got.reshape(shards * n, d), ids.reshape(-1), gate, up, down, matmul)
+    y = _local_experts(got.reshape(shards * cap, d), ids.reshape(-1), gate, up, down, matmul)
     if width is not None:
       y = jax.lax.psum(y, "tensor")  # each expert's width was split over tensor
     if exchange == "ragged":
-      # back to each source, straight into its sorted slots: at its offset for me
+      # back to each source, straight into its sorted slots: at its offset for me (dropped slots,
+      # sorted last, stay 0)
       every_send = jnp.sum(every, axis=-1)  # [source, destination]
       back_at = jnp.take(_exclusive_cumsum(every_send), me, axis=1)  # where each source sent mine from
-      y_sorted = jax.lax.ragged_all_to_all(y, jnp.zeros((n, d), y.dtype), jnp.arange(shards, dtype=jnp.int32) * n,
+      y_sorted = jax.lax.ragged_all_to_all(y, jnp.zeros((n, d), y.dtype),
+                                           jnp.arange(shards, dtype=jnp.int32) * cap,
                                            recv, back_at.astype(jnp.int32), send, axis_name="expert")
     else:
-      back = jax.lax.all_to_all(y.reshape(shards, n, d), "expert", 0, 0, tiled=True)  # [P, n, D]
-      dest = jnp.take(flat_e, order) // per_shard  # each sorted slot's shard
-      r = jnp.arange(n)
-      y_sorted = back[dest, r - jnp.take(send_offsets, dest)]
+      back = jax.lax.all_to_all(y.reshape(shards, cap, d), "expert", 0, 0, tiled=True)  # [P, cap, D]
+      e_sorted = jnp.take(flat_e, order)
+      sent = e_sorted < num_experts
+      dest = jnp.minimum(e_sorted // per_shard, shards - 1)  # each sorted slot's shard
+      r = jnp.clip(jnp.arange(n) - jnp.take(send_offsets, dest), 0, cap - 1)
+      y_sorted = jnp.where(sent[:, None], back[dest, r], 0)
     y_slots = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(b * t, k, d)
     out = jnp.einsum("NKD,NK->ND", y_slots, weights.reshape(b * t, k).astype(y_slots.dtype))
-    return out.reshape(b, t, d)
+    if rows is not None:
+      dropped = jax.lax.psum(dropped, rows)
+    return out.reshape(b, t, d), dropped
 
   spec_rows = P(rows, None, None)
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(spec_rows, spec_rows, spec_rows, P("expert", None, width),
+                       in_specs=(spec_rows, spec_rows, spec_rows, P(rows, None), P("expert", None, width),
                                  P("expert", None, width), P("expert", width, None)),
-                       out_specs=spec_rows,
+                       out_specs=(spec_rows, P()),
                        check_vma=False,  # (the megablox kernel's outputs carry no varying-axes types)
-                       )(x_btd, experts_btk, weights_btk, gate_edf, up_edf, down_efd)
+                       )(x_btd, experts_btk, weights_btk, valid_bt, gate_edf, up_edf, down_efd)
 
 
 def expert_shards(mesh: Optional[jax.sharding.Mesh]) -> int:
@@ -254,8 +303,8 @@ def expert_shards(mesh: Optional[jax.sharding.Mesh]) -> int:
 
 class MoE(nn.Module):
   """``MoE(cfg, mesh)(x_btd, valid_bt, routes_btk=None) -> [B, T, D]``; sows ``routes`` ([B, T, k]
-  int16) and ``aux`` ((load-balancing loss, load [E], own top k [B, T, k] int16)) into the ``"moe"``
-  collection. With a ``mesh`` whose ``expert`` axis is > 1, the experts run expert-parallel."""
+  int16) and ``aux`` ((load-balancing loss, load [E], own top k [B, T, k] int16, the fraction of
+  valid tokens' routing slots dropped by the exchange's capacity)) into the ``"moe"`` collection. With a ``mesh`` whose ``expert`` axis is > 1, the experts run expert-parallel."""
 
   cfg: ModelConfig
   mesh: Optional[jax.sharding.Mesh] = None
@@ -281,10 +330,13 @@ class MoE(nn.Module):
         routes_nk=None if routes_btk is None else routes_btk.reshape(b * t, k))
     weights_nk = weights_nk.astype(dt)  # as the reference implementation casts them
     if expert_shards(self.mesh) > 1:
-      y_nd = experts_parallel(x, experts_nk.reshape(b, t, k), weights_nk.reshape(b, t, k), gate.astype(dt),
-                              up.astype(dt), down.astype(dt), mesh=self.mesh, matmul=cfg.moe_matmul,
-                              exchange=cfg.moe_exchange).reshape(b * t, d)
+      y_btd, dropped = experts_parallel(
+          x, experts_nk.reshape(b, t, k), weights_nk.reshape(b, t, k), gate.astype(dt), up.astype(dt),
+          down.astype(dt), mesh=self.mesh, matmul=cfg.moe_matmul, exchange=cfg.moe_exchange,
+          valid_bt=valid_bt, capacity_factor=cfg.moe_capacity_factor)
+      y_nd = y_btd.reshape(b * t, d)
     else:
+      dropped = jnp.zeros((), jnp.int32)
       y_nd = EXPERT_PATHS[cfg.moe_matmul](x.reshape(b * t, d), experts_nk, weights_nk, gate.astype(dt),
                                           up.astype(dt), down.astype(dt))
     if self.is_mutable_collection("moe"):
@@ -292,7 +344,9 @@ class MoE(nn.Module):
       self.sow("moe", "routes", experts_nk.reshape(b, t, k).astype(ROUTE_DTYPE))
       # the router's own top k, which replay overrides (for the routing mismatch it measures)
       own = experts_nk if routes_btk is None else jax.lax.top_k(probs_ne, k)[1]
-      self.sow("moe", "aux", (loss, load_e, own.reshape(b, t, k).astype(ROUTE_DTYPE)))
+      slots = jnp.maximum(jnp.sum(valid_bt.astype(jnp.float32)) * k, 1.0)
+      self.sow("moe", "aux", (loss, load_e, own.reshape(b, t, k).astype(ROUTE_DTYPE),
+                              dropped.astype(jnp.float32) / slots))
     return y_nd.reshape(b, t, d)
 
 

@@ -200,13 +200,15 @@ def _moe_terms(moe_out, batch: TokenBatch, settings: LossSettings, share, metric
   the loss averaged over MoE layers, weighted by the micro-batch's ``share`` of the global batch's
   policy tokens, so that the micro-batches sum to a token-weighted mean) and its metrics, added to
   ``metrics``: ``moe_aux_loss`` (1 when balanced), ``moe_load_max`` (the busiest expert's share of
-  the routing slots times E: 1 when balanced), ``moe_load/<e>`` (each expert's share, averaged over
+  the routing slots times E: 1 when balanced), ``moe_dropped_frac`` (the share of routing slots the
+  expert exchange's capacity dropped: 0 when dropless), ``moe_load/<e>`` (each expert's share, averaged over
   layers), and with recorded routes ``moe_route_mismatch``: the fraction of (token, layer) pairs
   whose learner top k differs from the decode server's."""
   load_e = jnp.mean(moe_out.load, axis=0)
   num_experts = load_e.shape[0]
   metrics.update(moe_aux_loss=jax.lax.stop_gradient(moe_out.aux_loss),
                  moe_load_max=jax.lax.stop_gradient(jnp.max(load_e) * num_experts),
+                 moe_dropped_frac=jax.lax.stop_gradient(moe_out.dropped),
                  **{f"moe_load/{e}": jax.lax.stop_gradient(load_e[e]) for e in range(num_experts)})
   if batch.routes is not None:
     metrics["moe_route_mismatch"] = moe_lib.route_mismatch(moe_out.own_routes, batch.routes,

@@ -25,7 +25,7 @@ Parameters and optimizer state are split over ``fsdp x tensor`` (a mixture of ex
 over ``expert``), rows over ``data x fsdp x expert``, heads and the MLP width over ``tensor``. A
 mixture-of-experts layer keeps, per token, its k experts' intermediates, and with expert parallelism
 (``expert`` > 1) the exchange's buffers, sized for the dropless worst case (``models.moe``: a shard may
-receive ``expert x k`` rows per local token), and its experts' intermediates over those rows. The terms count the buffers a step's program holds at its peak; XLA may
+receive ``expert x k`` rows per local token; ``c x k`` under ``model.moe.capacity_factor`` c), and its experts' intermediates over those rows. The terms count the buffers a step's program holds at its peak; XLA may
 fuse some away or keep a few copies more (``tests/tpu/test_memory.py`` compares the totals with XLA's own
 ``compile().memory_analysis()`` on CPU). ``tpu.chips.CHIPS`` lists HBM per chip, so that
 ``python -m asyncrl_jax info --config=... --accelerator=v5p-8`` says whether each role fits.
@@ -119,18 +119,20 @@ def mlp_per_token(m: ModelConfig, tensor: int, expert: int, *, backward: bool = 
   gate, up, silu(gate) and product (3 of them in a forward pass); a mixture of experts' router
   scores, the k slots' sorted inputs and outputs, and its experts' intermediates over the rows it
   computes: ``k`` per token on one shard, with expert parallelism ``expert x k`` (the dropless
-  receive buffer; plus the send, receive and return buffers); the dense reference path every expert
+  receive buffer; ``c x k`` under a capacity factor c; plus the send, receive and return buffers); the dense reference path every expert
   on every token."""
   n = 4 if backward else 3
   dense = n * m.intermediate_size / tensor if len(m.moe_layers) < m.num_layers else 0.0
   if not m.num_experts:
     return dense
   d, f, k, e = m.hidden_size, m.moe_intermediate_size / tensor, m.num_experts_per_tok, m.num_experts
+  # rows a shard receives per local token: every slot of every shard (dropless), or the capacity's
+  received = min(expert, m.moe_capacity_factor or expert) * k
   if m.moe_matmul == "dense":
-    experts = (e / expert) * (n * f + d) * (expert * k if expert > 1 else 1)
+    experts = (e / expert) * (n * f + d) * (received if expert > 1 else 1)
   else:
-    experts = (expert * k if expert > 1 else k) * n * f
-  exchange = 3 * expert * k * d if expert > 1 else 0.0
+    experts = (received if expert > 1 else k) * n * f
+  exchange = 3 * received * d if expert > 1 else 0.0
   return max(dense, 3 * e + 2 * k * d + experts + exchange)
 
 

@@ -1,6 +1,9 @@
 """The mixture-of-experts layer: routing by hand, the grouped path against the dense reference, routing
 replay, the router statistics, scanned layers, KV-cache decoding and sharding."""
 
+import functools
+
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -201,6 +204,97 @@ def test_expert_parallel_over_eight_devices_equals_one_values_and_gradients(para
   # the tokens did travel: the program exchanges them between the expert shards
   hlo = jax.jit(lambda p: models.logits(cfg, p, tokens, mesh=mesh)).lower(placed).as_text()
   assert "all_to_all" in hlo or "all-to-all" in hlo
+
+
+def test_exchange_capacity_and_which_slots_it_keeps_by_hand():
+  assert [moe.exchange_capacity(12, 4, c) for c in (0, 1, 1.25, 8)] == [12, 3, 4, 12]
+  # per destination: valid slots first in slot order, then padding's; the first `capacity` kept
+  keep = moe.capacity_keep(jnp.array([1, 0, 1, 1, 0]), jnp.array([True, True, False, True, True]), 1, 2)
+  assert np.asarray(keep).tolist() == [True, True, False, False, False]
+  keep = moe.capacity_keep(jnp.array([1, 0, 1, 1, 0]), jnp.array([False, True, True, True, True]), 2, 2)
+  assert np.asarray(keep).tolist() == [False, True, True, True, True]
+
+
+def _kept_by_numpy(experts_bnk, valid_bn, per_shard, shards, capacity):
+  """The capacity rule written out: each batch row is one shard's tokens; per destination shard its
+  valid slots in token order, then its padding's, the first `capacity` kept."""
+  keep = np.zeros(experts_bnk.shape, bool)
+  for row in range(experts_bnk.shape[0]):
+    slots = [(t, j) for t in range(experts_bnk.shape[1]) for j in range(experts_bnk.shape[2])]
+    for dest in range(shards):
+      mine = [s for s in slots if experts_bnk[row][s] // per_shard == dest]
+      ranked = [s for s in mine if valid_bn[row, s[0]]] + [s for s in mine if not valid_bn[row, s[0]]]
+      for s in ranked[:capacity]:
+        keep[row][s] = True
+  return keep
+
+
+@pytest.mark.parametrize("matmul", ["ragged", "dense"])
+def test_a_capacity_bounded_exchange_drops_the_slots_past_it_and_only_those(matmul):
+  """Experts over a 4-way expert axis (one batch row per shard), 8 experts, top 2, capacity factor 1
+  (3 of a shard's 12 slots to each shard): values and gradients equal the one-device reference with
+  the dropped slots' weights zeroed, the slots the numpy rule above drops, counted; the control: the
+  dropless reference differs. An even routing under the same capacity drops nothing."""
+  rng = np.random.default_rng(3)
+  b, t, d, f, e, k, shards = 4, 6, 8, 6, 8, 2, 4
+  mesh = sharding.make_mesh(jax.devices()[:4], dict(expert=shards))
+  x = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  skewed = np.stack([np.stack([rng.choice(3, size=k, replace=False) for _ in range(t)]) for _ in range(b)])
+  skewed[1] = np.stack([rng.choice(8, size=k, replace=False) for _ in range(t)])
+  # slot s = 2 token + j to shard s % 4: 3 slots to each shard from each
+  even = np.array([[[2 * ((2 * i + j) % 4) + r % 2 for j in range(k)] for i in range(t)] for r in range(b)])
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(b, t, k)), jnp.float32)
+  valid = np.ones((b, t), bool)
+  valid[0, :2] = False  # padding: dropped before any valid slot
+  w = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+  cap = moe.exchange_capacity(t * k, shards, 1.0)
+  assert cap == 3
+
+  def parallel(x, weights, *w, experts):
+    return moe.experts_parallel(x, jnp.asarray(experts), weights, *w, mesh=mesh, matmul=matmul, exchange="padded",
+                                valid_bt=jnp.asarray(valid), capacity_factor=1.0)
+
+  def reference(x, weights, *w, experts, keep):
+    y = moe.experts_dense(x.reshape(b * t, d), jnp.asarray(experts).reshape(b * t, k),
+                          (weights * keep).reshape(b * t, k), *w)
+    return y.reshape(b, t, d)
+
+  for experts, drops in ((skewed, True), (even, False)):
+    keep = _kept_by_numpy(experts, valid, e // shards, shards, cap)
+    assert (~keep).any() == drops
+    y, dropped = jax.jit(functools.partial(parallel, experts=experts))(x, weights, *w)
+    want = reference(x, weights, *w, experts=experts, keep=keep)
+    np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
+    assert int(dropped) == int(np.sum(~keep & valid[..., None]))
+    loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a) if fn is not parallel else fn(*a, experts=experts)[0]))
+    got_g = jax.grad(loss(parallel), argnums=(0, 1, 2, 3, 4))(x, weights, *w)
+    want_g = jax.grad(lambda *a: jnp.sum(jnp.sin(reference(*a, experts=experts, keep=keep))),
+                      argnums=(0, 1, 2, 3, 4))(x, weights, *w)
+    for a, c in zip(got_g, want_g):
+      np.testing.assert_allclose(a, c, atol=1e-4, rtol=1e-4)
+    dropless = reference(x, weights, *w, experts=experts, keep=np.ones_like(keep))
+    assert (float(jnp.abs(y - dropless).max()) > 1e-2) == drops
+  assert int(np.sum(~_kept_by_numpy(skewed, valid, 2, 4, cap) & valid[..., None])) > 3
+
+
+def test_the_model_reports_what_the_capacity_dropped(params):
+  """Through the model: the learner's MoE outputs carry the dropped share (0 dropless, > 0 with
+  capacity 1 on a routing this uneven), and a capacity factor below 1 is refused by name."""
+  mesh = sharding.make_mesh(jax.devices()[:4], dict(expert=4))
+  tokens = _tokens((4, 12), seed=6)
+  shares = []
+  positions = np.tile(np.arange(12, dtype=np.int32), (4, 1))
+  for c in (0.0, 1.0):
+    cfg = CFG.replace(moe_capacity_factor=c)
+    placed = jax.device_put(params, models.param_shardings(cfg, mesh))
+    module = models.api._module(cfg, mesh)  # pylint: disable=protected-access
+    with flax.linen.logical_axis_rules(sharding.LOGICAL_RULES):
+      _, state = jax.jit(lambda p: module.apply({"params": p}, tokens, positions, np.ones_like(tokens),
+                                                mutable=["moe"]))(placed)
+    shares.append(float(models.moe_outputs(cfg, state).dropped))
+  assert shares[0] == 0.0 and 0.0 < shares[1] < 1.0
+  with pytest.raises(models.ModelConfigError, match="moe_capacity_factor=0.5"):
+    CFG.replace(moe_capacity_factor=0.5)
 
 
 def test_expert_parallel_refusals_name_the_problem(params):

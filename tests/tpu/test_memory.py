@@ -157,6 +157,20 @@ def test_a_mixture_of_experts_counts_every_expert_in_memory_and_its_active_ones_
   assert projection.model_flops_per_token(dense, 0.0) == pytest.approx(6.0 * (dense.num_params - 300 * 48))
 
 
+def test_the_exchange_buffers_shrink_to_the_capacity_by_hand():
+  """Per token, with 4 expert shards and top 2: the router's 8 scores, the 2 slots' inputs and outputs
+  (2 x 2 x 48), and over the rows a shard receives (dropless 4 x 2 = 8; capacity factor 1.5: 3) the
+  experts' 4 intermediates of width 24 and the exchange's 3 buffers of width 48."""
+  m = models.ModelConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=6,
+                         num_kv_heads=2, head_dim=16, qkv_bias=False, qk_norm=True, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=(0,))
+  fixed = 3 * 8 + 2 * 2 * 48
+  assert memory.mlp_per_token(m, 1, 4) == fixed + 8 * 4 * 24 + 3 * 8 * 48
+  assert memory.mlp_per_token(m.replace(moe_capacity_factor=1.5), 1, 4) == fixed + 3 * 4 * 24 + 3 * 3 * 48
+  assert memory.mlp_per_token(m.replace(moe_capacity_factor=8.0), 1, 4) == memory.mlp_per_token(m, 1, 4)
+  assert memory.mlp_per_token(m.replace(moe_capacity_factor=1.5), 1, 1) == memory.mlp_per_token(m, 1, 1)
+
+
 def test_the_expert_axis_splits_the_experts_and_the_rows_and_a_mesh_that_cannot_is_refused():
   config = _small("narrow")
   config.model.update(qkv_bias=False, qk_norm=True)
