@@ -29,11 +29,14 @@ class BackendReport:
   process over the run (empty where weights do not cross processes); ``publishes``: the completed
   pulls and their bytes, of the full weights and of partial ones (LoRA adapters alone):
   ``{"full": n, "partial": n, "full_bytes": b, "partial_bytes": b}`` (empty where weights do not
-  cross processes)."""
+  cross processes); ``sandboxes``: per decode server process that runs model-written code, how
+  (``envs.sandbox_status`` as it registered: ``sandboxed``, ``why``; empty in one process, where the
+  run's own ``python_tool_sandbox`` says it)."""
   faults: dict = dataclasses.field(default_factory=dict)
   events: list = dataclasses.field(default_factory=list)
   bytes_by_source: list = dataclasses.field(default_factory=list)
   publishes: dict = dataclasses.field(default_factory=dict)
+  sandboxes: dict = dataclasses.field(default_factory=dict)
 
 
 @runtime_checkable

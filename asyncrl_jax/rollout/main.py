@@ -92,7 +92,7 @@ def main(argv=None) -> None:
       register = functools.partial(
           registry.register, config.rollout.learner_address, server_id=_SERVER_ID.value,
           address=f"{host}:{port}", model_config=engine.config, tokenizer_id=engine.tokenizer.identity,
-          devices=len(jax.local_devices()), mesh=dict(mesh.shape), token=token)
+          devices=len(jax.local_devices()), mesh=dict(mesh.shape), token=token, sandbox=sandboxing)
       try:
         reply = register(timeout=config.rollout.register_timeout)
       except registry.RegistrationRefused as e:

@@ -45,10 +45,12 @@ needed and it works with any protobuf runtime. Only protobuf crosses the wire: n
                            DecodeStats stats = 14; }
   // a decode server announcing itself to the learner (process 0), and again every few seconds:
   // learner_incarnation is the incarnation its last registration was accepted by (0: none), so a
-  // repeat to the same learner at the same address changes nothing, and a new learner sees it
+  // repeat to the same learner at the same address changes nothing, and a new learner sees it;
+  // sandbox_json: where its episodes run model-written code, how (envs.sandbox_status: "sandboxed",
+  // "why"); "" where they run none
   message RegisterRequest { string server_id = 1; string address = 2; string model_config_json = 3;
                             string tokenizer_id = 4; int32 devices = 5; string mesh_json = 6;
-                            int64 learner_incarnation = 7; }
+                            int64 learner_incarnation = 7; string sandbox_json = 8; }
   // registered: servers registered so far, this one included; incarnation: the learner's
   message RegisterReply   { int32 registered = 1; int64 incarnation = 2; }
   service Learner { rpc Register(RegisterRequest) returns (RegisterReply); }
@@ -117,7 +119,7 @@ _MESSAGES = {
     "RegisterRequest": [("server_id", "string", 1), ("address", "string", 2),
                         ("model_config_json", "string", 3), ("tokenizer_id", "string", 4),
                         ("devices", "int32", 5), ("mesh_json", "string", 6),
-                        ("learner_incarnation", "int64", 7)],
+                        ("learner_incarnation", "int64", 7), ("sandbox_json", "string", 8)],
     "RegisterReply": [("registered", "int32", 1), ("incarnation", "int64", 2)],
     "AbortRequest": [("request_id", "string", 1)],
     "AckRequest": [("trajectory_ids", "string*", 1)],

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 from typing import Optional
@@ -30,6 +31,7 @@ from asyncrl_jax.rollout import protocol
 from asyncrl_jax.rollout.grpc_service import serve
 
 M = protocol.MESSAGES
+log = logging.getLogger(__name__)
 
 
 class RegistrationRefused(RuntimeError):
@@ -43,6 +45,7 @@ class Registered:
   devices: int
   mesh: dict
   registered_at: float
+  sandbox: dict = dataclasses.field(default_factory=dict)  # envs.sandbox_status there ({}: runs no model code)
 
 
 def model_config_json(model_config) -> str:
@@ -82,13 +85,22 @@ class Registry:
                     f"{who}: tokenizer {request.tokenizer_id!r} (server) vs {self.tokenizer_id!r} (learner)")
     if not request.server_id or not request.address:
       context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{who}: server id and address are required")
+    try:
+      sandbox = json.loads(request.sandbox_json or "{}")
+      if not isinstance(sandbox, dict):
+        raise ValueError
+    except ValueError:
+      context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{who}: sandbox state is not a JSON object")
     with self._changed:
       known = self._servers.get(request.server_id)
       if not (known is not None and known.address == request.address
               and request.learner_incarnation == self.incarnation):
         self._servers[request.server_id] = Registered(
             request.server_id, request.address, request.devices,
-            json.loads(request.mesh_json or "{}"), time.time())
+            json.loads(request.mesh_json or "{}"), time.time(), sandbox)
+        if sandbox and not sandbox.get("sandboxed", True):
+          log.warning("%s runs model-written code UNSANDBOXED (resource limits only): %s", who,
+                      sandbox.get("why", "no reason given"))
         self._changed.notify_all()
       return M["RegisterReply"](registered=len(self._servers), incarnation=self.incarnation)
 
@@ -126,11 +138,12 @@ class Registry:
 
 def register(learner_address: str, *, server_id: str, address: str, model_config, tokenizer_id: str,
              devices: int, mesh: Optional[dict] = None, timeout: float = 600.0,
-             token: Optional[str] = None, learner_incarnation: int = 0):
+             token: Optional[str] = None, learner_incarnation: int = 0, sandbox: Optional[dict] = None):
   """Registers this decode server with the learner at ``learner_address``, waiting up to ``timeout``
   seconds for the learner to come up; returns the reply (``registered``: servers registered so far;
-  ``incarnation``: the learner's, to name in the next registration). Raises ``RegistrationRefused``
-  with the learner's reason on a mismatch."""
+  ``incarnation``: the learner's, to name in the next registration). ``sandbox``: how this server runs
+  model-written code (``envs.sandbox_status``; None where it runs none), which the learner records
+  for the run's summary. Raises ``RegistrationRefused`` with the learner's reason on a mismatch."""
   with auth.channel(learner_address, token, protocol.GRPC_OPTIONS) as channel:
     try:
       grpc.channel_ready_future(channel).result(timeout=timeout)
@@ -143,7 +156,8 @@ def register(learner_address: str, *, server_id: str, address: str, model_config
                                    model_config_json=model_config_json(model_config),
                                    tokenizer_id=tokenizer_id, devices=devices,
                                    mesh_json=json.dumps(mesh or {}),
-                                   learner_incarnation=learner_incarnation)
+                                   learner_incarnation=learner_incarnation,
+                                   sandbox_json=json.dumps(sandbox) if sandbox else "")
     try:
       return call(request, timeout=max(min(timeout, 60.0), 1.0))
     except grpc.RpcError as e:

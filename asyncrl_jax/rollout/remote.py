@@ -485,7 +485,11 @@ class RemoteRollout:
   def report(self) -> BackendReport:
     with self._lock:
       publishes = dict(self.publishes) | {f"{k}_bytes": v for k, v in self.publish_bytes.items()}
-      return BackendReport(dict(self.faults), list(self.events), list(self.bytes_by_source), publishes)
+      report = BackendReport(dict(self.faults), list(self.events), list(self.bytes_by_source), publishes)
+    if self.registry is None:
+      return report
+    sandboxes = {s.server_id: s.sandbox for s in self.registry.servers() if s.sandbox}
+    return dataclasses.replace(report, sandboxes=sandboxes)
 
   def start(self, on_trajectory: Callable[[Trajectory], None]) -> None:
     self._on_trajectory = on_trajectory

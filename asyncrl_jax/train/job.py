@@ -438,7 +438,7 @@ def run(config, workdir: str) -> dict:
       reward_failures=getattr(data.reward, "failures", 0),
       decode_server_faults=report.faults, decode_server_events=report.events,
       learner_processes=jax.process_count(), decode_servers=backend.num_servers,
-      stopped_on_alarm=alarms, python_tool_sandbox=sandboxing,
+      stopped_on_alarm=alarms, python_tool_sandbox=sandboxing, decode_server_sandboxes=report.sandboxes,
       transfer_bytes_sent=report.bytes_by_source, weight_publishes=report.publishes,
       devices={"rollout": dict(meshes.rollout.shape) if meshes.rollout else meshes.remote,
                "learner": dict(meshes.learner.shape)})

@@ -87,3 +87,33 @@ def test_no_learner_at_the_address_times_out_clearly():
   with pytest.raises(TimeoutError, match="no learner registry at 127.0.0.1:9 within 1s"):
     registry.register("127.0.0.1:9", server_id="d", address="a:1", model_config=CFG, tokenizer_id="t",
                       devices=1, timeout=1)
+
+
+def test_a_server_names_how_it_runs_model_code_and_the_learner_keeps_it(learner, caplog):
+  """The sandbox state a decode server registers with is what the learner's registry holds (for the
+  run's summary.json), an unsandboxed one is logged at the learner, a server that runs no model code
+  registers none, and a state that is not a JSON object is refused by name."""
+  reg, address = learner
+  sandboxed = {"sandboxed": True, "why": ""}
+  unsandboxed = {"sandboxed": False, "why": "bubblewrap cannot create a user namespace here"}
+  registry.register(address, server_id="decode-0", address="127.0.0.1:5001", model_config=CFG,
+                    tokenizer_id="builtin-arithmetic-v1", devices=1, timeout=30, sandbox=sandboxed)
+  with caplog.at_level("WARNING", logger="asyncrl_jax.rollout.registry"):
+    registry.register(address, server_id="decode-1", address="127.0.0.1:5002", model_config=CFG,
+                      tokenizer_id="builtin-arithmetic-v1", devices=1, timeout=30, sandbox=unsandboxed)
+  _register(address, "decode-2", "127.0.0.1:5003")
+  got = {s.server_id: s.sandbox for s in reg.servers()}
+  assert got == {"decode-0": sandboxed, "decode-1": unsandboxed, "decode-2": {}}
+  assert "decode-1" in caplog.text and "UNSANDBOXED" in caplog.text and "user namespace" in caplog.text
+  assert "decode-0" not in caplog.text
+  import grpc  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.infra import auth  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rollout import protocol  # pylint: disable=import-outside-toplevel
+  with auth.channel(address, None, protocol.GRPC_OPTIONS) as channel:
+    call = channel.unary_unary(f"/{protocol.LEARNER_SERVICE}/Register",
+                               request_serializer=protocol.MESSAGES["RegisterRequest"].SerializeToString,
+                               response_deserializer=protocol.MESSAGES["RegisterReply"].FromString)
+    with pytest.raises(grpc.RpcError, match="sandbox state is not a JSON object"):
+      call(protocol.MESSAGES["RegisterRequest"](
+          server_id="decode-3", address="127.0.0.1:5004", model_config_json=registry.model_config_json(CFG),
+          tokenizer_id="builtin-arithmetic-v1", devices=1, sandbox_json="[1]"), timeout=30)

@@ -594,6 +594,7 @@ def test_the_pods_twin_pins_staleness_with_a_decode_server_process(tmp_path):
                                f"--config.rl.max_staleness={eta}", "--config.rl.loss=ppo_recompute"))
   summary, metrics, _ = _twin_results(run)
   assert summary["steps"] == steps and summary["decode_servers"] == 1, out[-3000:]
+  assert summary["decode_server_sandboxes"] == {}  # (the arithmetic task runs no model code)
   _check_pinned(metrics, eta)
 
 
