@@ -8,6 +8,7 @@ broadcast, so that every process ends with the same ``last_samples``.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 from typing import Optional
 
 import jax
@@ -23,6 +24,8 @@ from asyncrl_jax.rl import batching
 from asyncrl_jax.rl.episode_eval import EpisodeEvaluator
 from asyncrl_jax.rl.scores import eval_key, figures, standard_error  # noqa: F401  (part of this module's interface)
 from asyncrl_jax.weights import local_transfer
+
+REWARD_THREADS = 4  # held-out completions scored at once
 
 
 class Evaluator:
@@ -87,8 +90,11 @@ class Evaluator:
     tokens, lengths = _host(tokens), _host(lengths)
     completions = [tokens[i, :lengths[i]] for i in range(len(prompts))]
     scores = np.zeros(len(prompts), np.float32)
-    if answers is not None:
-      scores[:] = [reward(self.tokenizer.decode(c), a) for c, a in zip(completions, answers)]
+    if answers is not None:  # on threads, as the run's rewards are scored: a code reward's sandbox
+      # runs are processes, which a thread waits on (in order: pool.map keeps it)
+      with cf.ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="eval-reward") as pool:
+        scores[:] = list(pool.map(lambda ca: reward(self.tokenizer.decode(ca[0]), ca[1]),
+                                  zip(completions, answers)))
     if jax.process_count() > 1:
       scores = np.asarray(multihost_utils.broadcast_one_to_all(scores), np.float32)
     self.last_samples = list(zip(prompts, completions, scores.tolist()))

@@ -1,5 +1,8 @@
 """The held-out evaluation's figures: standard errors by hand, and a fresh sampling key per version."""
 
+import threading
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -46,6 +49,21 @@ def test_each_version_draws_its_own_samples_and_one_version_the_same_ones():
   assert completions(None) != completions(5)
   out = evaluator.evaluate(params, lambda text, answer: float(text.strip() == answer), version=2)
   assert set(out) == {"greedy", "sampled", "greedy_se", "sampled_se"} and out["sampled_se"] >= 0
+  # scored on threads, each score stays with its completion: a reward that finishes out of order
+  # (the earlier completions wait longest) gives each one what it gives it alone
+  key = lambda text, answer: (len(text) * 7 + int(answer)) % 11 / 10  # noqa: E731
+  threads = set()
+
+  def slow(text, answer):
+    threads.add(threading.get_ident())
+    time.sleep(0.02 * (3 - int(answer) % 4))
+    return key(text, answer)
+
+  scores = evaluator.sample(params, slow, version=5)
+  texts = [tok.decode(list(c)) for _, c, _ in evaluator.last_samples]
+  answers = [p["answer"] for p in problems for _ in range(4)]
+  assert scores.tolist() == pytest.approx([key(t, a) for t, a in zip(texts, answers)])
+  assert len(set(scores.tolist())) > 3 and len(threads) > 1
 
 
 def _run_evaluation(**data):
