@@ -130,6 +130,14 @@ def _validate_model(config) -> None:
   _local_dir_holding(config, "model.hf_path", "config.json")
   if config.data.tokenizer_path not in BUILTIN_TOKENIZERS:
     _local_dir_holding(config, "data.tokenizer_path", "tokenizer.json")
+  from asyncrl_jax.tokenization import TokenizerError, template_kwargs  # pylint: disable=import-outside-toplevel
+  try:
+    kwargs = template_kwargs(config)
+  except TokenizerError as e:
+    raise ConfigError(str(e)) from None
+  if kwargs and config.data.tokenizer_path in BUILTIN_TOKENIZERS:
+    raise ConfigError(f"data.chat_template_kwargs={config.data.chat_template_kwargs!r}: the built-in "
+                      f"tokenizer {config.data.tokenizer_path or 'builtin'!r} has no chat template")
   if not config.model.hf_path:
     try:
       model_config(config)

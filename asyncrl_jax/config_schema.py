@@ -88,6 +88,10 @@ def _data_section() -> ml_collections.ConfigDict:
       # directory with tokenizer.json (+ tokenizer_config.json); "" = the built-in arithmetic
       # tokenizer, "builtin:tools" = the built-in one with tool markers [ ] { }
       tokenizer_path="",
+      # a JSON object the tokenizer's chat template gets beside the messages, e.g.
+      # '{"enable_thinking": false}' for Qwen3's non-thinking mode (its template's default is
+      # thinking on); "" none. A Hugging Face tokenizer's only (the built-in ones have no template)
+      chat_template_kwargs="",
       max_prompt_len=48, max_completion_len=160,  # tokens; longer prompts are skipped and counted
       min_terms=2, max_terms=16,  # built-in task: number of summed digits (lognormal, truncated)
       # built-in task: > 0 draws the supervised warm start's demonstrations from chains of 2 to this

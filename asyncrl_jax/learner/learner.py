@@ -39,7 +39,7 @@ from asyncrl_jax.rl import batching, selection
 from asyncrl_jax.rl.logprobs import token_logprobs
 from asyncrl_jax.rl.objective import LossSettings, has_min_length, micro_batch_loss
 from asyncrl_jax.rl.staleness import VersionMismatch
-from asyncrl_jax.tokenization import load_tokenizer
+from asyncrl_jax.tokenization import tokenizer_of
 
 
 def idle_fraction(learner_seconds: float, seconds: float) -> float:
@@ -106,7 +106,7 @@ def run_stop_ids(config) -> tuple:
   """The run's tokenizer's stop tokens where the loss needs them (a minimum length bans them), else ()."""
   if not has_min_length(config):
     return ()
-  return tuple(load_tokenizer(config.data.tokenizer_path).stop_ids)
+  return tuple(tokenizer_of(config).stop_ids)
 
 
 class Learner:

@@ -50,7 +50,7 @@ from asyncrl_jax.rollout.extension import ContextExtension, Prefix, function
 from asyncrl_jax.rollout.jetstream_compat import engine_api, tokenizer_pb2
 from asyncrl_jax.rollout.jetstream_tokenizer import JetStreamTokenizer
 from asyncrl_jax.rollout.prefill_plan import prefill_shapes
-from asyncrl_jax.tokenization import Tokenizer, load_tokenizer
+from asyncrl_jax.tokenization import Tokenizer, load_tokenizer, tokenizer_of
 
 
 @struct.dataclass
@@ -598,7 +598,8 @@ def engine_from_config(config, mesh: Mesh, model_config: ModelConfig, *, params=
   return Engine(model_config, mesh=mesh, num_slots=config.rollout.num_slots,
                 max_prefill_length=config.data.max_prompt_len,
                 max_target_length=config.data.max_prompt_len + config.data.max_completion_len,
-                sampling=SamplingSettings.from_config(config), tokenizer_path=config.data.tokenizer_path, params=params,
+                sampling=SamplingSettings.from_config(config), tokenizer=tokenizer_of(config),
+                tokenizer_path=config.data.tokenizer_path, params=params,
                 hf_path=config.model.hf_path, seed=config.seed if seed is None else seed,
                 attention_chunk=config.rollout.attention_chunk,
                 prefill_tokens=config.rollout.prefill_tokens,

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
   from asyncrl_jax.data import builder as builder_lib, pipeline  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rl.evaluation import eval_kind, evaluator_for, final_size, primary  # pylint: disable=import-outside-toplevel
   from asyncrl_jax.rl.rewards import reward_fn  # pylint: disable=import-outside-toplevel
-  from asyncrl_jax.tokenization import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import tokenizer_of  # pylint: disable=import-outside-toplevel
 
   config_flag = cli.define_config_flag()
   workdir = flags.DEFINE_string("workdir", None, "Output directory.")
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
       raise app.UsageError("--workdir is required")
     mesh = sharding_lib.make_mesh(jax.devices(), dict(data=1, fsdp=-1, tensor=1))
     b = builder_lib.from_config(config, workdir.value)
-    tokenizer = load_tokenizer(config.data.tokenizer_path)
+    tokenizer = tokenizer_of(config)
     model_config, params = models.from_config(config, mesh)  # model.hf_path: continue from it
     constant = schedule.value == "constant" or rft.value
     lr = config.learner.warm_start_lr * (0.1 if constant else 1.0)

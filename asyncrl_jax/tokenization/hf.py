@@ -60,9 +60,13 @@ class HFTokenizer(Tokenizer):
   Args:
     path: the directory.
     system_prompt: if given, prepended as a system turn by ``encode_prompt``.
+    template_kwargs: what the chat template gets beside the messages (``data.chat_template_kwargs``,
+      e.g. ``{"enable_thinking": False}``); part of the tokenizer's ``identity``.
   """
 
-  def __init__(self, path: str, *, system_prompt: Optional[str] = None):
+  TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+
+  def __init__(self, path: str, *, system_prompt: Optional[str] = None, template_kwargs: Optional[dict] = None):
     file = os.path.join(path, "tokenizer.json")
     if not os.path.exists(file):
       raise TokenizerError(f"{path}: missing tokenizer.json")
@@ -100,7 +104,16 @@ class HFTokenizer(Tokenizer):
       self._template = env.from_string(template)
     else:
       self._template = None
-    digest = hashlib.sha256(open(file, "rb").read() + (template or "").encode()).hexdigest()[:12]
+    self.template_kwargs = dict(template_kwargs or {})
+    bad = sorted(set(self.template_kwargs) & set(self.TEMPLATE_ARGUMENTS))
+    if bad:
+      raise TokenizerError(f"chat template arguments {bad} are given by the tokenizer itself")
+    if self.template_kwargs and not template:
+      raise TokenizerError(f"{path}: chat template arguments {sorted(self.template_kwargs)} given, but "
+                           "tokenizer_config.json has no chat_template")
+    # (the arguments change every prompt: a decode server with others is a different tokenizer)
+    kwargs = json.dumps(self.template_kwargs, sort_keys=True) if self.template_kwargs else ""
+    digest = hashlib.sha256(open(file, "rb").read() + (template or "").encode() + kwargs.encode()).hexdigest()[:12]
     self.identity = f"hf:{os.path.basename(os.path.normpath(path))}:{digest}"
 
   def _id(self, token: Optional[str]) -> Optional[int]:
@@ -120,7 +133,7 @@ class HFTokenizer(Tokenizer):
                   tools: Optional[list] = None) -> str:
     if self._template is None:
       raise TokenizerError("tokenizer_config.json has no chat_template")
-    extra = {"tools": tools} if tools else {}
+    extra = dict(self.template_kwargs, **({"tools": tools} if tools else {}))
     return self._template.render(messages=[_for_template(m) for m in messages],
                                  add_generation_prompt=add_generation_prompt,
                                  bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)

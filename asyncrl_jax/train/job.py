@@ -50,7 +50,7 @@ from asyncrl_jax.rollout.registry import Registry
 from asyncrl_jax.rollout.remote import RemoteRollout
 from asyncrl_jax.sft.supervised import warm_start
 from asyncrl_jax.train import learner_side
-from asyncrl_jax.tokenization import load_tokenizer
+from asyncrl_jax.tokenization import tokenizer_of
 from asyncrl_jax.train.checkpoint import RunCheckpointer
 from asyncrl_jax.train.runlog import RunLog, say
 
@@ -70,7 +70,7 @@ class _Data:
   @classmethod
   def from_config(cls, config, workdir: str) -> "_Data":
     builder = builder_lib.from_config(config, workdir)
-    return cls(builder, load_tokenizer(config.data.tokenizer_path), reward_fn(config.data.task),
+    return cls(builder, tokenizer_of(config), reward_fn(config.data.task),
                # (enough for every evaluation and for the final one, which may read more)
                pipeline.read_split(builder, builder_lib.held_out_split(builder),
                                    max(config.data.eval_problems, final_size(config)[0])),
@@ -332,7 +332,7 @@ def _follow(config, workdir: str) -> dict:
   side = learner_side.set_up(config, meshes, ckpt)
   learner, group = side.learner, side.group
   if config.learner.eval_every:  # process 0's held-out prompts; only it holds their answers
-    evaluate = RunEvaluation(config, learner.model_config, meshes, load_tokenizer(config.data.tokenizer_path),
+    evaluate = RunEvaluation(config, learner.model_config, meshes, tokenizer_of(config),
                              prompt_ids=side.eval_prompt_ids)
     group.on_evaluate = lambda: evaluate.run(learner)
   _take_sigterm(group)

@@ -219,6 +219,41 @@ def test_a_reasoning_template_renders_as_transformers_and_continues_through_tool
                                   follow_up)
 
 
+def test_chat_template_arguments_from_the_config_reach_the_template_and_the_identity(hf_dir):
+  """data.chat_template_kwargs='{"enable_thinking": false}' gives the prompt transformers renders
+  with that argument (Qwen3's non-thinking mode: an empty <think> block), a tokenizer identity of its
+  own (a decode server with other arguments does not register), and bad values are refused by name."""
+  from asyncrl_jax import config as config_lib  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.tokenization import tokenizer_of  # pylint: disable=import-outside-toplevel
+  config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+  (hf_dir / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=REASONING_TEMPLATE)))
+  ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"), eos_token="<|im_end|>")
+  ref.chat_template = REASONING_TEMPLATE
+  question = [{"role": "user", "content": "what is 1+2?"}]
+  run = config_lib.base_config()
+  run.data.tokenizer_path = str(hf_dir)
+  thinking = tokenizer_of(run)
+  run.data.chat_template_kwargs = '{"enable_thinking": false}'
+  config_lib.validate(run)
+  off = tokenizer_of(run)
+  want = ref.apply_chat_template(question, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+  assert want.endswith("<think>\n\n</think>\n\n")
+  assert off.render_chat(question) == want and off.encode_prompt("what is 1+2?") == off.encode(want)
+  assert thinking.render_chat(question) != want  # (the control: without the argument, thinking on)
+  assert off.identity != thinking.identity
+  assert HFTokenizer(str(hf_dir), template_kwargs={"enable_thinking": False}).identity == off.identity
+  for value, message in (('[1]', "must be a JSON object"), ('{"tools": []}', r"names \['tools'\]"),
+                         ('{oops', "not JSON")):
+    run.data.chat_template_kwargs = value
+    with pytest.raises(config_lib.ConfigError, match="data.chat_template_kwargs"):
+      config_lib.validate(run)
+    with pytest.raises(TokenizerError, match=message):
+      tokenizer_of(run)
+  run.data.update(tokenizer_path="", chat_template_kwargs='{"enable_thinking": false}')
+  with pytest.raises(config_lib.ConfigError, match="built-in tokenizer 'builtin' has no chat template"):
+    config_lib.validate(run)
+
+
 def test_hf_tokenizer_errors(tmp_path, hf_dir):
   with pytest.raises(TokenizerError, match="missing tokenizer.json"):
     HFTokenizer(str(tmp_path / "empty"))
