@@ -15,7 +15,9 @@ as decoupled PPO, so it runs eta 8 only and shares the reference's eta-0 cell.
 ``--assemble-only`` reads every factor's records and writes benchmarks/results/staleness_factors.{json,md}:
 per factor the gap (eta-0 minus eta-8 pass@1, in points) with a Welch 98% interval (the screen's
 level: docs/staleness.md), its effect against the reference's gap, the stopping rule's verdict
-against the 1.5-point target, the seeds and the commits of every arm.
+against the 1.5-point target, the seeds and the commits of every arm. A gap whose cells, or an effect
+whose factor and reference, ran different training code (``code_commit``) is refused and says so
+(decision 0041): rerun the reference (``--factor base``) at the factors' code to compare them.
 """
 
 from __future__ import annotations
@@ -114,25 +116,35 @@ def assemble(out_dir: str) -> dict:
     eight = cells[factor][8]
     if not zero and not eight:
       continue
+    codes = _codes(zero + eight)
     gap = welch(pts(zero), pts(eight))
+    if len(codes) > 1:  # decision 0041: no difference of cells run on different training code
+      gap = dict(gap, refused=f"its cells ran different training code ({', '.join(codes)})")
     entry = dict(label=label, overrides=extra, steps=steps, arm=arm, eta0_from=eta0_from or factor,
                  eta0=pts(zero), eta8=pts(eight), eta0_greedy=pts(zero, "final_greedy"),
                  eta8_greedy=pts(eight, "final_greedy"),
                  warm_start=pts(zero + eight, "initial"), warm_start_greedy=pts(zero + eight, "initial_greedy"),
                  seeds={"0": [r["seed"] for r in zero], "8": [r["seed"] for r in eight]},
                  eval_se=float(np.mean(pts(zero + eight, "final_se"))) if pts(zero + eight, "final_se") else None,
-                 gap=gap, verdict=verdict(gap),
-                 commits=sorted({r.get("commit") for r in zero + eight}),
-                 code_commits=sorted({str(r.get("code_commit")) for r in zero + eight}))
+                 gap=gap, verdict=f"refused: {gap['refused']}" if "refused" in gap else verdict(gap),
+                 commits=sorted({r.get("commit") for r in zero + eight}), code_commits=codes)
     if factor != "base" and "base" in factors:
       base = factors["base"]
-      if eta0_from == "base":  # the same eta-0 cell: the effect is the eta-8 difference alone
+      if codes != base["code_commits"]:
+        entry["effect"] = {"diff": None, "refused": f"training code {', '.join(codes)} against the "
+                                                    f"reference's {', '.join(base['code_commits'])}"}
+      elif eta0_from == "base":  # the same eta-0 cell: the effect is the eta-8 difference alone
         entry["effect"] = welch(base["eta8"], pts(eight))
       elif gap["se"] is not None and base["gap"]["se"] is not None:
         # (gap - base gap) over four independent cells; df by Welch-Satterthwaite over the four
         entry["effect"] = _difference_of_gaps(pts(zero), pts(eight), base["eta0"], base["eta8"])
     factors[factor] = entry
   return factors
+
+
+def _codes(runs) -> list:
+  """The training-code commits of ``runs``' records (``code_commit``), sorted."""
+  return sorted({str(r.get("code_commit")) for r in runs})
 
 
 def _difference_of_gaps(a0, a8, b0, b8, level: float = LEVEL) -> dict:
@@ -157,6 +169,8 @@ def _cell(values) -> str:
 
 
 def _interval(x: dict | None) -> str:
+  if x and x.get("refused"):
+    return f"refused ({x['refused']})"
   if not x or x.get("diff") is None:
     return "-"
   if x["low"] is None:
@@ -182,17 +196,21 @@ def main(argv=None) -> int:
   if not factors:
     raise SystemExit(f"no factor has a finished arm in {args.out}: run one first (--factor)")
   header = ["factor", "change", "versions", "seeds (eta 0 / 8)", "pass@1 eta 0", "pass@1 eta 8",
-            f"gap, {LEVEL:.0%} interval", "effect on the gap vs reference", "greedy eta 0 / 8", "verdict"]
+            f"gap, {LEVEL:.0%} interval", "effect on the gap vs reference", "greedy eta 0 / 8", "verdict",
+            "training code"]
   rows = [[f, e["label"], e["steps"], f"{len(e['eta0'])} / {len(e['eta8'])}", _cell(e["eta0"]),
            _cell(e["eta8"]), _interval(e["gap"]), _interval(e.get("effect")),
-           f"{_cell(e['eta0_greedy'])} / {_cell(e['eta8_greedy'])}", e["verdict"]] for f, e in factors.items()]
+           f"{_cell(e['eta0_greedy'])} / {_cell(e['eta8_greedy'])}", e["verdict"], ", ".join(e["code_commits"])]
+          for f, e in factors.items()]
   missing = [f for f in FACTORS if f not in factors]
   notes = ("Decoupled PPO on exact staleness (pinned) at eta 0 and 8, the pinned grid's regime (learning "
            "rate 3e-4, 2 updates per version, 40 versions) with one change per factor; each arm's final "
            "evaluation is 500 held-out problems x 16 samples (T=1) and greedy on 500. Cells: mean +- sd of "
            f"pass@1 over seeds, in points. Gap: eta 0 minus eta 8, Welch {LEVEL:.0%} interval. Effect: the "
            "factor's gap minus the reference's (negative: a smaller gap); (e) shares the reference's "
-           "eta-0 cell, so its effect is the eta-8 difference. Verdict against the "
+           "eta-0 cell, so its effect is the eta-8 difference. Training code: the commits of the "
+           "training code (asyncrl_jax/, configs/) the factor's cells ran; a gap or effect across "
+           "different training code is refused (decision 0041), not computed. Verdict against the "
            f"{TARGET}-point target: the stopping rule of docs/staleness.md (phase 1 is a screen; a "
            "recipe is confirmed on fresh seeds)."
            + (f" Not run yet: {', '.join(missing)}." if missing else ""))

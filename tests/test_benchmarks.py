@@ -466,6 +466,22 @@ def test_staleness_factors_gap_intervals_verdicts_and_shared_eta0_cell(tmp_path)
   assert "token_mean" in result["missing"] and base["eval_se"] == pytest.approx(0.5)
   md = (tmp_path / "staleness_factors.md").read_text()
   assert "| base | the pinned grid's regime (reference) | 40 | 3 / 3 | 42.0 +- 2.0 | 32.0 +- 2.0 |" in md
+  # decision 0041: a factor on other training code has no effect against the reference, and a gap
+  # whose cells ran different training code (behav's eta 8 against the reference's eta 0) none
+  for seed in range(3):
+    for eta in (0, 8):
+      path = tmp_path / "staleness_factor_clip04_arms" / f"decoupled_ppo_eta{eta}_seed{seed}.json"
+      path.write_text(json.dumps(dict(json.loads(path.read_text()), code_commit="def")))
+    path = tmp_path / "staleness_factor_behav_arms" / f"ppo_eta8_seed{seed}.json"
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), code_commit="def")))
+  assert sf.main(["--assemble-only", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "staleness_factors.json").read_text())
+  clip, behav = result["factors"]["clip04"], result["factors"]["behav"]
+  assert clip["gap"]["diff"] == pytest.approx(3.0) and "refused" not in clip["gap"]  # one code: kept
+  assert clip["effect"]["diff"] is None and "def against the reference's abc" in clip["effect"]["refused"]
+  assert behav["verdict"].startswith("refused") and behav["code_commits"] == ["abc", "def"]
+  md = (tmp_path / "staleness_factors.md").read_text()
+  assert "refused (training code def against the reference's abc)" in md
 
 
 def test_lora_int8_learning_gain_share_and_kl_per_version(tmp_path):
