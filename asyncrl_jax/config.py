@@ -337,6 +337,7 @@ def _validate_rl(config) -> None:
   _one_of(config, "rl.advantage", ADVANTAGES)
   _one_of(config, "rl.aggregation", AGGREGATIONS)
   _number(config, "rl.group_size", lambda v: v >= 1, "an integer >= 1", integer=True)
+  _number(config, "rl.reward_threads", lambda v: 1 <= v <= 256, "an integer in 1..256", integer=True)
   if config.rl.advantage == "group":
     _check(config.rl.group_size >= 2, "rl.group_size", config.rl.group_size,
            "must be >= 2 when rl.advantage='group' (a group of one has no baseline; "

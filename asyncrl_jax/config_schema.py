@@ -253,6 +253,9 @@ def _rl_section() -> ml_collections.ConfigDict:
       # from the next groups; give completions cut by the length budget loss weight 0; a soft
       # penalty on the reward over the last overlong_penalty_len tokens of the budget (0: none)
       filter_uniform_groups=False, overlong_filter=False, overlong_penalty_len=0,
+      # threads scoring finished rollouts (rl.rewards.RewardWorker): a code reward's sandbox runs
+      # are processes a thread waits on, so more threads than cores still add throughput
+      reward_threads=2,
       correction=_correction_section(),
       # decoupled PPO's behaviour weight w = pi_prox / pi_behav (GSPO's: its geometric mean over the
       # sequence): tokens (GSPO: sequences) above the cap or below the floor are dropped (inf / 0:

@@ -3,8 +3,8 @@
   .venv/bin/python benchmarks/code_reward.py [--quick]
 
 Programs of the built-in code task (``data.code_functions``: 7 tests each, the 3 shown and 4 hidden),
-each run in its own sandbox start (``rl.rewards.code_reward``), scored by ``--threads`` reward threads
-at once (the reward worker's threads, ``controller``'s ``reward_threads``, default 2):
+each run in its own sandbox start (``rl.rewards.code_reward``), scored by 1, 2, 4 and 8 reward threads
+at once (the reward worker's threads, ``rl.reward_threads``: default 2, ``configs/code.py`` 8):
 
 * **distinct programs**: every program different (no cache hit), half right and half wrong (a wrong
   program stops at its first failing test): programs per second, and seconds per program;
@@ -93,16 +93,21 @@ def main() -> None:
     raise SystemExit(f"the sandbox cannot run here: {why}")
   n = 8 if args.quick else 96
   code_reward(*_programs(1, args.seed)[0])  # (the first start reads the interpreter's layout)
-  rates = [distinct_rate(n, threads, args.seed) for threads in (1, 2, 4)]
-  batches = [batch_seconds(d, 2, args.seed + 1) for d in ((8, 1) if not args.quick else (2,))]
+  load_before = os.getloadavg()[0]
+  rates = [distinct_rate(n, threads, args.seed) for threads in (1, 2, 4, 8)]
+  batches = [batch_seconds(d, t, args.seed + 1) for d in ((8, 1) if not args.quick else (2,)) for t in (2, 8)]
   result = {"machine": common.machine(), "commit": common.code_commit(), "quick": args.quick,
-            "distinct": rates, "batch": batches}
+            "distinct": rates, "batch": batches,
+            # (other work on the machine slows the sandbox starts: the 1-minute load average)
+            "load_average": [load_before, os.getloadavg()[0]]}
   rows = [[f"{r['threads']} thread(s)", r["programs"], f"{r['programs_per_s']:.1f}", f"{r['ms_per_program']:.0f}"]
           for r in rates]
   rows += [[f"one batch ({b['completions']} completions, {b['distinct_per_group']} distinct per group, "
             f"{b['threads']} threads)", b["sandbox_runs"], "", f"{1000 * b['seconds']:.0f} in all"] for b in batches]
   common.write_result("code_reward_quick" if args.quick else "code_reward", result, ["scoring", "sandbox runs", "programs / s", "ms per program"], rows,
-                      notes=__doc__.split("\n\n", 2)[1] + "\n\nCommit " + result["commit"] + ".")
+                      notes=__doc__.split("\n\n", 2)[1] + "\n\nCommit " + result["commit"] + "; 1-minute load "
+                      f"average {result['load_average'][0]:.1f} before, {result['load_average'][1]:.1f} after "
+                      "(other work on the machine slows the sandbox starts).")
   print(json.dumps(result))
 
 

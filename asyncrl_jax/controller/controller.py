@@ -198,6 +198,7 @@ class Controller:
                min_new_tokens=config.rollout.min_new_tokens,
                lengths=LengthWorkload.parse(config.rollout.length_workload), seed=config.seed,
                filter_uniform_groups=config.rl.filter_uniform_groups,
+               reward_threads=config.rl.reward_threads,
                overlong_filter=config.rl.overlong_filter,
                overlong_penalty_len=config.rl.overlong_penalty_len,
                episode=envs.episode_template(config), routes=_route_check(config))
