@@ -207,6 +207,10 @@ BENCHMARKS = {
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),
+    "code_reward": ("code_reward.py", ["--quick"], [],
+                    "Issue 58: the code reward's throughput (programs per second on 1-8 threads, one version's "
+                    "batch of 128 completions); the learner should wait on rewards under 5% of its time at "
+                    "the built-in batch."),
     "staleness_probe": ("staleness_ablation.py", ["--regime", "probe", "--seeds", "1"], ["--regime", "probe"],
                         "(Run with the learning-rate schedule bug: see staleness_ablation.) Seed (AReaL): at eta 8 decoupled PPO 41.0 vs naive PPO 35.7; the issue's probe "
                         "had found the opposite order."),
