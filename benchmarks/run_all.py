@@ -207,6 +207,10 @@ BENCHMARKS = {
     "rl_vs_rft": ("rl_vs_rft.py", ["--steps", "60"], ["--seeds", "3"],
                   "Goal: RL at least matches rejection-sampling fine-tuning on held-out problems longer "
                   "than any demonstration."),
+    "main_job": ("main_job.py", ["--assemble-only"], ["--assemble-only"],
+                 "The README's main job (configs/default.py, 200 versions, eta 2) at 3 seeds, each with its "
+                 "own warm start: the ranges the README's quick start quotes. The runs take an hour or more "
+                 "(`main_job.py --workdir DIR`); this assembles their records."),
     "code_reward": ("code_reward.py", ["--quick"], [],
                     "Issue 58: the code reward's throughput (programs per second on 1-8 threads, one version's "
                     "batch of 128 completions); the learner should wait on rewards under 5% of its time at "

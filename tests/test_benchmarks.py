@@ -782,3 +782,28 @@ def test_code_reward_benchmark_scores_right_and_wrong_programs_and_caches_a_grou
   assert rate["programs"] == 4 and rate["programs_per_s"] > 0
   repeated = code_reward.batch_seconds(1, 2, seed=1)
   assert repeated["completions"] == 128 and repeated["sandbox_runs"] == 16  # one run per group
+
+
+def test_main_job_records_ranges_over_seeds_and_refuses_mixed_training_code(tmp_path, monkeypatch):
+  """Each seed's record holds its summary's figures; the table's range is min-max over seeds by hand;
+  a summary without its last evaluation, and records of two training-code commits, are refused."""
+  from benchmarks import main_job  # pylint: disable=import-outside-toplevel
+  def summary(before, after, greedy_before, greedy_after):
+    return dict(initial_final_eval_accuracy=before, final_eval_accuracy=after,
+                initial_final_eval_greedy_accuracy=greedy_before, final_eval_greedy_accuracy=greedy_after,
+                final_eval_accuracy_se=0.01, final_eval_greedy_accuracy_se=0.02, final_eval_problems=500,
+                steps=200, max_staleness_seen=2, max_staleness=2, warm_start_seconds=90.0, wall_seconds=600.0)
+  runs = [main_job.record_of(summary(*v), seed, "abc", {"cpu_count": 2}) for seed, v in
+          enumerate([(0.30, 0.39, 0.59, 0.60), (0.28, 0.40, 0.60, 0.61), (0.31, 0.38, 0.58, 0.605)])]
+  assert runs[1]["final"] == 0.40 and runs[2]["final_greedy"] == 0.605 and runs[0]["versions"] == 200
+  main_job.assemble(runs, out_dir=str(tmp_path))
+  result = json.loads((tmp_path / "main_job.json").read_text())
+  assert result["ranges"] == {"initial": [0.28, 0.31], "final": [0.38, 0.40], "initial_greedy": [0.58, 0.60],
+                              "final_greedy": [0.60, 0.61]}
+  assert result["minutes"] == [10.0, 10.0] and result["seeds"] == [0, 1, 2]
+  md = (tmp_path / "main_job.md").read_text()
+  assert "| range | 0.28-0.31 | 0.38-0.40 | 0.58-0.60 | 0.60-0.61 |" in md
+  with pytest.raises(ValueError, match="final_eval_accuracy"):
+    main_job.record_of(dict(summary(0.3, 0.4, 0.6, 0.6), final_eval_accuracy=None), 0, "abc", {})
+  with pytest.raises(SystemExit, match="different training code"):
+    main_job.assemble([runs[0], dict(runs[1], code_commit="def")], out_dir=str(tmp_path))
