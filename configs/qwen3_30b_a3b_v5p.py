@@ -28,8 +28,8 @@ them). A decode server splits the experts over its 4 chips (``expert=4``, slots 
 Lengths are this family's RL runs' 16k (prompt 1024 + completion 15360) rather than the 8B config's
 32k: one 16k row per learner chip.
 
-Memory by the estimate (``info``): 44.2 GiB per learner chip and 56.1 GiB per decode chip with the
-capacity factor (59.4 and 61.8 dropless), each within the 20% margin. The TPU compiler has so far
+Memory: each role fits its chips with 20% of HBM to spare by the estimate (``info``: 44.2 GiB per
+learner chip and 56.1 GiB per decode chip with the capacity factor; 59.4 and 61.8 dropless). The TPU compiler has so far
 seen only the dropless form, in a compile stopped before it finished
 (benchmarks/results/tpu_compile/qwen3_30b_a3b_v5p.partial.md: the learner's 5 programs and 3 of the
 decode server's 11): its learner gradient step needed 75.4 GiB per chip with its resident state (79%
