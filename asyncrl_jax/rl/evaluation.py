@@ -90,11 +90,14 @@ class Evaluator:
     tokens, lengths = _host(tokens), _host(lengths)
     completions = [tokens[i, :lengths[i]] for i in range(len(prompts))]
     scores = np.zeros(len(prompts), np.float32)
-    if answers is not None:  # on threads, as the run's rewards are scored: a code reward's sandbox
-      # runs are processes, which a thread waits on (in order: pool.map keeps it)
-      with cf.ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="eval-reward") as pool:
-        scores[:] = list(pool.map(lambda ca: reward(self.tokenizer.decode(ca[0]), ca[1]),
-                                  zip(completions, answers)))
+    if answers is not None:
+      score = lambda ca: reward(self.tokenizer.decode(ca[0]), ca[1])  # noqa: E731
+      if getattr(reward, "concurrent", False):  # a code reward's sandbox runs are processes, which
+        # threads wait on together (in order: pool.map keeps it)
+        with cf.ThreadPoolExecutor(REWARD_THREADS, thread_name_prefix="eval-reward") as pool:
+          scores[:] = list(pool.map(score, zip(completions, answers)))
+      else:
+        scores[:] = [score(ca) for ca in zip(completions, answers)]
     if jax.process_count() > 1:
       scores = np.asarray(multihost_utils.broadcast_one_to_all(scores), np.float32)
     self.last_samples = list(zip(prompts, completions, scores.tolist()))

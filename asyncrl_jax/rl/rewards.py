@@ -132,6 +132,8 @@ class CodeReward:
   group often write the same program, which is then run once (a call for a program another thread
   is running waits for that run). ``runs`` counts sandbox starts, ``calls`` the calls."""
 
+  concurrent = True  # safe to call from several threads at once (held-out evaluation does)
+
   def __init__(self, cache_size: int = 4096, limits: code_tests.CodeLimits = code_tests.CodeLimits()):
     self._cache: "collections.OrderedDict[tuple, float]" = collections.OrderedDict()
     self._size, self._limits = cache_size, limits

@@ -58,12 +58,16 @@ def test_each_version_draws_its_own_samples_and_one_version_the_same_ones():
     threads.add(threading.get_ident())
     time.sleep(0.02 * (3 - int(answer) % 4))
     return key(text, answer)
+  slow.concurrent = True  # (as rl.rewards.CodeReward declares; other rewards are scored in turn)
 
   scores = evaluator.sample(params, slow, version=5)
   texts = [tok.decode(list(c)) for _, c, _ in evaluator.last_samples]
   answers = [p["answer"] for p in problems for _ in range(4)]
   assert scores.tolist() == pytest.approx([key(t, a) for t, a in zip(texts, answers)])
   assert len(set(scores.tolist())) > 3 and len(threads) > 1
+  threads.clear()
+  del slow.concurrent  # a reward that does not say it is safe on threads: one thread, same scores
+  assert evaluator.sample(params, slow, version=5).tolist() == scores.tolist() and len(threads) == 1
 
 
 def _run_evaluation(**data):
