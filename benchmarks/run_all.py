@@ -2,6 +2,7 @@
 
   .venv/bin/python benchmarks/run_all.py --quick          # all of them, quick sizes (about 40 min on 2 cores)
   .venv/bin/python benchmarks/run_all.py --only straggler transfer
+  .venv/bin/python benchmarks/run_all.py --kind speed --quick   # or --kind study (benchmarks/README.md)
   .venv/bin/python benchmarks/run_all.py --assemble-only  # rebuild RESULTS.md from results/*.md
 
 Each benchmark writes ``results/<name>.{json,md,png}`` with its machine, config and date; RESULTS.md
@@ -259,6 +260,16 @@ def planner_md(stdout: str, args: list, preface: str, *, name: str = "planner",
   return path
 
 
+# The two kinds (benchmarks/README.md): how fast the system runs, and what RL learns with it. Every
+# benchmark is one or the other; ``--kind`` runs one kind.
+STUDIES = ("staleness_ablation_pinned", "staleness_regime_pinned", "staleness_corrections_pinned",
+           "staleness_factors", "greedy_diagnosis", "staleness_headline", "lora_int8_learning", "moe_study",
+           "staleness_ablation", "staleness_ablation_quick", "staleness_ablation_gentle",
+           "staleness_ablation_dis_interval", "staleness_ablation_ppo_noclip", "staleness_ablation_dis_nomask",
+           "staleness_ablation_repeat", "tool_controls", "rl_vs_rft", "main_job", "staleness_probe")
+KINDS = {"speed": tuple(n for n in BENCHMARKS if n not in STUDIES), "study": STUDIES}
+
+
 # Sections written by hand in RESULTS.md (several runs, or findings rather than one result file): kept
 # as they stand, after the benchmark named with each.
 HAND_WRITTEN = {"transfer_faults": "transfer", "soak": "transfer_faults"}
@@ -322,10 +333,13 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="quick sizes for every benchmark")
   p.add_argument("--only", nargs="*", default=None, choices=list(BENCHMARKS))
+  p.add_argument("--kind", choices=list(KINDS), default=None,
+                 help="run one kind: speed benchmarks or learning studies (benchmarks/README.md)")
   p.add_argument("--assemble-only", action="store_true")
   args = p.parse_args(argv)
   if not args.assemble_only:
-    for name in args.only or BENCHMARKS:
+    chosen = args.only or (KINDS[args.kind] if args.kind else BENCHMARKS)
+    for name in chosen:
       seconds = _run(name, args.quick)
       print(f"[run_all] {name}: done in {seconds:.0f}s", flush=True)
   print(f"[run_all] wrote {assemble()}")

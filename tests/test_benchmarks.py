@@ -807,3 +807,18 @@ def test_main_job_records_ranges_over_seeds_and_refuses_mixed_training_code(tmp_
     main_job.record_of(dict(summary(0.3, 0.4, 0.6, 0.6), final_eval_accuracy=None), 0, "abc", {})
   with pytest.raises(SystemExit, match="different training code"):
     main_job.assemble([runs[0], dict(runs[1], code_commit="def")], out_dir=str(tmp_path))
+
+
+def test_every_benchmark_is_of_one_kind_and_the_index_names_each_script():
+  """run_all's two kinds split BENCHMARKS exactly, and benchmarks/README.md lists every script that
+  writes a record (the index a reader picks from)."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  from benchmarks import run_all  # pylint: disable=import-outside-toplevel
+  speed, study = set(run_all.KINDS["speed"]), set(run_all.KINDS["study"])
+  assert not speed & study and speed | study == set(run_all.BENCHMARKS)
+  assert set(run_all.STUDIES) <= set(run_all.BENCHMARKS)  # (a renamed study would fall into speed)
+  here = pathlib.Path(run_all.__file__).parent
+  index = (here / "README.md").read_text()
+  scripts = {p.name for p in here.glob("*.py")} - {"__init__.py", "common.py", "run_all.py", "shapes.py"}
+  missing = sorted(s for s in scripts if f"`{s}`" not in index)
+  assert not missing, f"benchmarks/README.md does not list {missing}"
