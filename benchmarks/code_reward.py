@@ -9,7 +9,8 @@ at once (the reward worker's threads, ``rl.reward_threads``: default 2, ``config
 * **distinct programs**: every program different (no cache hit), half right and half wrong (a wrong
   program stops at its first failing test): programs per second, and seconds per program;
 * **one version's batch**: ``configs/code.py``'s batch (128 completions, groups of 8) through
-  ``CodeReward`` (the cache: a group's repeated program runs once), with ``--distinct`` different
+  ``CodeReward`` on a ``RewardWorker``, as a run scores it (the cache: a group's repeated program
+  runs once, its repeats called back without holding a thread), with ``--distinct`` different
   programs per group (8: a policy that never repeats itself; 1: one that always does): seconds to
   score the batch.
 
@@ -28,6 +29,7 @@ import concurrent.futures as cf
 import json
 import os
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +39,7 @@ import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 from asyncrl_jax.data import code_functions  # noqa: E402
 from asyncrl_jax.envs import sandbox  # noqa: E402
-from asyncrl_jax.rl.rewards import CodeReward, code_reward  # noqa: E402
+from asyncrl_jax.rl.rewards import CodeReward, RewardWorker, code_reward  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 BATCH, GROUP = 128, 8
@@ -75,10 +77,15 @@ def batch_seconds(distinct: int, threads: int, seed: int) -> dict:
     variants = [p.solution] + [p.solution.replace("*x", f"*x+{k}") for k in range(1, distinct)]
     items += [(variants[j % distinct], p.answer) for j in range(GROUP)]
   reward = CodeReward()
+  scored = threading.Semaphore(0)
+  worker = RewardWorker(reward, lambda item, r: scored.release(), threads=threads)  # as a run scores
   t = time.perf_counter()
-  with cf.ThreadPoolExecutor(threads) as pool:
-    list(pool.map(lambda it: reward(*it), items))
+  for i, (completion, tests) in enumerate(items):
+    worker.submit(i, completion, tests)
+  for _ in items:
+    scored.acquire()
   seconds = time.perf_counter() - t
+  worker.close()
   return {"completions": len(items), "distinct_per_group": distinct, "threads": threads,
           "sandbox_runs": reward.runs, "seconds": seconds}
 

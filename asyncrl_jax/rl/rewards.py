@@ -130,7 +130,8 @@ def code_reward(completion: str, tests, *, partial: bool = False,
 class CodeReward:
   """``code_reward`` with a cache of the last ``cache_size`` (program, tests) scored: the samples of a
   group often write the same program, which is then run once (a call for a program another thread
-  is running waits for that run). ``runs`` counts sandbox starts, ``calls`` the calls."""
+  is running waits for that run; ``in_flight`` gives that run instead, for a caller that would rather
+  be called back). ``runs`` counts sandbox starts, ``calls`` the calls."""
 
   concurrent = True  # safe to call from several threads at once (held-out evaluation does)
 
@@ -141,9 +142,25 @@ class CodeReward:
     self._running: dict = {}  # key -> Future of the run in progress
     self.calls = self.runs = 0
 
+  @staticmethod
+  def _key(completion: str, tests) -> tuple:
+    return (code_tests.extract_program(completion),
+            tests if isinstance(tests, str) else json.dumps(tests, sort_keys=True))
+
+  def in_flight(self, completion: str, tests) -> Optional[cf.Future]:
+    """The run in progress of this completion's program on ``tests`` (a Future of its score), for a
+    caller that would rather be called back than wait (``RewardWorker``); None when there is none
+    (then call this reward: it is cached, or runs now)."""
+    key = self._key(completion, tests)
+    with self._lock:
+      running = self._running.get(key)
+      if running is not None:
+        self.calls += 1
+      return running
+
   def __call__(self, completion: str, tests) -> float:
-    program = code_tests.extract_program(completion)
-    key = (program, tests if isinstance(tests, str) else json.dumps(tests, sort_keys=True))
+    key = self._key(completion, tests)
+    program = key[0]
     with self._lock:
       self.calls += 1
       if key in self._cache:
@@ -203,8 +220,23 @@ class RewardWorker:
     try:
       if self._decode is not None:
         completion = self._decode(completion)
+      # a repeat of a program another thread is running: called back when that run ends, so this
+      # thread goes on to the next rollout instead of waiting (CodeReward)
+      running = self._fn.in_flight(completion, answer) if hasattr(self._fn, "in_flight") else None
+      if running is not None:
+        running.add_done_callback(lambda f: self._finish(item, f))
+        return
       r = float(self._fn(completion, answer))
     except Exception:  # a reward bug must not kill the run; score 0 and count it
+      with self._lock:
+        self.errors += 1
+      r = 0.0
+    self._done(item, r)
+
+  def _finish(self, item, future: cf.Future) -> None:
+    try:
+      r = float(future.result())
+    except Exception:  # pylint: disable=broad-except  # (the run it waited for failed: as above)
       with self._lock:
         self.errors += 1
       r = 0.0

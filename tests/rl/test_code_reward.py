@@ -167,3 +167,45 @@ def test_json_values_compare_as_json():
   eq = code_tests.json_equal
   assert eq(1, 1.0) and eq([1, {"a": [True]}], [1.0, {"a": [True]}])
   assert not eq(True, 1) and not eq([1, 2], [2, 1]) and not eq({"a": 1}, {"a": 1, "b": 2}) and not eq("1", 1)
+
+
+def test_a_repeat_of_a_running_program_does_not_hold_a_reward_thread(monkeypatch):
+  """Two reward threads; a program whose run is held open, three repeats of it, then another program:
+  with CodeReward the repeats are called back when the run ends, so the other program is scored on
+  the second thread while the first run is still open; every repeat gets the run's score and the
+  program runs once. The control: a reward without ``in_flight`` (the same cache, called plainly)
+  parks the second thread on the repeat, and the other program waits for the held run."""
+  import threading  # pylint: disable=import-outside-toplevel
+  from asyncrl_jax.rl import rewards  # pylint: disable=import-outside-toplevel
+  held = "```python\nprint(1)\n```"
+
+  def run(release):
+    def fake(completion, tests, limits=None):
+      if completion == held:
+        assert release.wait(30)
+      return 1.0 if completion == held else 0.5
+    return fake
+
+  for callbacks in (True, False):
+    release, got, lock = threading.Event(), {}, threading.Lock()
+    monkeypatch.setattr(rewards, "code_reward", run(release))
+    reward = rewards.CodeReward()
+    fn = reward if callbacks else (lambda c, t: reward(c, t))
+    other_done = threading.Event()
+
+    def done(item, r):
+      with lock:
+        got[item] = r
+      if item == "other":
+        other_done.set()
+
+    worker = rewards.RewardWorker(fn, done, threads=2)
+    for i in range(4):
+      worker.submit(f"held{i}", held, '{"stdin": []}')
+      time.sleep(0.05)  # (the first run starts before its repeats arrive)
+    worker.submit("other", "```python\nprint(2)\n```", '{"stdin": []}')
+    assert other_done.wait(5) == callbacks  # scored while the held run is open only with callbacks
+    release.set()
+    worker.close()
+    assert got == {"held0": 1.0, "held1": 1.0, "held2": 1.0, "held3": 1.0, "other": 0.5}
+    assert reward.runs == 2 and reward.calls == 5
