@@ -5,10 +5,10 @@ Run (one CPU machine, 4 virtual devices: 3 decode, 1 learner):
   python -m asyncrl_jax.train --config=configs/default.py --workdir=/tmp/asyncrl_run
 
 Model: 2-layer, d=128 Qwen2-style decoder (~0.5M params) over the built-in 17-token vocabulary.
-Expected on 2 CPU cores (with the KL term): 5-15 minutes in all, by machine;
-held-out pass@1 (4 samples, T=1, all 500 held-out problems) 0.29-0.31 after the 150-step supervised
-warm start -> 0.38-0.40 after 200 asynchronous RL versions (eta 2, max staleness seen 2); greedy
-accuracy 0.58-0.60 -> 0.60-0.61.
+Expected on 2 CPU cores (with the KL term): 5-20 minutes in all, by machine;
+held-out pass@1 (4 samples, T=1, all 500 held-out problems) about 0.28 after the 150-step supervised
+warm start -> 0.37-0.38 after 200 asynchronous RL versions (eta 2, max staleness seen 2); greedy
+accuracy 0.57-0.60 -> 0.58-0.61 (benchmarks/results/main_job.md: 2 seeds so far).
 RL recipe: decoupled PPO, sequence-mean loss aggregation, AdamW 1e-4 with 20 warmup steps (token-mean
 and higher rates lost accuracy: docs/decisions/0007), a KL term towards the warm start (0.3, k3:
 docs/decisions/0055).
