@@ -207,6 +207,39 @@ def capacity_keep(dest_n: jax.Array, valid_n: jax.Array, capacity: int, shards: 
   return jnp.zeros((n,), bool).at[order].set(rank_sorted < capacity)
 
 
+def _send_out(x_sorted: jax.Array, send: jax.Array, send_offsets: jax.Array, recv: jax.Array, cap: int,
+              exchange: str) -> jax.Array:
+  """(Under ``shard_map``.) This shard's slots, sorted by destination (``send`` to each, from
+  ``send_offsets``), to the expert shards: ``[P, cap, D]``, source s's rows in block s."""
+  shards, n, d = send.shape[0], x_sorted.shape[0], x_sorted.shape[1]
+  if exchange == "ragged":
+    slot = jnp.full((shards,), jax.lax.axis_index("expert") * cap, jnp.int32)  # mine in every receiver
+    return jax.lax.ragged_all_to_all(x_sorted, jnp.zeros((shards * cap, d), x_sorted.dtype), send_offsets,
+                                     send, slot, recv, axis_name="expert").reshape(shards, cap, d)
+  j = jnp.arange(cap)
+  take = jnp.clip(send_offsets[:, None] + j[None, :], 0, n - 1)
+  buf = jnp.where((j[None, :] < send[:, None])[..., None], jnp.take(x_sorted, take, axis=0), 0)
+  return jax.lax.all_to_all(buf, "expert", 0, 0, tiled=True).reshape(shards, cap, d)
+
+
+def _send_back(y: jax.Array, e_sorted: jax.Array, every: jax.Array, send: jax.Array, send_offsets: jax.Array,
+               recv: jax.Array, per_shard: int, cap: int, exchange: str) -> jax.Array:
+  """(Under ``shard_map``.) The experts' outputs ``y`` (``[P cap, D]``, by source) back to their
+  sources, into each source's sorted slots: ``[n, D]``, 0 for a slot that was dropped (expert id E,
+  sorted last)."""
+  shards, n, d = send.shape[0], e_sorted.shape[0], y.shape[-1]
+  if exchange == "ragged":  # straight into the sorted slots, at each source's offset for me
+    me = jax.lax.axis_index("expert")
+    back_at = jnp.take(_exclusive_cumsum(jnp.sum(every, axis=-1)), me, axis=1)  # where each sent mine from
+    return jax.lax.ragged_all_to_all(y, jnp.zeros((n, d), y.dtype), jnp.arange(shards, dtype=jnp.int32) * cap,
+                                     recv, back_at.astype(jnp.int32), send, axis_name="expert")
+  back = jax.lax.all_to_all(y.reshape(shards, cap, d), "expert", 0, 0, tiled=True)  # [P, cap, D]
+  sent = e_sorted < per_shard * shards
+  dest = jnp.minimum(e_sorted // per_shard, shards - 1)  # each sorted slot's shard
+  r = jnp.clip(jnp.arange(n) - jnp.take(send_offsets, dest), 0, cap - 1)
+  return jnp.where(sent[:, None], back[dest, r], 0)
+
+
 def experts_parallel(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.Array, gate_edf: jax.Array,
                      up_edf: jax.Array, down_efd: jax.Array, *, mesh: jax.sharding.Mesh, matmul: str,
                      exchange: str, valid_bt: Optional[jax.Array] = None,
@@ -250,15 +283,7 @@ def experts_parallel(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.
     send_offsets = _exclusive_cumsum(send)
     received = jnp.take(every, me, axis=1)  # [P, per_shard]: what each source sends me, by expert
     recv = jnp.sum(received, axis=-1)
-    if exchange == "ragged":
-      slot = jnp.full((shards,), me * cap, jnp.int32)  # my part of every receiver's buffer
-      got = jax.lax.ragged_all_to_all(x_sorted, jnp.zeros((shards * cap, d), x_sorted.dtype), send_offsets,
-                                      send, slot, recv, axis_name="expert").reshape(shards, cap, d)
-    else:
-      j = jnp.arange(cap)
-      take = jnp.clip(send_offsets[:, None] + j[None, :], 0, n - 1)
-      buf = jnp.where((j[None, :] < send[:, None])[..., None], jnp.take(x_sorted, take, axis=0), 0)
-      got = jax.lax.all_to_all(buf, "expert", 0, 0, tiled=True).reshape(shards, cap, d)
+    got = _send_out(x_sorted, send, send_offsets, recv, cap, exchange)  # [P, cap, D]
     # row j from source s is for my local expert e when it falls in e's part of s's rows
     j = jnp.arange(cap)
     ends = jnp.cumsum(received, axis=-1)  # [P, per_shard]
@@ -266,21 +291,8 @@ def experts_parallel(x_btd: jax.Array, experts_btk: jax.Array, weights_btk: jax.
     y = _local_experts(got.reshape(shards * cap, d), ids.reshape(-1), gate, up, down, matmul)
     if width is not None:
       y = jax.lax.psum(y, "tensor")  # each expert's width was split over tensor
-    if exchange == "ragged":
-      # back to each source, straight into its sorted slots: at its offset for me (dropped slots,
-      # sorted last, stay 0)
-      every_send = jnp.sum(every, axis=-1)  # [source, destination]
-      back_at = jnp.take(_exclusive_cumsum(every_send), me, axis=1)  # where each source sent mine from
-      y_sorted = jax.lax.ragged_all_to_all(y, jnp.zeros((n, d), y.dtype),
-                                           jnp.arange(shards, dtype=jnp.int32) * cap,
-                                           recv, back_at.astype(jnp.int32), send, axis_name="expert")
-    else:
-      back = jax.lax.all_to_all(y.reshape(shards, cap, d), "expert", 0, 0, tiled=True)  # [P, cap, D]
-      e_sorted = jnp.take(flat_e, order)
-      sent = e_sorted < num_experts
-      dest = jnp.minimum(e_sorted // per_shard, shards - 1)  # each sorted slot's shard
-      r = jnp.clip(jnp.arange(n) - jnp.take(send_offsets, dest), 0, cap - 1)
-      y_sorted = jnp.where(sent[:, None], back[dest, r], 0)
+    y_sorted = _send_back(y, jnp.take(flat_e, order), every, send, send_offsets, recv, per_shard, cap,
+                          exchange)  # [n, D]
     y_slots = jnp.take(y_sorted, jnp.argsort(order), axis=0).reshape(b * t, k, d)
     out = jnp.einsum("NKD,NK->ND", y_slots, weights.reshape(b * t, k).astype(y_slots.dtype))
     if rows is not None:
