@@ -21,6 +21,7 @@ from asyncrl_jax.config_schema import (ADVANTAGES, AGGREGATIONS, DTYPES, KL_ESTI
 from asyncrl_jax.data.workloads import LengthWorkload
 from asyncrl_jax.infra import sharding
 from asyncrl_jax.tokenization import BUILTIN as BUILTIN_TOKENIZERS
+from asyncrl_jax.tokenization import TokenizerError, template_kwargs
 from asyncrl_jax.models.config import MOE_EXCHANGES, MOE_MATMULS, ModelConfig, ModelConfigError
 from asyncrl_jax.models.forward import ATTENTION_KINDS, DECODE_KINDS, REMAT_POLICIES
 from asyncrl_jax.models.quant import WEIGHT_DTYPES
@@ -130,7 +131,6 @@ def _validate_model(config) -> None:
   _local_dir_holding(config, "model.hf_path", "config.json")
   if config.data.tokenizer_path not in BUILTIN_TOKENIZERS:
     _local_dir_holding(config, "data.tokenizer_path", "tokenizer.json")
-  from asyncrl_jax.tokenization import TokenizerError, template_kwargs  # pylint: disable=import-outside-toplevel
   try:
     kwargs = template_kwargs(config)
   except TokenizerError as e:
